@@ -1,0 +1,6 @@
+"""Reference models built only from mpifsdp's public API (installed as `mpifsdp.models`)."""
+
+from .gpt import GPT, GPTConfig
+from .mlp import MLPClassifier
+
+__all__ = ["GPT", "GPTConfig", "MLPClassifier"]

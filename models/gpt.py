@@ -1,0 +1,101 @@
+"""A nanoGPT-shaped GPT: token + position embeddings, pre-LN blocks, final LayerNorm, LM head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpifsdp import Tensor, no_grad, ops
+from mpifsdp.backend import array_module, to_numpy
+from mpifsdp.layers import Block, Dropout, Embedding, LayerNorm, Linear, Module
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+
+class GPT(Module):
+    def __init__(self, config: GPTConfig, seed: int = 1337, dtype=np.float32, device: str = "cpu"):
+        self.config = config
+        rng = np.random.default_rng(seed)
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).
+        proj_std = 0.02 / math.sqrt(2 * config.n_layer)
+        self.wte = Embedding(config.vocab_size, config.n_embd, **kw)
+        self.wpe = Embedding(config.block_size, config.n_embd, **kw)
+        self.drop = Dropout(config.dropout, seed=int(rng.integers(2**31)))
+        self.blocks = [
+            Block(config.n_embd, config.n_head, config.bias, config.dropout, proj_std, **kw)
+            for _ in range(config.n_layer)
+        ]
+        self.ln_f = LayerNorm(config.n_embd, config.bias, dtype=dtype, device=device)
+        self.lm_head = None if config.tie_weights else Linear(config.n_embd, config.vocab_size, False, **kw)
+        self._device = device
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) int tokens -> logits (B, T, vocab), or the mean cross-entropy given targets."""
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        xp = array_module(self._device)
+        x = self.drop(self.wte(idx) + self.wpe(xp.arange(T)))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        if self.lm_head is None:
+            logits = ops.linear(x, self.wte.weight, transpose_w=True)  # tied: (B, T, vocab)
+        else:
+            logits = self.lm_head(x)
+        return logits if targets is None else ops.cross_entropy(logits, targets)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; non_embedding leaves out the position table (and the token table if untied)."""
+        n = super().num_params()
+        if non_embedding:
+            n -= self.wpe.weight.size
+            if self.lm_head is not None:
+                n -= self.wte.weight.size
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), as in the PaLM appendix / nanoGPT."""
+        c = self.config
+        T = seq_len or c.block_size
+        matmul_params = self.num_params() - self.wpe.weight.size
+        if self.lm_head is not None:
+            matmul_params -= self.wte.weight.size  # the input table is a lookup, not a GEMM
+        return 6 * matmul_params + 6 * c.n_layer * c.n_embd * T  # 12·L·C·T/2: causal half of attention
+
+    def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
+        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
+
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None):
+        """Sample continuations of idx (B, T) on the host RNG; returns a NumPy (B, T + new) array."""
+        rng = rng or np.random.default_rng(0)
+        xp = array_module(self._device)
+        out = to_numpy(idx).astype(np.int64)
+        with no_grad():
+            for _ in range(max_new_tokens):
+                context = out[:, -self.config.block_size :]
+                logits = to_numpy(self(xp.asarray(context)).data[:, -1, :]).astype(np.float64)
+                logits /= max(temperature, 1e-6)
+                if top_k is not None:
+                    kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
+                    logits = np.where(logits < kth, -np.inf, logits)
+                probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+                probs /= probs.sum(axis=-1, keepdims=True)
+                nxt = np.array([rng.choice(len(p), p=p) for p in probs])
+                out = np.concatenate([out, nxt[:, None]], axis=1)
+        return out

@@ -1,0 +1,21 @@
+"""mpifsdp: Fully Sharded Data Parallel (ZeRO-3) training on MPI with NumPy or CuPy, no PyTorch."""
+
+from . import ops
+from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad, scope
+from .backend import array_module, available_devices, to_device, to_numpy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRIMITIVES",
+    "Param",
+    "ShardedParameterError",
+    "Tensor",
+    "array_module",
+    "available_devices",
+    "no_grad",
+    "ops",
+    "scope",
+    "to_device",
+    "to_numpy",
+]

@@ -1,0 +1,359 @@
+"""A small reverse-mode autodiff: Tensors, a registry of primitives with their VJPs, a tape, scopes.
+
+Each primitive is a pair of plain array functions (see ops.py):
+    forward(*arrays, **settings) -> (out, saved)
+    vjp(g, saved, *arrays, **settings) -> one gradient (or None) per array input
+Arrays are positional, settings are keyword (as in JAX's Autodidax).
+
+[Note: lazy parameter data] A node keeps its input *Tensors*, never their arrays; `backward` reads
+`tensor.data` only when the VJP runs, and `saved` may hold activations but never a parameter's array.
+That is what lets FSDP free a unit's gathered parameters after forward and gather them again before
+backward (DESIGN invariant 1). A Param whose data is absent raises, naming its owner.
+
+Scopes: while `with scope(obj):` is active, every recorded node remembers obj (scopes nest). During
+backward, obj.pre_backward() runs before the first of its nodes and obj.post_backward() after the last
+one; an outer scope's post_backward therefore runs after everything recorded inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .backend import array_module_of, to_numpy
+
+
+@dataclass(frozen=True)
+class Primitive:
+    name: str
+    forward: Callable
+    vjp: Callable
+
+
+PRIMITIVES: dict[str, Primitive] = {}
+
+
+def primitive(name: str, vjp: Callable):
+    """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive."""
+
+    def register(forward):
+        if name in PRIMITIVES:
+            raise ValueError(f"primitive {name!r} registered twice")
+        PRIMITIVES[name] = Primitive(name, forward, vjp)
+        return PRIMITIVES[name]
+
+    return register
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.grad_enabled = True
+        self.scopes: tuple = ()
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run ops without recording them: no graph, no memory held for backward."""
+    previous, _state.grad_enabled = _state.grad_enabled, False
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
+def grad_enabled() -> bool:
+    return _state.grad_enabled
+
+
+@contextlib.contextmanager
+def scope(owner):
+    """Record nodes created inside under `owner` (an object with pre_backward/post_backward)."""
+    previous = _state.scopes
+    _state.scopes = previous + (owner,)
+    try:
+        yield
+    finally:
+        _state.scopes = previous
+
+
+class Node:
+    """One recorded primitive application: what backward needs to run its VJP."""
+
+    __slots__ = ("prim", "inputs", "saved", "settings", "scopes")
+
+    def __init__(self, prim, inputs, saved, settings, scopes):
+        self.prim, self.inputs, self.saved, self.settings, self.scopes = prim, inputs, saved, settings, scopes
+
+
+class Tensor:
+    """An array with an optional gradient and the node that produced it."""
+
+    __array_priority__ = 100  # make `ndarray + Tensor` call Tensor.__radd__
+
+    def __init__(self, data, requires_grad: bool = False):
+        self._data = data
+        self.requires_grad = requires_grad
+        self.grad = None
+        self._node: Node | None = None
+        self._freed = False  # set once backward consumed the node that made this tensor
+
+    # -- data -----------------------------------------------------------------------------------
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def xp(self):
+        return array_module_of(self.data)
+
+    def numpy(self) -> np.ndarray:
+        return to_numpy(self.data)
+
+    def item(self) -> float:
+        return float(self.numpy().reshape(()))
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    def _accumulate_grad(self, g):
+        """Add `g` into .grad in place (a view set by FSDP stays a view); own a copy the first time."""
+        if self.grad is None:
+            self.grad = g.astype(self.dtype, copy=True)
+        else:
+            self.grad += g
+
+    def zero_grad(self):
+        self.grad = None
+
+    def backward(self, grad=None):
+        backward(self, grad)
+
+    # -- operators: thin sugar over the registry (primitives live in ops.py) ----------------------
+    def __add__(self, other):
+        return apply("add", self, other)
+
+    def __radd__(self, other):
+        return apply("add", other, self)
+
+    def __sub__(self, other):
+        return apply("sub", self, other)
+
+    def __rsub__(self, other):
+        return apply("sub", other, self)
+
+    def __mul__(self, other):
+        return apply("mul", self, other)
+
+    def __rmul__(self, other):
+        return apply("mul", other, self)
+
+    def __truediv__(self, other):
+        return apply("div", self, other)
+
+    def __rtruediv__(self, other):
+        return apply("div", other, self)
+
+    def __neg__(self):
+        return apply("neg", self)
+
+    def __pow__(self, exponent: float):
+        return apply("pow", self, exponent=float(exponent))
+
+    def __matmul__(self, other):
+        return apply("matmul", self, other)
+
+    def __rmatmul__(self, other):
+        return apply("matmul", other, self)
+
+    def __getitem__(self, index):
+        return apply("getitem", self, index=index)
+
+    def sum(self, axis=None, keepdims=False):
+        return apply("sum", self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return apply("mean", self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return apply("max", self, axis=axis, keepdims=keepdims)
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return apply("reshape", self, shape=tuple(shape))
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return apply("transpose", self, axes=tuple(axes) if axes else None)
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    def exp(self):
+        return apply("exp", self)
+
+    def log(self):
+        return apply("log", self)
+
+    def tanh(self):
+        return apply("tanh", self)
+
+    def sqrt(self):
+        return apply("sqrt", self)
+
+
+class ShardedParameterError(RuntimeError):
+    """A parameter was used while the FSDP unit that owns it held only its shard."""
+
+
+class Param(Tensor):
+    """A trainable leaf. Its data may be absent while an FSDP unit is sharded; reading it then raises."""
+
+    def __init__(self, data, name: str = ""):
+        super().__init__(data, requires_grad=True)
+        self.name = name
+        self.unit_name: str | None = None  # set by the FSDP unit that owns this parameter
+
+    @property
+    def data(self):
+        if self._data is None:
+            raise ShardedParameterError(
+                f"parameter {self.name!r} was used while its unit {self.unit_name!r} is sharded "
+                "(its full values exist only inside that unit's forward and backward). Call it "
+                "through the module that owns it, or wrap the code in `with unit.unsharded():`."
+            )
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value
+
+    def __repr__(self):
+        shape = None if self._data is None else self._data.shape
+        return f"Param({self.name!r}, shape={shape})"
+
+
+def as_tensor(value, like: Tensor | None = None) -> Tensor:
+    """Wrap arrays and Python scalars as constant Tensors (scalars take `like`'s dtype and device)."""
+    if isinstance(value, Tensor):
+        return value
+    if like is not None and np.isscalar(value):
+        return Tensor(like.xp.asarray(value, dtype=like.dtype))
+    return Tensor(value)
+
+
+def apply(name: str, *args, **settings) -> Tensor:
+    """Run primitive `name` on `args` (Tensors, arrays or scalars) and record it when grads are needed."""
+    prim = PRIMITIVES[name]
+    like = next((a for a in args if isinstance(a, Tensor)), None)
+    inputs = tuple(as_tensor(a, like) for a in args)
+    out, saved = prim.forward(*(t.data for t in inputs), **settings)
+    result = Tensor(out)
+    if _state.grad_enabled and any(t.requires_grad for t in inputs):
+        result.requires_grad = True
+        result._node = Node(prim, inputs, saved, settings, _state.scopes)
+    return result
+
+
+def _nodes_in_reverse_order(root: Tensor) -> list[Tensor]:
+    """Tensors with a node reachable from `root`, each after every tensor that consumes it.
+
+    Iterative depth-first post-order (no recursion limit on deep models), then reversed.
+    """
+    order, visited = [], set()
+    stack = [(root, False)]
+    while stack:
+        tensor, expanded = stack.pop()
+        if expanded:
+            order.append(tensor)
+            continue
+        if id(tensor) in visited:
+            continue
+        visited.add(id(tensor))
+        stack.append((tensor, True))
+        for parent in tensor._node.inputs:
+            if parent._node is not None and id(parent) not in visited:
+                stack.append((parent, False))
+    order.reverse()
+    return order
+
+
+def backward(root: Tensor, grad=None):
+    """Accumulate d(root)/d(leaf) into every leaf's .grad, freeing the graph as it goes."""
+    if root._freed:
+        raise RuntimeError(
+            "backward() through a graph that was already freed: run the forward again before "
+            "calling backward() a second time"
+        )
+    if root._node is None:
+        raise RuntimeError(
+            "this tensor does not require grad: its forward ran under no_grad() or used no "
+            "trainable parameters, so there is nothing to differentiate"
+        )
+    if grad is None:
+        if root.size != 1:
+            raise ValueError(f"backward() without a gradient needs a scalar, got shape {root.shape}")
+        grad = root.xp.ones_like(root.data)
+
+    order = _nodes_in_reverse_order(root)
+    remaining: dict[int, int] = {}  # per scope: nodes still to run
+    scopes = {}
+    for tensor in order:
+        for s in tensor._node.scopes:
+            remaining[id(s)] = remaining.get(id(s), 0) + 1
+            scopes[id(s)] = s
+    started: set[int] = set()
+
+    grads = {id(root): grad}
+    for tensor in order:
+        node = tensor._node
+        for s in node.scopes:
+            if id(s) not in started:
+                started.add(id(s))
+                s.pre_backward()
+        g = grads.pop(id(tensor), None)
+        if g is not None:
+            arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
+            input_grads = node.prim.vjp(g, node.saved, *arrays, **node.settings)
+            for t, gi in zip(node.inputs, input_grads):
+                if gi is None or not t.requires_grad:
+                    continue
+                if t._node is None:
+                    t._accumulate_grad(gi)
+                elif id(t) in grads:
+                    grads[id(t)] = grads[id(t)] + gi  # not in place: a VJP may return shared arrays
+                else:
+                    grads[id(t)] = gi
+        tensor._node = None  # free the graph as we go
+        tensor._freed = True
+        for s in reversed(node.scopes):
+            remaining[id(s)] -= 1
+            if remaining[id(s)] == 0:
+                s.post_backward()

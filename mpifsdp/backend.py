@@ -1,0 +1,84 @@
+"""The array module: NumPy on the CPU, CuPy on a GPU.
+
+Every array operation in mpifsdp goes through an array module `xp` so one code path serves both.
+This is the only file that imports cupy, and it does so only when a GPU device is asked for, so
+CPU users never need CuPy installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+
+CPU = "cpu"
+
+
+def _cupy():
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "device 'cuda' needs CuPy: pip install 'mpifsdp[cuda]' (CUDA 12) or cupy-cuda13x (CUDA 13)"
+        ) from exc
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """'cpu' -> ('cpu', 0); 'cuda' -> ('cuda', 0); 'cuda:3' -> ('cuda', 3). Anything else raises."""
+    kind, _, index = str(device).partition(":")
+    if kind == CPU and not index:
+        return CPU, 0
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index or 0)
+    raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def array_module(device: str = CPU):
+    """The array module for a device name ('cpu', 'cuda', 'cuda:N'); selects the GPU for CuPy."""
+    kind, index = parse_device(device)
+    if kind == CPU:
+        return np
+    cp = _cupy()
+    cp.cuda.Device(index).use()
+    return cp
+
+
+def array_module_of(array):
+    """numpy or cupy, whichever owns `array`, without importing cupy for NumPy inputs."""
+    if type(array).__module__.startswith("cupy") and "cupy" in sys.modules:
+        return sys.modules["cupy"]
+    return np
+
+
+def device_of(array) -> str:
+    if array_module_of(array) is np:
+        return CPU
+    return f"cuda:{array.device.id}"
+
+
+def to_numpy(array) -> np.ndarray:
+    """A host (NumPy) copy or view of any array; CuPy arrays are copied to the host."""
+    if array_module_of(array) is np:
+        return np.asarray(array)
+    return array.get()
+
+
+def to_device(array, device: str = CPU, dtype=None):
+    """Put a host array on `device` (a copy on a GPU, a view or cast on the CPU)."""
+    xp = array_module(device)
+    return xp.asarray(array, dtype=dtype)
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one GPU; never raises."""
+    try:
+        cp = importlib.import_module("cupy")
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def available_devices() -> list[str]:
+    """Devices the tests should run on: 'cpu' always, 'cuda' when a GPU is present."""
+    return [CPU, "cuda"] if gpu_available() else [CPU]

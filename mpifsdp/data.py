@@ -1,0 +1,96 @@
+"""Byte-level text data: a corpus on every machine without a download, memory-mapped, seeded batches.
+
+The default corpus is the Python standard library's own `.py` files (found through sysconfig),
+concatenated in sorted path order: real text that every Python install carries. It is written once
+to a cache file (atomically, so concurrent ranks can race safely) and memory-mapped afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256  # byte-level tokens
+
+
+def cache_dir() -> Path:
+    """$MPIFSDP_CACHE, else $XDG_CACHE_HOME/mpifsdp, else ~/.cache/mpifsdp."""
+    root = os.environ.get("MPIFSDP_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
+    ) / "mpifsdp"
+    return Path(root)
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files in a fixed order (site-packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def _write_atomically(path: Path, chunks):
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def stdlib_corpus_path() -> Path:
+    """Build (once) and return the cached stdlib corpus file; keyed by Python version and file list."""
+    sources = stdlib_sources()
+    key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in sources).encode()).hexdigest()[:12]
+    path = cache_dir() / f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-{key}.bin"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, (p.read_bytes() for p in sources))
+    return path
+
+
+class TextData:
+    """Byte tokens of one file, split train/val by position (the last `val_fraction` is validation)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, val_fraction: float = 0.1):
+        self.path = Path(path) if path is not None else stdlib_corpus_path()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"text file {self.path} does not exist")
+        self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
+        n_val = int(len(self.tokens) * val_fraction)
+        self.splits = {"train": self.tokens[: len(self.tokens) - n_val], "val": self.tokens[len(self.tokens) - n_val :]}
+
+    def batch(self, split: str, batch_size: int, block_size: int, rng: np.random.Generator):
+        """(x, y) int64 arrays of shape (batch_size, block_size); y is x shifted by one token."""
+        data = self.splits[split]
+        if len(data) <= block_size + 1:
+            raise ValueError(f"the {split} split has {len(data)} tokens, fewer than block_size+1={block_size + 1}")
+        starts = rng.integers(0, len(data) - block_size - 1, size=batch_size)
+        x = np.stack([data[s : s + block_size] for s in starts]).astype(np.int64)
+        y = np.stack([data[s + 1 : s + 1 + block_size] for s in starts]).astype(np.int64)
+        return x, y
+
+    def global_batch(self, split, step, batch_size, block_size, seed=0):
+        """The same global batch on every rank for (seed, split, step): slice it by rank for data parallel."""
+        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
+        return self.batch(split, batch_size, block_size, rng)
+
+
+def rank_slice(array, rank: int, world_size: int):
+    """Rank's contiguous share of the leading axis; the global batch must divide evenly."""
+    n = array.shape[0]
+    if n % world_size:
+        raise ValueError(f"global batch {n} does not divide over {world_size} ranks: make it a multiple")
+    per = n // world_size
+    return array[rank * per : (rank + 1) * per]
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats of the byte frequencies: the loss of the best context-free predictor."""
+    counts = np.bincount(np.asarray(tokens), minlength=VOCAB_SIZE).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

@@ -1,0 +1,223 @@
+"""Modules: parameter containers with a deterministic order, and the layers a GPT is made of.
+
+Initialisation draws from a NumPy Generator on the host, then moves the arrays to the device, so
+every rank (and CPU vs GPU) starts from bit-identical weights given the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from . import ops
+from .autodiff import Param, Tensor
+from .backend import device_of, to_device, to_numpy
+
+
+def new_param(host_array: np.ndarray, dtype, device: str) -> Param:
+    return Param(to_device(np.asarray(host_array), device, dtype=dtype))
+
+
+class Module:
+    """Base class. Parameters are found by walking attributes in assignment order.
+
+    `_forward_wrapper`, when set (by fully_shard), receives the bound forward and its arguments and
+    runs it inside whatever setup the wrapper needs: the hook point that keeps layers free of FSDP.
+    """
+
+    _forward_wrapper = None
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def __call__(self, *args, **kwargs):
+        if self._forward_wrapper is None:
+            return self.forward(*args, **kwargs)
+        return self._forward_wrapper(self.forward, *args, **kwargs)
+
+    def _children(self):
+        """(name, value) for Params, Modules and lists of Modules, in assignment order."""
+        for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, (Param, Module)):
+                yield name, value
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Module) for v in value):
+                for i, child in enumerate(value):
+                    yield f"{name}.{i}", child
+
+    def named_modules(self, prefix: str = ""):
+        """Every module once, depth first, with its dotted name ('' for self)."""
+        yield prefix, self
+        for name, child in self._children():
+            if isinstance(child, Module):
+                yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self, prefix: str = ""):
+        """Every parameter once, under the name where it is first found (tied weights appear once)."""
+        seen = set()
+        for module_name, module in self.named_modules(prefix):
+            for name, child in module._children():
+                if isinstance(child, Param) and id(child) not in seen:
+                    seen.add(id(child))
+                    yield (f"{module_name}.{name}" if module_name else name), child
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def num_params(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.zero_grad()
+
+    def state_dict(self) -> OrderedDict:
+        """Host copies of every parameter, by name."""
+        return OrderedDict((name, to_numpy(p.data).copy()) for name, p in self.named_parameters())
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        """Copy arrays into the parameters in place; names and shapes must match."""
+        params = dict(self.named_parameters())
+        missing = [n for n in params if n not in state]
+        unexpected = [n for n in state if n not in params]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"load_state_dict: missing parameters {missing}, unexpected entries {unexpected}; "
+                "pass strict=False to load a subset"
+            )
+        for name, value in state.items():
+            if name not in params:
+                continue
+            p = params[name]
+            value = to_numpy(value)
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"load_state_dict: parameter {name!r} expects shape {p.shape}, found {value.shape}"
+                )
+            if value.dtype.kind != "f":
+                raise TypeError(f"load_state_dict: parameter {name!r} needs floats, found {value.dtype}")
+            p.data[...] = to_device(value, device_of(p.data), dtype=p.dtype)
+
+
+class Linear(Module):
+    """y = x @ weight + bias, weight stored (in_features, out_features)."""
+
+    def __init__(self, n_in, n_out, bias=True, *, rng, std=0.02, dtype=np.float32, device="cpu"):
+        self.weight = new_param(rng.normal(0.0, std, size=(n_in, n_out)), dtype, device)
+        self.bias = new_param(np.zeros(n_out), dtype, device) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
+class Embedding(Module):
+    def __init__(self, num, dim, *, rng, std=0.02, dtype=np.float32, device="cpu"):
+        self.weight = new_param(rng.normal(0.0, std, size=(num, dim)), dtype, device)
+
+    def forward(self, idx):
+        return ops.embedding(self.weight, idx)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, bias=True, eps=1e-5, *, dtype=np.float32, device="cpu"):
+        self.weight = new_param(np.ones(dim), dtype, device)
+        self.bias = new_param(np.zeros(dim), dtype, device) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class Dropout(Module):
+    """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device."""
+
+    def __init__(self, p: float, seed: int = 0):
+        self.p = p
+        self._seed = seed
+        self._calls = 0
+        self.training = True
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        self._calls += 1
+        seed = np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]
+        return ops.dropout(x, self.p, int(seed))
+
+
+class MLP(Module):
+    """The transformer feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C)."""
+
+    def __init__(self, n_embd, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"):
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.c_fc = Linear(n_embd, 4 * n_embd, bias, **kw)
+        self.c_proj = Linear(4 * n_embd, n_embd, bias, std=proj_std, **kw)
+        self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
+
+    def forward(self, x):
+        return self.drop(self.c_proj(ops.gelu(self.c_fc(x))))
+
+
+class CausalSelfAttention(Module):
+    def __init__(
+        self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"
+    ):
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.n_head = n_head
+        self.c_attn = Linear(n_embd, 3 * n_embd, bias, **kw)
+        self.c_proj = Linear(n_embd, n_embd, bias, std=proj_std, **kw)
+        self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hs = C // self.n_head
+        qkv = self.c_attn(x)  # (B, T, 3C)
+
+        def heads(t):  # (B, T, C) -> (B, nh, T, hs)
+            return t.reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
+
+        q, k, v = (heads(qkv[..., i * C : (i + 1) * C]) for i in range(3))
+        y = ops.attention(q, k, v, scale=1.0 / math.sqrt(hs))  # (B, nh, T, hs)
+        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        return self.drop(self.c_proj(y))
+
+
+class Block(Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype, device):
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.ln_1 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias, dropout, proj_std, **kw)
+        self.ln_2 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
+        self.mlp = MLP(n_embd, bias, dropout, proj_std, **kw)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def set_training(model: Module, training: bool):
+    """Switch every Dropout in `model` on (training) or off (evaluation)."""
+    for _, m in model.named_modules():
+        if isinstance(m, Dropout):
+            m.training = training
+
+
+__all__ = [
+    "Module",
+    "Linear",
+    "Embedding",
+    "LayerNorm",
+    "Dropout",
+    "MLP",
+    "CausalSelfAttention",
+    "Block",
+    "Tensor",
+    "set_training",
+]

@@ -1,0 +1,432 @@
+"""The primitives: each forward next to its VJP, registered in autodiff.PRIMITIVES.
+
+Forward: (*arrays, **settings) -> (out, saved). VJP: (g, saved, *arrays, **settings) -> grads.
+`saved` holds activations only, never parameter arrays (see autodiff, lazy parameter data).
+The array module comes from the inputs (`array_module_of`), so every primitive runs on NumPy and CuPy.
+Public wrappers at the bottom are the functional API used by layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .autodiff import Tensor, apply, primitive
+from .backend import array_module_of
+
+
+def unbroadcast(g, shape):
+    """Sum `g` down to `shape`, undoing NumPy broadcasting (leading axes and size-1 axes)."""
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    for axis, size in enumerate(shape):
+        if size == 1 and g.shape[axis] != 1:
+            g = g.sum(axis=axis, keepdims=True)
+    return g
+
+
+# -- elementwise arithmetic ----------------------------------------------------------------------
+
+
+@primitive("add", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(g, b.shape)))
+def _add(a, b):
+    return a + b, None
+
+
+@primitive("sub", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape)))
+def _sub(a, b):
+    return a - b, None
+
+
+@primitive("mul", vjp=lambda g, _, a, b: (unbroadcast(g * b, a.shape), unbroadcast(g * a, b.shape)))
+def _mul(a, b):
+    return a * b, None
+
+
+@primitive(
+    "div", vjp=lambda g, _, a, b: (unbroadcast(g / b, a.shape), unbroadcast(-g * a / (b * b), b.shape))
+)
+def _div(a, b):
+    return a / b, None
+
+
+@primitive("neg", vjp=lambda g, _, a: (-g,))
+def _neg(a):
+    return -a, None
+
+
+@primitive("pow", vjp=lambda g, _, a, exponent: (g * exponent * a ** (exponent - 1),))
+def _pow(a, exponent):
+    return a**exponent, None
+
+
+@primitive("exp", vjp=lambda g, out, a: (g * out,))
+def _exp(a):
+    out = array_module_of(a).exp(a)
+    return out, out
+
+
+@primitive("log", vjp=lambda g, _, a: (g / a,))
+def _log(a):
+    return array_module_of(a).log(a), None
+
+
+@primitive("tanh", vjp=lambda g, out, a: (g * (1 - out * out),))
+def _tanh(a):
+    out = array_module_of(a).tanh(a)
+    return out, out
+
+
+@primitive("sqrt", vjp=lambda g, out, a: (g / (2 * out),))
+def _sqrt(a):
+    out = array_module_of(a).sqrt(a)
+    return out, out
+
+
+@primitive("relu", vjp=lambda g, _, a: (g * (a > 0),))
+def _relu(a):
+    return array_module_of(a).maximum(a, 0), None
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_vjp(g, t, x):
+    dtanh = _GELU_C * (1 + 3 * 0.044715 * x * x) * (1 - t * t)
+    return (g * (0.5 * (1 + t) + 0.5 * x * dtanh),)
+
+
+@primitive("gelu", vjp=_gelu_vjp)
+def _gelu(x):
+    """GELU, tanh approximation (as GPT-2); saves tanh(u), an activation, for the VJP."""
+    t = array_module_of(x).tanh(_GELU_C * (x + 0.044715 * x * x * x))
+    return 0.5 * x * (1 + t), t
+
+
+# -- linear algebra -------------------------------------------------------------------------------
+
+
+def _swap_last(a):
+    return a.swapaxes(-1, -2)
+
+
+@primitive(
+    "matmul",
+    vjp=lambda g, _, a, b: (
+        unbroadcast(g @ _swap_last(b), a.shape),
+        unbroadcast(_swap_last(a) @ g, b.shape),
+    ),
+)
+def _matmul(a, b):
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs arrays of 2 or more dims, got shapes {a.shape} and {b.shape}")
+    return a @ b, None
+
+
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False):
+    g2 = g.reshape(-1, g.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
+    gw = x2.T @ g2 if not transpose_w else g2.T @ x2
+    return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
+
+
+@primitive("linear", vjp=_linear_vjp)
+def _linear(x, w, b=None, transpose_w=False):
+    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w."""
+    w_in = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[-1] != w_in:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
+    out = x.reshape(-1, x.shape[-1]) @ (w.T if transpose_w else w)
+    if b is not None:
+        out += b
+    return out.reshape(*x.shape[:-1], out.shape[-1]), None
+
+
+# -- reductions and shape ops ---------------------------------------------------------------------
+
+
+def _expand_reduced(g, shape, axis, keepdims):
+    """Give a reduced gradient back the reduced axes so it broadcasts against the input."""
+    if axis is not None and not keepdims:
+        axes = (axis,) if isinstance(axis, int) else axis
+        g = array_module_of(g).expand_dims(g, tuple(a % len(shape) for a in axes))
+    elif axis is None and not keepdims:
+        g = g.reshape((1,) * len(shape))
+    return g
+
+
+def _reduced_count(shape, axis):
+    if axis is None:
+        return math.prod(shape)
+    axes = (axis,) if isinstance(axis, int) else axis
+    return math.prod(shape[a] for a in axes)
+
+
+@primitive(
+    "sum",
+    vjp=lambda g, _, a, axis=None, keepdims=False: (
+        array_module_of(g).broadcast_to(_expand_reduced(g, a.shape, axis, keepdims), a.shape),
+    ),
+)
+def _sum(a, axis=None, keepdims=False):
+    return a.sum(axis=axis, keepdims=keepdims), None
+
+
+@primitive(
+    "mean",
+    vjp=lambda g, _, a, axis=None, keepdims=False: (
+        array_module_of(g).broadcast_to(
+            _expand_reduced(g, a.shape, axis, keepdims) / _reduced_count(a.shape, axis), a.shape
+        ),
+    ),
+)
+def _mean(a, axis=None, keepdims=False):
+    return a.mean(axis=axis, keepdims=keepdims), None
+
+
+def _max_vjp(g, out, a, axis=None, keepdims=False):
+    """Ties share the gradient equally."""
+    hit = a == _expand_reduced(out, a.shape, axis, keepdims)
+    share = hit / hit.sum(axis=axis, keepdims=True)
+    return (_expand_reduced(g, a.shape, axis, keepdims) * share,)
+
+
+@primitive("max", vjp=_max_vjp)
+def _max(a, axis=None, keepdims=False):
+    out = a.max(axis=axis, keepdims=keepdims)
+    return out, out
+
+
+@primitive("reshape", vjp=lambda g, _, a, shape: (g.reshape(a.shape),))
+def _reshape(a, shape):
+    return a.reshape(shape), None
+
+
+@primitive(
+    "transpose",
+    vjp=lambda g, _, a, axes=None: (g.transpose(None if axes is None else np.argsort(axes)),),
+)
+def _transpose(a, axes=None):
+    return a.transpose(axes), None
+
+
+def _scatter_add(target, index, values):
+    """target[index] += values with repeated indices adding up (np.add.at; cupyx.scatter_add on GPU)."""
+    xp = array_module_of(target)
+    if xp is np:
+        np.add.at(target, index, values)
+    else:  # pragma: no cover - GPU only
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+    return target
+
+
+def _getitem_vjp(g, _, a, index):
+    return (_scatter_add(array_module_of(g).zeros_like(a), index, g),)
+
+
+@primitive("getitem", vjp=_getitem_vjp)
+def _getitem(a, index):
+    return a[index], None
+
+
+def _concatenate_vjp(g, _, *arrays, axis):
+    xp = array_module_of(g)
+    cuts = np.cumsum([a.shape[axis] for a in arrays])[:-1]
+    return tuple(xp.split(g, cuts, axis=axis))
+
+
+@primitive("concatenate", vjp=_concatenate_vjp)
+def _concatenate(*arrays, axis=0):
+    return array_module_of(arrays[0]).concatenate(arrays, axis=axis), None
+
+
+# -- softmax family and losses --------------------------------------------------------------------
+
+
+def _softmax_array(x, axis):
+    xp = array_module_of(x)
+    e = xp.exp(x - x.max(axis=axis, keepdims=True))
+    e /= e.sum(axis=axis, keepdims=True)
+    return e
+
+
+@primitive("softmax", vjp=lambda g, p, x, axis=-1: (p * (g - (g * p).sum(axis=axis, keepdims=True)),))
+def _softmax(x, axis=-1):
+    p = _softmax_array(x, axis)
+    return p, p
+
+
+@primitive(
+    "log_softmax",
+    vjp=lambda g, out, x, axis=-1: (g - array_module_of(g).exp(out) * g.sum(axis=axis, keepdims=True),),
+)
+def _log_softmax(x, axis=-1):
+    xp = array_module_of(x)
+    shifted = x - x.max(axis=axis, keepdims=True)
+    out = shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
+    return out, out
+
+
+def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1):
+    """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
+    lse, valid, count = saved
+    xp = array_module_of(logits)
+    flat = logits.reshape(-1, logits.shape[-1])
+    grad = xp.exp(flat - lse[:, None])
+    rows = xp.arange(flat.shape[0])
+    grad[rows, xp.where(valid, targets.reshape(-1), 0)] -= 1
+    grad *= (valid * (g / count))[:, None].astype(grad.dtype)
+    return (grad.reshape(logits.shape),)
+
+
+@primitive("cross_entropy", vjp=_cross_entropy_vjp)
+def _cross_entropy(logits, targets, ignore_index=-1):
+    """Mean over non-ignored positions of -log softmax(logits)[target]; numerically stable."""
+    xp = array_module_of(logits)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    peak = flat.max(axis=1)
+    lse = peak + xp.log(xp.exp(flat - peak[:, None]).sum(axis=1))
+    picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
+    count = max(int(valid.sum()), 1)
+    loss = ((lse - picked) * valid).sum() / count
+    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)
+
+
+# -- fused layers ---------------------------------------------------------------------------------
+
+
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
+    xhat, rstd = saved
+    lead = tuple(range(g.ndim - 1))
+    gw = (g * xhat).sum(axis=lead)
+    gxhat = g * w
+    gx = rstd * (
+        gxhat - gxhat.mean(axis=-1, keepdims=True) - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
+    )
+    return (gx, gw) if b is None else (gx, gw, g.sum(axis=lead))
+
+
+@primitive("layer_norm", vjp=_layer_norm_vjp)
+def _layer_norm(x, w, b=None, eps=1e-5):
+    """Normalize the last axis, then scale and shift; saves xhat and 1/std (activations)."""
+    xp = array_module_of(x)
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    out = xhat * w
+    if b is not None:
+        out += b
+    return out, (xhat, rstd)
+
+
+def _embedding_vjp(g, _, w, idx):
+    gw = array_module_of(g).zeros_like(w)
+    return (_scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
+
+
+@primitive("embedding", vjp=_embedding_vjp)
+def _embedding(w, idx):
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"embedding indices must be integers, got {idx.dtype}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= w.shape[0]):
+        raise IndexError(
+            f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
+            f"but the table has {w.shape[0]} rows"
+        )
+    return w[idx], None
+
+
+def _attention_vjp(g, att, q, k, v, scale=None):
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    gv = _swap_last(att) @ g
+    gatt = g @ _swap_last(v)
+    gs = att * (gatt - (gatt * att).sum(axis=-1, keepdims=True))
+    gq = (gs @ k) * scale
+    gk = (_swap_last(gs) @ q) * scale
+    return gq, gk, gv
+
+
+@primitive("attention", vjp=_attention_vjp)
+def _attention(q, k, v, scale=None):
+    """Causal scaled dot-product attention on (B, nh, T, hs); saves the (B, nh, T, T) probabilities."""
+    xp = array_module_of(q)
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    T = q.shape[-2]
+    scores = (q @ _swap_last(k)) * scale  # (B, nh, T, T)
+    scores[..., xp.triu(xp.ones((T, T), dtype=bool), k=1)] = -xp.inf
+    att = _softmax_array(scores, -1)
+    return att @ v, att
+
+
+@primitive("dropout", vjp=lambda g, keep, x, p, seed: (g * keep,))
+def _dropout(x, p, seed):
+    """Inverted dropout; the mask comes from a host RNG seeded by `seed`, identical on every device."""
+    mask = np.random.default_rng(seed).random(x.shape) >= p
+    keep = array_module_of(x).asarray(mask, dtype=x.dtype) / (1.0 - p)
+    return x * keep, keep
+
+
+# -- the functional API ---------------------------------------------------------------------------
+
+
+def matmul(a, b) -> Tensor:
+    return apply("matmul", a, b)
+
+
+def linear(x, weight, bias=None, transpose_w=False) -> Tensor:
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return apply("linear", *args, transpose_w=transpose_w)
+
+
+def relu(x) -> Tensor:
+    return apply("relu", x)
+
+
+def gelu(x) -> Tensor:
+    return apply("gelu", x)
+
+
+def softmax(x, axis=-1) -> Tensor:
+    return apply("softmax", x, axis=axis)
+
+
+def log_softmax(x, axis=-1) -> Tensor:
+    return apply("log_softmax", x, axis=axis)
+
+
+def concatenate(tensors, axis=0) -> Tensor:
+    return apply("concatenate", *tensors, axis=axis)
+
+
+def cross_entropy(logits, targets, ignore_index=-1) -> Tensor:
+    targets = targets.data if isinstance(targets, Tensor) else targets
+    return apply("cross_entropy", logits, targets=targets, ignore_index=ignore_index)
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return apply("layer_norm", *args, eps=eps)
+
+
+def embedding(weight, idx) -> Tensor:
+    idx = idx.data if isinstance(idx, Tensor) else idx
+    return apply("embedding", weight, idx=idx)
+
+
+def attention(q, k, v, scale=None) -> Tensor:
+    return apply("attention", q, k, v, scale=scale)
+
+
+def dropout(x, p: float, seed: int) -> Tensor:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return x if p == 0.0 else apply("dropout", x, p=p, seed=seed)

@@ -1,0 +1,26 @@
+import os
+
+# Ranks share 2 cores here: one BLAS thread per process keeps mpiexec -n 4 from thrashing.
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from mpifsdp.backend import array_module, available_devices  # noqa: E402
+
+
+@pytest.fixture(params=available_devices())
+def device(request):
+    """Every test taking `device` runs on numpy, and on cupy when a GPU is present."""
+    return request.param
+
+
+@pytest.fixture
+def xp(device):
+    return array_module(device)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,104 @@
+"""The engine: accumulation, no_grad, deep graphs, freeing, scopes, lazy parameter data."""
+
+import numpy as np
+import pytest
+
+from mpifsdp import Param, ShardedParameterError, Tensor, no_grad, ops, scope
+
+
+def test_gradients_accumulate_until_zeroed(xp):
+    w = Param(xp.asarray([1.0, 2.0, 3.0]), "w")
+    for _ in range(3):
+        (w * w).sum().backward()
+    np.testing.assert_allclose(w.grad, 3 * 2 * xp.asarray([1.0, 2.0, 3.0]))
+    w.zero_grad()
+    (w * 2.0).sum().backward()
+    np.testing.assert_allclose(w.grad, [2.0, 2.0, 2.0])
+
+
+def test_shared_subexpression_gets_both_gradients():
+    x = Param(np.array([2.0]), "x")
+    y = x * 3.0
+    (y + y * y).sum().backward()  # d/dx (3x + 9x^2) = 3 + 18x
+    assert x.grad[0] == pytest.approx(3 + 18 * 2.0)
+
+
+def test_no_grad_records_nothing():
+    w = Param(np.ones(3), "w")
+    with no_grad():
+        y = (w * 2.0).sum()
+    assert not y.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.backward()
+
+
+def test_deep_graph_needs_no_recursion():
+    w = Param(np.array([1.0]), "w")
+    x = w
+    for _ in range(20_000):
+        x = x * 1.0 + 0.0
+    x.sum().backward()
+    assert w.grad[0] == 1.0
+
+
+def test_backward_twice_raises_and_graph_is_freed():
+    w = Param(np.ones(2), "w")
+    h = w * 2.0
+    loss = h.sum()
+    loss.backward()
+    assert h._node is None and loss._node is None
+    with pytest.raises(RuntimeError, match="already freed"):
+        loss.backward()
+
+
+def test_non_scalar_backward_needs_a_gradient():
+    w = Param(np.ones(2), "w")
+    with pytest.raises(ValueError, match="needs a scalar"):
+        (w * 2.0).backward()
+    (w * 2.0).backward(np.array([1.0, 10.0]))
+    assert w.grad.tolist() == [2.0, 20.0]
+
+
+def test_vjp_reads_parameter_data_when_it_runs():
+    """DESIGN invariant 1: the tape holds the Param, not its array."""
+    w = Param(np.array([3.0]), "w")
+    x = Tensor(np.array([5.0]), requires_grad=True)
+    loss = (x * w * w).sum()  # d/dx = w^2, read at backward time
+    w.data = np.array([7.0])
+    loss.backward()
+    assert x.grad[0] == 49.0
+
+
+def test_sharded_parameter_raises_naming_the_unit():
+    w = Param(np.ones(2), "blocks.0.w")
+    w.unit_name = "blocks.0"
+    loss = (w * 2.0).sum()
+    w.data = None
+    with pytest.raises(ShardedParameterError, match="'blocks.0.w'.*unit 'blocks.0' is sharded"):
+        loss.backward()
+
+
+class Recorder:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def pre_backward(self):
+        self.log.append(("pre", self.name))
+
+    def post_backward(self):
+        self.log.append(("post", self.name))
+
+
+def test_scopes_wrap_their_nodes_and_nest():
+    log = []
+    outer, a, b = Recorder("outer", log), Recorder("a", log), Recorder("b", log)
+    w1, w2 = Param(np.ones(3), "w1"), Param(np.ones(3), "w2")
+    with scope(outer):
+        x = w1 * 1.0
+        with scope(a):
+            x = ops.gelu(x * w1)
+        with scope(b):
+            x = (x * w2).tanh()
+        loss = x.sum()
+    loss.backward()
+    assert log == [("pre", "outer"), ("pre", "b"), ("post", "b"), ("pre", "a"), ("post", "a"), ("post", "outer")]
