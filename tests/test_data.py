@@ -1,0 +1,46 @@
+"""The stdlib corpus: cached once, deterministic, split, batches shifted by one."""
+
+import numpy as np
+import pytest
+
+from mpifsdp.data import TextData, rank_slice, stdlib_corpus_path, unigram_entropy
+
+
+def test_corpus_is_cached_and_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPIFSDP_CACHE", str(tmp_path))
+    path = stdlib_corpus_path()
+    assert path.parent == tmp_path and path.stat().st_size > 1_000_000
+    mtime = path.stat().st_mtime_ns
+    assert stdlib_corpus_path() == path and path.stat().st_mtime_ns == mtime  # built once
+    assert not list(tmp_path.glob("*.tmp-*"))  # atomic write leaves no temporary behind
+
+
+def test_split_and_batches():
+    data = TextData()
+    train, val = data.splits["train"], data.splits["val"]
+    assert len(train) + len(val) == len(data.tokens)
+    assert abs(len(val) / len(data.tokens) - 0.1) < 1e-6
+    x, y = data.global_batch("train", step=3, batch_size=4, block_size=16, seed=9)
+    x2, _ = data.global_batch("train", step=3, batch_size=4, block_size=16, seed=9)
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    assert x.dtype == np.int64 and x.shape == (4, 16)
+
+
+def test_custom_file_and_errors(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"abcdefghij" * 10)
+    data = TextData(f)
+    assert len(data.tokens) == 100
+    with pytest.raises(ValueError, match="fewer than block_size"):
+        data.batch("val", 1, 64, np.random.default_rng(0))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TextData(tmp_path / "missing.txt")
+
+
+def test_rank_slice_and_entropy():
+    a = np.arange(12).reshape(6, 2)
+    assert rank_slice(a, 1, 3).tolist() == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="does not divide over 4 ranks"):
+        rank_slice(a, 0, 4)
+    assert unigram_entropy(np.array([0, 1, 0, 1], dtype=np.uint8)) == pytest.approx(np.log(2))

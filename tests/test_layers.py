@@ -1,0 +1,87 @@
+"""Layer gradients by finite differences (float64), deterministic init, state_dict checks."""
+
+import numpy as np
+import pytest
+
+from mpifsdp import Tensor
+from mpifsdp.gradcheck import check_grad
+from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear
+
+F64 = dict(dtype=np.float64)
+
+
+def _projected_loss(module, x, xp, seed=3):
+    """A scalar that depends on every output element: sum(module(x) * R) for a fixed random R."""
+    out_shape = module(x).shape
+    R = xp.asarray(np.random.default_rng(seed).standard_normal(out_shape))
+    return lambda: (module(x) * R).sum()
+
+
+LAYERS = {
+    "linear": lambda rng, d: (Linear(5, 3, rng=rng, **F64, device=d), (2, 4, 5)),
+    "linear-nobias": lambda rng, d: (Linear(5, 3, bias=False, rng=rng, **F64, device=d), (4, 5)),
+    "layernorm": lambda rng, d: (LayerNorm(6, **F64, device=d), (3, 2, 6)),
+    "mlp": lambda rng, d: (MLP(4, rng=rng, **F64, device=d), (2, 3, 4)),
+    "attention": lambda rng, d: (CausalSelfAttention(8, 2, rng=rng, **F64, device=d), (2, 5, 8)),
+    "block": lambda rng, d: (Block(8, 2, rng=rng, **F64, device=d), (2, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layer_gradients(name, device, xp):
+    module, x_shape = LAYERS[name](np.random.default_rng(0), device)
+    for p in module.parameters():  # LayerNorm starts at w=1, b=0: perturb to exercise every term
+        p.data = p.data + xp.asarray(np.random.default_rng(1).normal(0, 0.3, p.shape))
+    x = Tensor(xp.asarray(np.random.default_rng(2).standard_normal(x_shape)), requires_grad=True)
+    loss = _projected_loss(module, x, xp)
+    check_grad(loss, module.parameters() + [x])
+
+
+def test_embedding_gradient_scatter_adds_repeats(xp):
+    emb = Embedding(5, 3, rng=np.random.default_rng(0), **F64)
+    idx = np.array([[1, 1, 4], [1, 0, 0]])
+    check_grad(_projected_loss(emb, idx, np), emb.parameters())
+    emb.weight.grad = None
+    emb(idx).sum().backward()
+    assert emb.weight.grad[:, 0].tolist() == [2.0, 3.0, 0.0, 0.0, 1.0]
+
+
+def test_init_is_seeded_and_identical():
+    a = Block(8, 2, rng=np.random.default_rng(7), dtype=np.float32, device="cpu")
+    b = Block(8, 2, rng=np.random.default_rng(7), dtype=np.float32, device="cpu")
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb
+        np.testing.assert_array_equal(pa.data, pb.data)
+
+
+def test_named_parameters_order_is_deterministic():
+    block = Block(8, 2, rng=np.random.default_rng(0), dtype=np.float32, device="cpu")
+    assert [n for n, _ in block.named_parameters()] == [
+        "ln_1.weight", "ln_1.bias",
+        "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+        "ln_2.weight", "ln_2.bias",
+        "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias",
+    ]  # fmt: skip
+
+
+def test_state_dict_round_trip_and_errors():
+    rng = np.random.default_rng(0)
+    a = Linear(4, 3, rng=rng, dtype=np.float32, device="cpu")
+    b = Linear(4, 3, rng=rng, dtype=np.float32, device="cpu")
+    b.load_state_dict(a.state_dict())
+    np.testing.assert_array_equal(a.weight.data, b.weight.data)
+
+    bad_shape = {"weight": np.zeros((3, 4)), "bias": np.zeros(3)}
+    with pytest.raises(ValueError, match=r"'weight' expects shape \(4, 3\), found \(3, 4\)"):
+        b.load_state_dict(bad_shape)
+    with pytest.raises(KeyError, match=r"missing parameters \['bias'\], unexpected entries \['extra'\]"):
+        b.load_state_dict({"weight": np.zeros((4, 3)), "extra": np.zeros(1)})
+    with pytest.raises(TypeError, match="'bias' needs floats"):
+        b.load_state_dict({"weight": np.zeros((4, 3)), "bias": np.zeros(3, dtype=np.int64)})
+    b.load_state_dict({"bias": np.ones(3)}, strict=False)
+    assert b.bias.data.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_attention_rejects_indivisible_heads():
+    with pytest.raises(ValueError, match="n_embd 10 must be divisible by n_head 4"):
+        CausalSelfAttention(10, 4, rng=np.random.default_rng(0))

@@ -1,0 +1,65 @@
+"""AdamW against a textbook per-parameter implementation; clipping; zero_grad."""
+
+import numpy as np
+import pytest
+
+from mpifsdp import Param
+from mpifsdp.optim import AdamW
+
+
+def reference_adamw(params, grads_per_step, lr, betas, eps, wd):
+    """Loshchilov & Hutter AdamW as PyTorch writes it, decay only on matrices."""
+    b1, b2 = betas
+    p = [x.copy() for x in params]
+    m = [np.zeros_like(x) for x in p]
+    v = [np.zeros_like(x) for x in p]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            if p[i].ndim >= 2:
+                p[i] = p[i] * (1 - lr * wd)
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g**2
+            mhat, vhat = m[i] / (1 - b1**t), v[i] / (1 - b2**t)
+            p[i] = p[i] - lr * mhat / (np.sqrt(vhat) + eps)
+    return p, m, v
+
+
+def test_adamw_matches_reference(rng):
+    init = [rng.standard_normal((4, 3)), rng.standard_normal(3), rng.standard_normal((2, 2, 2))]
+    grads = [[rng.standard_normal(x.shape) for x in init] for _ in range(5)]
+    params = [Param(x.copy(), f"p{i}") for i, x in enumerate(init)]
+    opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.copy()
+        opt.step()
+        opt.zero_grad()
+    want_p, want_m, want_v = reference_adamw(init, grads, 0.01, (0.9, 0.95), 1e-8, 0.1)
+    for i, p in enumerate(params):
+        np.testing.assert_allclose(p.data, want_p[i], rtol=1e-13, atol=1e-15)
+        np.testing.assert_allclose(opt.m[i].reshape(p.shape), want_m[i], rtol=1e-13)
+        np.testing.assert_allclose(opt.v[i].reshape(p.shape), want_v[i], rtol=1e-13)
+        assert p.grad is None
+
+
+def test_params_without_grad_are_left_alone(rng):
+    a, b = Param(rng.standard_normal(3), "a"), Param(rng.standard_normal(3), "b")
+    before = b.data.copy()
+    a.grad = np.ones(3)
+    AdamW([a, b], lr=0.1).step()
+    np.testing.assert_array_equal(b.data, before)
+
+
+def test_clip_grad_norm_scales_to_max(rng):
+    a, b = Param(np.zeros(3), "a"), Param(np.zeros((2, 2)), "b")
+    a.grad, b.grad = np.array([3.0, 0.0, 0.0]), np.array([[0.0, 4.0], [0.0, 0.0]])
+    opt = AdamW([a, b])
+    assert opt.clip_grad_norm(1.0) == pytest.approx(5.0)
+    assert opt.grad_norm() == pytest.approx(1.0, rel=1e-6)
+    assert opt.clip_grad_norm(10.0) == pytest.approx(1.0, rel=1e-6)  # below the max: unchanged
+    assert a.grad[0] == pytest.approx(0.6, rel=1e-6)
+
+
+def test_empty_optimizer_is_refused():
+    with pytest.raises(ValueError, match="no parameters"):
+        AdamW([])
