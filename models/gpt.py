@@ -75,13 +75,15 @@ class GPT(Module):
         matmul_params = self.num_params() - self.wpe.weight.size
         if self.lm_head is not None:
             matmul_params -= self.wte.weight.size  # the input table is a lookup, not a GEMM
-        return 6 * matmul_params + 6 * c.n_layer * c.n_embd * T  # 12·L·C·T/2: causal half of attention
+        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * T  # attention scores and mixing
 
     def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None):
+    def generate(
+        self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None
+    ):
         """Sample continuations of idx (B, T) on the host RNG; returns a NumPy (B, T + new) array."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)

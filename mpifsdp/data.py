@@ -20,9 +20,10 @@ VOCAB_SIZE = 256  # byte-level tokens
 
 def cache_dir() -> Path:
     """$MPIFSDP_CACHE, else $XDG_CACHE_HOME/mpifsdp, else ~/.cache/mpifsdp."""
-    root = os.environ.get("MPIFSDP_CACHE") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
-    ) / "mpifsdp"
+    root = (
+        os.environ.get("MPIFSDP_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpifsdp"
+    )
     return Path(root)
 
 
@@ -62,13 +63,18 @@ class TextData:
             raise FileNotFoundError(f"text file {self.path} does not exist")
         self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
         n_val = int(len(self.tokens) * val_fraction)
-        self.splits = {"train": self.tokens[: len(self.tokens) - n_val], "val": self.tokens[len(self.tokens) - n_val :]}
+        self.splits = {
+            "train": self.tokens[: len(self.tokens) - n_val],
+            "val": self.tokens[len(self.tokens) - n_val :],
+        }
 
     def batch(self, split: str, batch_size: int, block_size: int, rng: np.random.Generator):
         """(x, y) int64 arrays of shape (batch_size, block_size); y is x shifted by one token."""
         data = self.splits[split]
         if len(data) <= block_size + 1:
-            raise ValueError(f"the {split} split has {len(data)} tokens, fewer than block_size+1={block_size + 1}")
+            raise ValueError(
+                f"the {split} split has {len(data)} tokens, fewer than block_size+1={block_size + 1}"
+            )
         starts = rng.integers(0, len(data) - block_size - 1, size=batch_size)
         x = np.stack([data[s : s + block_size] for s in starts]).astype(np.int64)
         y = np.stack([data[s + 1 : s + 1 + block_size] for s in starts]).astype(np.int64)

@@ -35,7 +35,7 @@ def check_vjp(name: str, arrays, settings=None, *, eps=1e-6, rtol=1e-6, atol=1e-
             continue
         d = xp.asarray(rng.standard_normal(x.shape))
 
-        def f(step, i=i, d=d):
+        def f(step, i=i, x=x, d=d):
             moved = list(arrays)
             moved[i] = x + step * d
             return prim.forward(*moved, **settings)[0]

@@ -93,15 +93,31 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 
 def _gelu_vjp(g, t, x):
-    dtanh = _GELU_C * (1 + 3 * 0.044715 * x * x) * (1 - t * t)
-    return (g * (0.5 * (1 + t) + 0.5 * x * dtanh),)
+    """g * (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)), computed in place in one buffer."""
+    d = x * x
+    d *= 3 * 0.044715 * _GELU_C
+    d += _GELU_C
+    d *= 1 - t * t
+    d *= x
+    d += 1
+    d += t
+    d *= 0.5
+    d *= g
+    return (d,)
 
 
 @primitive("gelu", vjp=_gelu_vjp)
 def _gelu(x):
-    """GELU, tanh approximation (as GPT-2); saves tanh(u), an activation, for the VJP."""
-    t = array_module_of(x).tanh(_GELU_C * (x + 0.044715 * x * x * x))
-    return 0.5 * x * (1 + t), t
+    """GELU, tanh approximation (as GPT-2); saves t = tanh(u), an activation, for the VJP."""
+    t = x * x  # u = c (x + k x^3) = x (c + c k x^2), built in place
+    t *= 0.044715 * _GELU_C
+    t += _GELU_C
+    t *= x
+    array_module_of(x).tanh(t, out=t)
+    out = t + 1
+    out *= x
+    out *= 0.5
+    return out, t
 
 
 # -- linear algebra -------------------------------------------------------------------------------
@@ -224,8 +240,18 @@ def _scatter_add(target, index, values):
     return target
 
 
+def _is_basic_index(index) -> bool:
+    """Ints, slices, Ellipsis and None select each element at most once: plain assignment suffices."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (int, slice)) or i is Ellipsis or i is None for i in parts)
+
+
 def _getitem_vjp(g, _, a, index):
-    return (_scatter_add(array_module_of(g).zeros_like(a), index, g),)
+    grad = array_module_of(g).zeros_like(a)
+    if _is_basic_index(index):
+        grad[index] = g
+        return (grad,)
+    return (_scatter_add(grad, index, g),)
 
 
 @primitive("getitem", vjp=_getitem_vjp)
@@ -247,9 +273,12 @@ def _concatenate(*arrays, axis=0):
 # -- softmax family and losses --------------------------------------------------------------------
 
 
-def _softmax_array(x, axis):
+def _softmax_array(x, axis, overwrite=False):
+    """Stable softmax; overwrite=True reuses x's buffer (x must then be a temporary)."""
     xp = array_module_of(x)
-    e = xp.exp(x - x.max(axis=axis, keepdims=True))
+    e = x if overwrite else x.copy()
+    e -= x.max(axis=axis, keepdims=True)
+    xp.exp(e, out=e)
     e /= e.sum(axis=axis, keepdims=True)
     return e
 
@@ -318,10 +347,9 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
 def _layer_norm(x, w, b=None, eps=1e-5):
     """Normalize the last axis, then scale and shift; saves xhat and 1/std (activations)."""
     xp = array_module_of(x)
-    mu = x.mean(axis=-1, keepdims=True)
-    xc = x - mu
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
-    xhat = xc * rstd
+    xhat = x - x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + eps)
+    xhat *= rstd
     out = xhat * w
     if b is not None:
         out += b
@@ -348,11 +376,12 @@ def _embedding(w, idx):
 def _attention_vjp(g, att, q, k, v, scale=None):
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     gv = _swap_last(att) @ g
-    gatt = g @ _swap_last(v)
-    gs = att * (gatt - (gatt * att).sum(axis=-1, keepdims=True))
-    gq = (gs @ k) * scale
-    gk = (_swap_last(gs) @ q) * scale
-    return gq, gk, gv
+    gs = g @ _swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
+    rowsum = (gs * att).sum(axis=-1, keepdims=True)
+    gs -= rowsum
+    gs *= att
+    gs *= scale
+    return gs @ k, _swap_last(gs) @ q, gv
 
 
 @primitive("attention", vjp=_attention_vjp)
@@ -361,9 +390,10 @@ def _attention(q, k, v, scale=None):
     xp = array_module_of(q)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     T = q.shape[-2]
-    scores = (q @ _swap_last(k)) * scale  # (B, nh, T, T)
-    scores[..., xp.triu(xp.ones((T, T), dtype=bool), k=1)] = -xp.inf
-    att = _softmax_array(scores, -1)
+    scores = q @ _swap_last(k)  # (B, nh, T, T)
+    scores *= scale
+    scores += xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # causal: no looking ahead
+    att = _softmax_array(scores, -1, overwrite=True)
     return att @ v, att
 
 

@@ -32,24 +32,32 @@ class ParamGroup:
         self.param.grad = None
 
 
-def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
-    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read).
+def adamw_update(p, g, m, v, scratch, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
+    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read; scratch overwritten).
 
-    Decoupled decay (p *= 1 - lr*wd) only inside decay_segments; bias-corrected moments elsewhere
-    as in PyTorch's AdamW. Zero gradient where m and v are zero leaves p unchanged, which keeps
-    FSDP padding at zero (DESIGN invariant 2).
+    Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
+    PyTorch's AdamW. `scratch` (at least p's size) avoids allocating temporaries of the model's size
+    every step. A zero gradient where m and v are zero leaves p unchanged, which keeps FSDP padding
+    at zero (DESIGN invariant 2).
     """
+    xp = array_module_of(p)
+    s = scratch[: p.size]
     if weight_decay:
         for start, stop in decay_segments:
             p[start:stop] *= 1.0 - lr * weight_decay
+    xp.multiply(g, 1.0 - beta1, out=s)
     m *= beta1
-    m += (1.0 - beta1) * g
+    m += s
+    xp.multiply(g, g, out=s)
+    s *= 1.0 - beta2
     v *= beta2
-    v += (1.0 - beta2) * (g * g)
-    denom = array_module_of(v).sqrt(v)
-    denom /= math.sqrt(1.0 - beta2**step)
-    denom += eps
-    p -= (lr / (1.0 - beta1**step)) * (m / denom)
+    v += s
+    xp.sqrt(v, out=s)
+    s /= math.sqrt(1.0 - beta2**step)
+    s += eps
+    xp.divide(m, s, out=s)
+    s *= lr / (1.0 - beta1**step)
+    p -= s
 
 
 class AdamW:
@@ -59,9 +67,7 @@ class AdamW:
     clip_grad_norm global across ranks with one all_reduce of a scalar.
     """
 
-    def __init__(
-        self, targets, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, comm=None
-    ):
+    def __init__(self, targets, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, comm=None):
         self.groups = _flat_groups(targets)
         if not self.groups:
             raise ValueError("AdamW got no parameters to optimize")
@@ -70,6 +76,7 @@ class AdamW:
         self.step_count = 0
         self.m = [None] * len(self.groups)
         self.v = [None] * len(self.groups)
+        self._scratch_buffer = None
 
     def _moments(self, i):
         if self.m[i] is None:  # allocated lazily so a model can be moved/sharded before the first step
@@ -77,6 +84,13 @@ class AdamW:
             xp = array_module_of(p)
             self.m[i], self.v[i] = xp.zeros_like(p), xp.zeros_like(p)
         return self.m[i], self.v[i]
+
+    def _scratch(self, like):
+        """One temporary buffer, as large as the largest group, reused by every update."""
+        if self._scratch_buffer is None:
+            size = max(group.numel for group in self.groups)
+            self._scratch_buffer = array_module_of(like).empty(size, dtype=like.dtype)
+        return self._scratch_buffer
 
     def step(self):
         """Update every group that has a gradient; groups without one are left alone (as PyTorch)."""
@@ -91,6 +105,7 @@ class AdamW:
                 g,
                 m,
                 v,
+                self._scratch(m),
                 lr=self.lr,
                 beta1=self.beta1,
                 beta2=self.beta2,

@@ -101,4 +101,11 @@ def test_scopes_wrap_their_nodes_and_nest():
             x = (x * w2).tanh()
         loss = x.sum()
     loss.backward()
-    assert log == [("pre", "outer"), ("pre", "b"), ("post", "b"), ("pre", "a"), ("post", "a"), ("post", "outer")]
+    assert log == [
+        ("pre", "outer"),
+        ("pre", "b"),
+        ("post", "b"),
+        ("pre", "a"),
+        ("post", "a"),
+        ("post", "outer"),
+    ]

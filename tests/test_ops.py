@@ -35,13 +35,21 @@ CASES = {
     "sqrt": [((_r(3, 4, positive=True),), {})],
     "relu": [((_r(7, 5) + 0.05,), {})],
     "gelu": [((_r(3, 7) * 2,), {})],
-    "matmul": [((_r(3, 4), _r(4, 5)), {}), ((_r(2, 3, 4), _r(4, 2)), {}), ((_r(2, 1, 3, 4), _r(5, 4, 2)), {})],
+    "matmul": [
+        ((_r(3, 4), _r(4, 5)), {}),
+        ((_r(2, 3, 4), _r(4, 2)), {}),
+        ((_r(2, 1, 3, 4), _r(5, 4, 2)), {}),
+    ],
     "linear": [
         ((_r(2, 3, 4), _r(4, 5)), {}),
         ((_r(2, 3, 4), _r(4, 5), _r(5)), {}),
         ((_r(6, 4), _r(5, 4)), {"transpose_w": True}),
     ],
-    "sum": [((_r(3, 4, 5),), {"axis": None}), ((_r(3, 4, 5),), {"axis": 1}), ((_r(3, 4),), {"axis": (0, 1), "keepdims": True})],
+    "sum": [
+        ((_r(3, 4, 5),), {"axis": None}),
+        ((_r(3, 4, 5),), {"axis": 1}),
+        ((_r(3, 4),), {"axis": (0, 1), "keepdims": True}),
+    ],
     "mean": [((_r(3, 4, 5),), {"axis": -1}), ((_r(3, 4),), {"axis": None, "keepdims": True})],
     "max": [((_distinct(3, 4, 5),), {"axis": 1}), ((_distinct(4, 3),), {"axis": None})],
     "reshape": [((_r(3, 4),), {"shape": (2, 6)})],
@@ -60,7 +68,10 @@ CASES = {
     ],
     "layer_norm": [((_r(3, 4, 6), _r(6), _r(6)), {"eps": 1e-5}), ((_r(5, 7), _r(7)), {"eps": 1e-5})],
     "embedding": [((_r(7, 3),), {"idx": np.array([[0, 6, 2], [2, 2, 5]])})],
-    "attention": [((_r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4)), {}), ((_r(1, 2, 7, 3), _r(1, 2, 7, 3), _r(1, 2, 7, 3)), {"scale": 0.7})],
+    "attention": [
+        ((_r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4)), {}),
+        ((_r(1, 2, 7, 3), _r(1, 2, 7, 3), _r(1, 2, 7, 3)), {"scale": 0.7}),
+    ],
     "dropout": [((_r(4, 6),), {"p": 0.3, "seed": 11})],
 }
 
@@ -118,9 +129,18 @@ def test_attention_is_causal():
     "call,message",
     [
         (lambda: mpifsdp.ops.matmul(np.ones((2, 3)), np.ones((4, 5))), "matmul"),
-        (lambda: mpifsdp.ops.linear(np.ones((2, 3)), np.ones((4, 5))), "input has 3 features, weight \\(4, 5\\)"),
-        (lambda: mpifsdp.ops.cross_entropy(np.ones((2, 3)), np.zeros(3, dtype=int)), "targets \\(3,\\) must match"),
-        (lambda: mpifsdp.ops.embedding(np.ones((4, 2)), np.array([1, 4])), "span \\[1, 4\\] but the table has 4"),
+        (
+            lambda: mpifsdp.ops.linear(np.ones((2, 3)), np.ones((4, 5))),
+            "input has 3 features, weight \\(4, 5\\)",
+        ),
+        (
+            lambda: mpifsdp.ops.cross_entropy(np.ones((2, 3)), np.zeros(3, dtype=int)),
+            "targets \\(3,\\) must match",
+        ),
+        (
+            lambda: mpifsdp.ops.embedding(np.ones((4, 2)), np.array([1, 4])),
+            "span \\[1, 4\\] but the table has 4",
+        ),
         (lambda: mpifsdp.ops.embedding(np.ones((4, 2)), np.array([1.0])), "must be integers"),
         (lambda: mpifsdp.ops.dropout(np.ones(3), 1.0, 0), "dropout probability"),
     ],

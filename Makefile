@@ -1,0 +1,44 @@
+# Set-up and everyday commands. `make test` and `make train` build the virtual environment first.
+# Cluster users: `make install EXTRAS=test,dev` leaves out the mpich wheel and uses the site MPI
+# that mpi4py was built against (pip install --no-binary=mpi4py mpi4py).
+PYTHON ?= python3
+VENV   ?= .venv
+EXTRAS ?= mpich,test,dev
+NP     ?= 2
+BIN     = $(VENV)/bin
+MPIRUN  = $(BIN)/mpiexec -n
+# One BLAS thread per rank in tests: ranks share the machine's cores.
+TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+PYTEST   = $(BIN)/python -m pytest -q
+
+.PHONY: install test test-serial test-mpi train bench lint format clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+test: install
+	$(TEST_ENV) $(PYTEST)
+
+train: install
+	$(BIN)/python examples/train_gpt.py
+
+bench: install
+	$(BIN)/python bench/bench_core.py --config small
+	$(BIN)/python bench/bench_core.py --config peer
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
