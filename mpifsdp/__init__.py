@@ -3,10 +3,20 @@
 from . import ops
 from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad, scope
 from .backend import array_module, available_devices, to_device, to_numpy
+from .comm import CollectiveError, Comm
+from .fsdp import fully_shard, full_state_dict
+from .optim import AdamW
+from .unit import Unit
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW",
+    "CollectiveError",
+    "Comm",
+    "Unit",
+    "fully_shard",
+    "full_state_dict",
     "PRIMITIVES",
     "Param",
     "ShardedParameterError",

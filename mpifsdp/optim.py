@@ -12,6 +12,7 @@ import math
 
 from .autodiff import Param
 from .backend import array_module_of
+from .fsdp import fsdp_group
 
 
 class ParamGroup:
@@ -72,29 +73,28 @@ class AdamW:
         if not self.groups:
             raise ValueError("AdamW got no parameters to optimize")
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.comm = comm
+        # Sharded groups (Units) carry their communicator: clipping must then be global.
+        self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
         self.step_count = 0
         self.m = [None] * len(self.groups)
         self.v = [None] * len(self.groups)
-        self._scratch_buffer = None
 
     def _moments(self, i):
-        if self.m[i] is None:  # allocated lazily so a model can be moved/sharded before the first step
-            p = self.groups[i].flat_param()
+        if self.m[i] is None:  # allocated at the first step that has a gradient for this group
+            group = self.groups[i]
+            p = group.flat_param()
             xp = array_module_of(p)
             self.m[i], self.v[i] = xp.zeros_like(p), xp.zeros_like(p)
+            _count(group, "alloc", "optim_state", 2 * p.nbytes)
         return self.m[i], self.v[i]
-
-    def _scratch(self, like):
-        """One temporary buffer, as large as the largest group, reused by every update."""
-        if self._scratch_buffer is None:
-            size = max(group.numel for group in self.groups)
-            self._scratch_buffer = array_module_of(like).empty(size, dtype=like.dtype)
-        return self._scratch_buffer
 
     def step(self):
         """Update every group that has a gradient; groups without one are left alone (as PyTorch)."""
         self.step_count += 1
+        first = self.groups[0].flat_param()
+        # One temporary as large as the largest group serves every update, then is freed.
+        scratch = array_module_of(first).empty(max(g.numel for g in self.groups), dtype=first.dtype)
+        _count(self.groups[0], "alloc", "optim_scratch", scratch.nbytes)
         for i, group in enumerate(self.groups):
             g = group.flat_grad()
             if g is None:
@@ -105,7 +105,7 @@ class AdamW:
                 g,
                 m,
                 v,
-                self._scratch(m),
+                scratch,
                 lr=self.lr,
                 beta1=self.beta1,
                 beta2=self.beta2,
@@ -114,6 +114,7 @@ class AdamW:
                 decay_segments=group.decay_segments,
                 weight_decay=self.weight_decay,
             )
+        _count(self.groups[0], "free", "optim_scratch", scratch.nbytes)
 
     def zero_grad(self):
         for group in self.groups:
@@ -140,9 +141,17 @@ class AdamW:
         return {"step": self.step_count, "m": self.m, "v": self.v}
 
 
+def _count(group, action: str, category: str, nbytes: int):
+    """Record optimizer buffers in the group's memory ledger (sharded Units have one)."""
+    ledger = getattr(group, "ledger", None)
+    if ledger is not None:
+        getattr(ledger, action)(category, nbytes)
+
+
 def _flat_groups(targets) -> list:
-    if hasattr(targets, "flat_groups"):  # a sharded model knows its units
-        return list(targets.flat_groups())
+    group = fsdp_group(targets)
+    if group is not None:  # a sharded model: its units' shards are the flat groups
+        return group.units
     if hasattr(targets, "parameters"):
         targets = targets.parameters()
     return [ParamGroup(t) if isinstance(t, Param) else t for t in targets]

@@ -1,0 +1,100 @@
+"""Exact counters: bytes held by category, and collectives by unit, phase and op.
+
+[Note: exact accounting] Every runtime buffer (shards, gathered parameters and gradients, optimizer
+state) is added here when allocated and removed when freed, and every collective records its call
+and bytes, so tests can hold memory and traffic to the formulas exactly (DESIGN invariant 7):
+    persistent bytes per rank = 16 * shard_numel (fp32 params, grads, m, v)
+    elements per rank per step = (N - 1) / N * 3 * padded_numel (two gathers + one reduce-scatter)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+PERSISTENT = ("param_shard", "grad_shard", "optim_state")
+TRANSIENT = ("gathered_params", "gathered_grads", "optim_scratch")
+
+
+class MemoryLedger:
+    """Current and peak bytes per category, and the peak of their sum."""
+
+    def __init__(self):
+        self.current = defaultdict(int)
+        self.peak = defaultdict(int)
+        self.peak_total = 0
+
+    def alloc(self, category: str, nbytes: int):
+        self.current[category] += nbytes
+        self.peak[category] = max(self.peak[category], self.current[category])
+        self.peak_total = max(self.peak_total, self.total())
+
+    def free(self, category: str, nbytes: int):
+        self.current[category] -= nbytes
+        if self.current[category] < 0:
+            raise AssertionError(f"memory ledger: freed more {category} bytes than were allocated")
+
+    def total(self) -> int:
+        return sum(self.current.values())
+
+    def persistent(self) -> int:
+        return sum(self.current[c] for c in PERSISTENT)
+
+    def reset_peaks(self):
+        self.peak = defaultdict(int, self.current)
+        self.peak_total = self.total()
+
+    def report(self) -> dict:
+        cats = PERSISTENT + TRANSIENT
+        return {
+            "current": {c: self.current[c] for c in cats},
+            "peak": {c: self.peak[c] for c in cats},
+            "persistent": self.persistent(),
+            "peak_total": self.peak_total,
+        }
+
+
+class CommLedger:
+    """Calls, elements and bytes per (unit, phase, op); elements are what one rank moves (ring volume)."""
+
+    def __init__(self):
+        self.calls = defaultdict(int)
+        self.elements = defaultdict(int)
+        self.bytes = defaultdict(int)
+
+    def record(self, unit: str, phase: str, op: str, elements: int, itemsize: int):
+        key = (unit, phase, op)
+        self.calls[key] += 1
+        self.elements[key] += elements
+        self.bytes[key] += elements * itemsize
+
+    def reset(self):
+        self.calls.clear()
+        self.elements.clear()
+        self.bytes.clear()
+
+    def total(self, what: str = "bytes", **match) -> int:
+        """Sum of calls/elements/bytes over keys matching unit=, phase=, op= where given."""
+        table = getattr(self, what)
+        names = ("unit", "phase", "op")
+        return sum(
+            v for key, v in table.items() if all(match.get(n) in (None, k) for n, k in zip(names, key))
+        )
+
+    def report(self) -> dict:
+        by_phase, by_op = defaultdict(int), defaultdict(int)
+        by_unit = defaultdict(int)
+        for (unit, phase, op), b in self.bytes.items():
+            by_phase[phase] += b
+            by_op[op] += b
+            by_unit[unit] += b
+        return {
+            "calls": self.total("calls"),
+            "bytes": self.total("bytes"),
+            "bytes_by_phase": dict(by_phase),
+            "bytes_by_op": dict(by_op),
+            "bytes_by_unit": dict(by_unit),
+        }
+
+
+def mib(nbytes: float) -> float:
+    return round(nbytes / 2**20, 2)

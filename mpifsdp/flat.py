@@ -1,0 +1,92 @@
+"""FlatLayout: where each named tensor of a unit lives in one flat, padded vector. Pure metadata.
+
+The flat vector has padded_numel = ceil(numel / N) * N elements so it splits into N equal shards;
+rank r owns [r * shard_numel, (r + 1) * shard_numel). The padding tail is never part of a tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: np.dtype
+    world_size: int
+    offsets: tuple[int, ...] = field(init=False)
+    numel: int = field(init=False)
+
+    def __post_init__(self):
+        if len(self.names) != len(self.shapes):
+            raise ValueError(f"{len(self.names)} names for {len(self.shapes)} shapes")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"duplicate tensor names in layout: {self.names}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        sizes = [math.prod(s) for s in self.shapes]
+        object.__setattr__(self, "offsets", tuple(int(o) for o in np.cumsum([0] + sizes[:-1])))
+        object.__setattr__(self, "numel", int(sum(sizes)))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @classmethod
+    def of(cls, named_arrays, world_size: int, dtype=None) -> FlatLayout:
+        """Layout of [(name, array), ...] in that order; dtype defaults to the arrays' common dtype."""
+        named_arrays = list(named_arrays)
+        dtypes = {np.dtype(a.dtype) for _, a in named_arrays}
+        if dtype is None:
+            if len(dtypes) > 1:
+                raise TypeError(f"a unit needs one dtype, found {sorted(map(str, dtypes))}: cast first")
+            dtype = dtypes.pop() if dtypes else np.float32
+        return cls(tuple(n for n, _ in named_arrays), tuple(tuple(a.shape) for _, a in named_arrays), dtype, world_size)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def sizes(self):
+        return [math.prod(s) for s in self.shapes]
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def views(self, flat) -> dict:
+        """name -> view of `flat` (a full, padded vector) with that tensor's shape."""
+        if flat.shape != (self.padded_numel,):
+            raise ValueError(f"views need a flat vector of {self.padded_numel} elements, got {flat.shape}")
+        return {
+            name: flat[o : o + n].reshape(shape)
+            for name, shape, o, n in zip(self.names, self.shapes, self.offsets, self.sizes())
+        }
+
+    def pieces_in_shard(self, rank: int):
+        """(name, tensor_start, tensor_stop, shard_start) for each tensor's part inside rank's shard."""
+        lo, hi = self.shard_range(rank)
+        for name, o, n in zip(self.names, self.offsets, self.sizes()):
+            start, stop = max(o, lo), min(o + n, hi)
+            if start < stop:
+                yield name, start - o, stop - o, start - lo
+
+    def decay_segments(self, rank: int) -> list[tuple[int, int]]:
+        """Shard-local [start, stop) ranges of tensors with ndim >= 2 (those that get weight decay)."""
+        ndim = {n: len(s) for n, s in zip(self.names, self.shapes)}
+        return [(s0, s0 + t1 - t0) for name, t0, t1, s0 in self.pieces_in_shard(rank) if ndim[name] >= 2]
+
+    def fingerprint(self) -> str:
+        """A short hash of names, shapes and dtype: equal on every rank or the layouts differ."""
+        text = repr((self.names, self.shapes, self.dtype.str))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return f"{len(self.names)} tensors, {self.numel} elements of {self.dtype} (padded to {self.padded_numel})"
