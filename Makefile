@@ -21,8 +21,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# The whole suite at N = 1, then under mpiexec at N = 2, 3, 4 (each rank runs every test; collective
+# tests check their verdicts on all ranks). `timeout` turns a hung collective into a failure.
 test: install
 	$(TEST_ENV) $(PYTEST)
+	for n in 2 3 4; do \
+	  echo "== mpiexec -n $$n"; \
+	  $(TEST_ENV) timeout 900 $(MPIRUN) $$n $(BIN)/python -m mpi4py -m pytest -q || exit 1; \
+	done
 
 train: install
 	$(BIN)/python examples/train_gpt.py

@@ -4,7 +4,7 @@ from . import ops
 from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad, scope
 from .backend import array_module, available_devices, to_device, to_numpy
 from .comm import CollectiveError, Comm
-from .fsdp import fully_shard, full_state_dict
+from .fsdp import full_state_dict, fully_shard
 from .optim import AdamW
 from .unit import Unit
 

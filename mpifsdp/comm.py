@@ -67,7 +67,9 @@ class Comm:
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
         """In-place sum over ranks."""
         self.mpi.Allreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
-        self.ledger.record(unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize)
+        self.ledger.record(
+            unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
+        )
 
     def all_reduce_scalar(self, value: float, *, phase: str = "other") -> float:
         buf = np.array([value], dtype=np.float64)
@@ -94,4 +96,3 @@ class Comm:
         if failed:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
             raise CollectiveError(f"{what} failed on {len(failed)} of {self.size} ranks:\n{lines}")
-

@@ -43,7 +43,12 @@ class FlatLayout:
             if len(dtypes) > 1:
                 raise TypeError(f"a unit needs one dtype, found {sorted(map(str, dtypes))}: cast first")
             dtype = dtypes.pop() if dtypes else np.float32
-        return cls(tuple(n for n, _ in named_arrays), tuple(tuple(a.shape) for _, a in named_arrays), dtype, world_size)
+        return cls(
+            tuple(n for n, _ in named_arrays),
+            tuple(tuple(a.shape) for _, a in named_arrays),
+            dtype,
+            world_size,
+        )
 
     @property
     def shard_numel(self) -> int:

@@ -139,9 +139,7 @@ def fully_shard(model: Module, comm: Comm, units=()) -> Module:
     for unit_name, params in owned:
         for _, p in params:
             owners.setdefault(id(p), []).append(unit_name)
-    shared = {
-        pname: owners[id(p)] for _, params in owned for pname, p in params if len(owners[id(p)]) > 1
-    }
+    shared = {pname: owners[id(p)] for _, params in owned for pname, p in params if len(owners[id(p)]) > 1}
     error = None
     if shared:
         # [Note: one unit per parameter] a tied weight in two units would be gathered and updated twice.

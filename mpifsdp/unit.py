@@ -118,7 +118,9 @@ class Unit:
                     )
                 views[name][...] = g
         elif self.full_grad is None:
-            raise RuntimeError(f"unit {self.name!r}: reduce_grad() without gradients: pass them or zero_full_grad()")
+            raise RuntimeError(
+                f"unit {self.name!r}: reduce_grad() without gradients: pass them or zero_full_grad()"
+            )
         mean = self.xp.empty_like(self.grad_shard)
         self.ledger.alloc("gathered_grads", mean.nbytes)
         self.comm.reduce_scatter(self.full_grad, mean, unit=self.name, phase=phase)

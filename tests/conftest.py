@@ -24,3 +24,18 @@ def xp(device):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def comm():
+    """The world as a Comm: size 1 under plain pytest, N under `mpiexec -n N python -m mpi4py -m pytest`."""
+    from mpifsdp import Comm
+
+    return Comm()
+
+
+def agree(comm, ok: bool, message: str):
+    """Assert on every rank if the check failed on any: a rank must never leave the others in a collective."""
+    verdicts = comm.allgather_object((ok, message))
+    failed = [f"rank {r}: {m}" for r, (good, m) in enumerate(verdicts) if not good]
+    assert not failed, "\n".join(failed)

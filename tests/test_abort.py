@@ -1,0 +1,54 @@
+"""An exception on one rank ends the whole mpiexec job promptly (no rank left waiting in a collective)."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from mpifsdp import Comm, fully_shard, AdamW
+    from mpifsdp.models import GPT, GPTConfig
+
+    comm = Comm()
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8))
+    fully_shard(model, comm, units=model.blocks)
+    x = np.zeros((1, 4), dtype=np.int64)
+    model(x, x).backward()
+    if comm.rank == 1:
+        raise ValueError("injected failure on rank 1")
+    for _ in range(1000):  # the other ranks go on into collectives that rank 1 will never join
+        model(x, x).backward()
+    """
+)
+
+
+def mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec found: install the mpich extra (make install) or a site MPI")
+    return found
+
+
+def test_exception_on_one_rank_aborts_the_job(tmp_path, comm):
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run(
+        [mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end"

@@ -1,0 +1,64 @@
+"""Comm: closed-form results from rank, the adjoint identity, accounting, collective errors."""
+
+import numpy as np
+import pytest
+from conftest import agree
+
+from mpifsdp import CollectiveError
+
+
+def test_all_gather_places_each_rank_shard(comm):
+    n = 5
+    shard = np.full(n, comm.rank + 1.0)
+    full = np.empty(n * comm.size)
+    comm.all_gather(shard, full, unit="u", phase="forward")
+    expect = np.repeat(np.arange(1.0, comm.size + 1), n)
+    agree(comm, np.array_equal(full, expect), f"all_gather gave {full}")
+
+
+def test_reduce_scatter_sums_slices(comm):
+    n, N = 3, comm.size
+    full = np.arange(n * N, dtype=np.float64) * (comm.rank + 1)  # rank r sends (r+1) * arange
+    shard = np.empty(n)
+    comm.reduce_scatter(full, shard, unit="u", phase="backward")
+    expect = np.arange(comm.rank * n, (comm.rank + 1) * n) * (N * (N + 1) / 2)
+    agree(comm, np.allclose(shard, expect), f"reduce_scatter gave {shard}, expected {expect}")
+
+
+def test_adjoint_identity(comm):
+    """<AG(x), y> summed over ranks == <x, RS(y)> summed over ranks: RS is AG's adjoint."""
+    rng = np.random.default_rng(100 + comm.rank)
+    n = 7
+    x, y = rng.standard_normal(n), rng.standard_normal(n * comm.size)
+    ag, rs = np.empty(n * comm.size), np.empty(n)
+    comm.all_gather(x, ag)
+    comm.reduce_scatter(y, rs)
+    left = comm.all_reduce_scalar(float(ag @ y))
+    right = comm.all_reduce_scalar(float(x @ rs))
+    agree(comm, abs(left - right) <= 1e-12 * max(1.0, abs(left)), f"{left} != {right}")
+
+
+def test_ledger_counts_ring_volume(comm):
+    comm.ledger.reset()
+    shard, full = np.zeros(4, np.float32), np.zeros(4 * comm.size, np.float32)
+    comm.all_gather(shard, full, unit="a", phase="forward")
+    comm.reduce_scatter(full, shard, unit="a", phase="backward")
+    N = comm.size
+    assert comm.ledger.total("calls", unit="a") == 2
+    assert comm.ledger.total("elements", op="all_gather") == (N - 1) * 4
+    assert comm.ledger.total("bytes", phase="backward") == (N - 1) * 4 * 4
+    comm.ledger.reset()
+
+
+def test_bad_buffers_raise(comm):
+    with pytest.raises(ValueError, match="cannot hold"):
+        comm.all_gather(np.zeros(3), np.zeros(3 * comm.size + 1))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        comm.all_gather(np.zeros((2, 2)), np.zeros(4 * comm.size))
+
+
+def test_raise_if_any_raises_everywhere(comm):
+    error = "broken here" if comm.rank == comm.size - 1 else None
+    with pytest.raises(CollectiveError, match=f"rank {comm.size - 1}: broken here"):
+        comm.raise_if_any(error, "the check")
+    comm.raise_if_any(None, "a passing check")  # no error anywhere: returns
