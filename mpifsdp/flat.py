@@ -94,4 +94,5 @@ class FlatLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        return f"{len(self.names)} tensors, {self.numel} elements of {self.dtype} (padded to {self.padded_numel})"
+        n = len(self.names)
+        return f"{n} tensors, {self.numel} elements of {self.dtype} (padded to {self.padded_numel})"

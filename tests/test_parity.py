@@ -93,5 +93,6 @@ def test_sharded_training_matches_single_process(comm, make, batch, dtype):
     agree(
         comm,
         worst_loss < tol and param_err < tol and moment_err < tol * 10,
-        f"N={comm.size}: loss rel err {worst_loss:.2e}, param err {param_err:.2e}, moment rel err {moment_err:.2e}",
+        f"N={comm.size}: loss rel err {worst_loss:.2e}, param err {param_err:.2e}, "
+        f"moment rel err {moment_err:.2e}",
     )
