@@ -16,9 +16,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import CONFIGS, gpt_config, median_time, peak_rss_mib  # noqa: E402
-from mpifsdp.models import GPT  # noqa: E402
 
 from mpifsdp.backend import array_module  # noqa: E402
+from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.optim import AdamW  # noqa: E402
 
 

@@ -9,6 +9,8 @@ and bytes, so tests can hold memory and traffic to the formulas exactly (DESIGN 
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections import defaultdict
 
 PERSISTENT = ("param_shard", "grad_shard", "optim_state")
@@ -98,3 +100,9 @@ class CommLedger:
 
 def mib(nbytes: float) -> float:
     return round(nbytes / 2**20, 2)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -88,6 +88,25 @@ class FSDPGroup:
     def units(self) -> list[Unit]:
         return [s.unit for s in self.states if s.unit is not None]
 
+    def plan(self) -> dict:
+        """Expected bytes per rank: persistent 16 * shard (fp32 AdamW) plus what is gathered at once."""
+        units = self.units
+        itemsize = units[0].layout.dtype.itemsize
+        root = self.root.unit.layout.padded_numel * itemsize if self.root.unit else 0
+        others = [u.layout.padded_numel * itemsize for u in units if u is not self.root.unit]
+        return {
+            "units": len(units),
+            "params": sum(u.layout.numel for u in units),
+            "persistent": 4 * itemsize * sum(u.numel for u in units),
+            "largest_unit": max(others, default=0),
+            "root_unit": root,
+        }
+
+    def report(self) -> list[dict]:
+        """Every rank's memory and communication ledgers (collective: call on all ranks)."""
+        mine = {"rank": self.comm.rank, "memory": self.ledger.report(), "comm": self.comm.ledger.report()}
+        return self.comm.allgather_object(mine)
+
     def finalize_pending(self, except_root: bool):
         """End-of-backward sweep: reduce-scatter (zero) grads of units that backward never reached."""
         for state in [s for s in self.states if s in self.pending]:

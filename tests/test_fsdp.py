@@ -6,11 +6,11 @@ import weakref
 import numpy as np
 import pytest
 from conftest import agree
-from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 from mpifsdp import AdamW, CollectiveError, ShardedParameterError, Tensor, fully_shard, ops
 from mpifsdp.fsdp import fsdp_group
 from mpifsdp.layers import Linear, Module
+from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10)
 

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 from mpifsdp import no_grad
 from mpifsdp.data import TextData, unigram_entropy
 from mpifsdp.gradcheck import check_grad
+from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 from mpifsdp.optim import AdamW
 
 TINY = GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8)

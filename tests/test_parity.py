@@ -7,11 +7,11 @@ that units pad at N = 3 and 4. Losses every step, final parameters and AdamW mom
 import numpy as np
 import pytest
 from conftest import agree
-from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 from mpifsdp import AdamW, full_state_dict, fully_shard
 from mpifsdp.data import rank_slice
 from mpifsdp.fsdp import fsdp_group
+from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 and 4 ranks
 TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5}
