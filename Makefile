@@ -35,8 +35,9 @@ train: install
 	OMP_NUM_THREADS=1 $(MPIRUN) $(NP) $(BIN)/python -m mpi4py examples/train_gpt.py
 
 bench: install
-	$(BIN)/python bench/bench_core.py --config small
 	$(BIN)/python bench/bench_core.py --config peer
+	$(BIN)/python bench/bench_fsdp.py --config small
+	$(BIN)/python bench/bench_fsdp.py --config peer
 
 lint: install
 	$(BIN)/ruff check .

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, gpt_config, median_time, peak_rss_mib  # noqa: E402
+from common import CONFIGS, gpt_config, median_time, peak_rss_mib, random_batch, train_step  # noqa: E402
 
 from mpifsdp.backend import array_module  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
@@ -65,18 +65,8 @@ def main():
     xp = array_module(args.device)
     model = GPT(gpt_config(cfg), seed=0, device=args.device)
     opt = AdamW(model, lr=3e-4, weight_decay=0.1)
-    rng = np.random.default_rng(0)
-    x = xp.asarray(rng.integers(0, cfg["vocab_size"], (cfg["batch_size"], cfg["block_size"])))
-    y = xp.asarray(rng.integers(0, cfg["vocab_size"], (cfg["batch_size"], cfg["block_size"])))
-
-    def step():
-        loss = model(x, y)
-        loss.backward()
-        opt.clip_grad_norm(1.0)
-        opt.step()
-        opt.zero_grad()
-
-    step_s = median_time(step, args.steps)
+    x, y = (xp.asarray(a) for a in random_batch(cfg, cfg["batch_size"]))
+    step_s = median_time(lambda: train_step(model, opt, x, y), args.steps)
     rss = peak_rss_mib()  # before the GEMM reference allocates its own arrays
     shapes = step_gemm_shapes(cfg)
     gemm_s = gemm_seconds(xp, shapes, np.float32, args.steps)

@@ -6,6 +6,8 @@ import resource
 import statistics
 import time
 
+import numpy as np
+
 from mpifsdp.models import GPTConfig
 
 # The configuration every benchmark (ours and the peers') uses.
@@ -38,3 +40,19 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_batch(cfg: dict, batch_size: int, seed: int = 0):
+    """Random tokens from a fixed seed: (x, y) of shape (batch_size, block_size)."""
+    rng = np.random.default_rng(seed)
+    shape = (batch_size, cfg["block_size"])
+    return rng.integers(0, cfg["vocab_size"], shape), rng.integers(0, cfg["vocab_size"], shape)
+
+
+def train_step(model, opt, x, y):
+    loss = model(x, y)
+    loss.backward()
+    opt.clip_grad_norm(1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss
