@@ -269,12 +269,26 @@ def as_tensor(value, like: Tensor | None = None) -> Tensor:
     return Tensor(value)
 
 
+def _describe(t: Tensor) -> str:
+    label = f"parameter {t.name!r} " if isinstance(t, Param) else ""
+    return f"{label}{tuple(t.shape)} {t.dtype}"
+
+
 def apply(name: str, *args, **settings) -> Tensor:
     """Run primitive `name` on `args` (Tensors, arrays or scalars) and record it when grads are needed."""
     prim = PRIMITIVES[name]
     like = next((a for a in args if isinstance(a, Tensor)), None)
     inputs = tuple(as_tensor(a, like) for a in args)
-    out, saved = prim.forward(*(t.data for t in inputs), **settings)
+    float_dtypes = {t.dtype for t in inputs if t.dtype.kind == "f"}
+    if len(float_dtypes) > 1:  # numpy would silently promote, and gradients would change dtype
+        raise TypeError(
+            f"{name}: inputs of different dtypes ({', '.join(map(_describe, inputs))}); "
+            "cast them to one dtype first (e.g. x.astype(np.float32))"
+        )
+    try:
+        out, saved = prim.forward(*(t.data for t in inputs), **settings)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise type(exc)(f"{name} on inputs {', '.join(map(_describe, inputs))}: {exc}") from exc
     result = Tensor(out)
     if _state.grad_enabled and any(t.requires_grad for t in inputs):
         result.requires_grad = True

@@ -54,7 +54,7 @@ def test_memory_is_exact_and_nothing_stays_gathered(comm):
     fully_shard(model, comm, units=model.layers)
     opt = AdamW(model, lr=1e-3)
     ledger = fsdp_group(model).ledger
-    x, y = np.random.default_rng(comm.rank).standard_normal((4, 7)), np.arange(4) % 3
+    x, y = np.random.default_rng(comm.rank).standard_normal((4, 7), dtype=np.float32), np.arange(4) % 3
     for _ in range(2):
         _step(model, opt, x, y)
     units = fsdp_group(model).units

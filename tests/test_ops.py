@@ -143,6 +143,18 @@ def test_attention_is_causal():
         ),
         (lambda: mpifsdp.ops.embedding(np.ones((4, 2)), np.array([1.0])), "must be integers"),
         (lambda: mpifsdp.ops.dropout(np.ones(3), 1.0, 0), "dropout probability"),
+        (
+            lambda: mpifsdp.ops.linear(np.ones((2, 3)), mpifsdp.Param(np.ones((4, 5)), "head.weight")),
+            r"linear on inputs \(2, 3\) float64, parameter 'head.weight' \(4, 5\) float64: .*weight \(4, 5\)",
+        ),
+        (
+            lambda: mpifsdp.Tensor(np.ones(3)) + np.ones(4),
+            r"add on inputs \(3,\) float64, \(4,\) float64: operands could not be broadcast",
+        ),
+        (
+            lambda: mpifsdp.Param(np.ones(3, np.float32), "w") * np.ones(3),
+            r"mul: inputs of different dtypes \(parameter 'w' \(3,\) float32, \(3,\) float64\); cast",
+        ),
     ],
 )
 def test_bad_input_messages(call, message):

@@ -66,6 +66,7 @@ def test_sharded_training_matches_single_process(comm, make, batch, dtype):
     worst_loss = 0.0
     for step in range(4):
         x, y = batch(step)
+        x = x.astype(dtype) if x.dtype.kind == "f" else x
         losses = []
         for m, opt, (xs, ys) in zip(
             (ref, model),
