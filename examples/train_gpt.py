@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
-from mpifsdp.accounting import mib
+from mpifsdp.accounting import mib, peak_rss_bytes
 from mpifsdp.data import TextData, rank_slice
 from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig
@@ -141,7 +141,7 @@ def main():
             tok_s = tokens_per_step * (step + 1) / (time.perf_counter() - t_start)
             line = (
                 f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.4f} | norm {grad_norm:.2f} "
-                f"| lr {opt.lr:.2e} | {tok_s:,.0f} tok/s"
+                f"| lr {opt.lr:.2e} | {tok_s:,.0f} tok/s | peak RSS {mib(peak_rss_bytes()):.0f} MiB"
             )
             if tty:
                 bar = "#" * int(30 * (step + 1) / cfg.max_steps)
@@ -160,7 +160,7 @@ def main():
     say("sample:\n" + bytes(sample[0].astype(np.uint8)).decode("utf-8", errors="replace"))
 
     memory = group.report()  # every rank's ledgers, gathered
-    peak_rss = max(comm.allgather_object(mpifsdp.accounting.peak_rss_bytes()))
+    peak_rss = max(comm.allgather_object(peak_rss_bytes()))
     if rank == 0:
         mem = memory[0]["memory"]
         print(

@@ -62,3 +62,17 @@ def test_raise_if_any_raises_everywhere(comm):
     with pytest.raises(CollectiveError, match=f"rank {comm.size - 1}: broken here"):
         comm.raise_if_any(error, "the check")
     comm.raise_if_any(None, "a passing check")  # no error anywhere: returns
+
+
+def test_wraps_a_user_communicator(comm):
+    """Comm(any communicator): here the even and the odd ranks each form their own world."""
+    from mpi4py import MPI
+
+    from mpifsdp import Comm
+
+    color = MPI.COMM_WORLD.Get_rank() % 2
+    sub = Comm(MPI.COMM_WORLD.Split(color=color, key=MPI.COMM_WORLD.Get_rank()))
+    members = [r for r in range(MPI.COMM_WORLD.Get_size()) if r % 2 == color]
+    full = np.empty(sub.size)
+    sub.all_gather(np.array([float(MPI.COMM_WORLD.Get_rank())]), full)
+    agree(comm, full.tolist() == members and sub.ledger is not comm.ledger, f"sub-world gathered {full}")
