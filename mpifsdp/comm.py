@@ -36,31 +36,26 @@ class Comm:
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
 
-    @staticmethod
-    def _check_flat(name, *arrays):
-        for a in arrays:
+    def _check_shards(self, op: str, shard, full):
+        """Both contiguous 1-D, same dtype, and `full` exactly N shards long; else a clear error."""
+        for a in (shard, full):
             if a.ndim != 1 or not a.flags.c_contiguous:
-                raise ValueError(f"{name} needs contiguous 1-D arrays, got shape {a.shape}")
+                raise ValueError(f"{op} needs contiguous 1-D arrays, got shape {a.shape}")
+        if full.size != shard.size * self.size or full.dtype != shard.dtype:
+            raise ValueError(
+                f"{op}: a full buffer of {full.size} {full.dtype} elements must hold exactly {self.size} "
+                f"shards of {shard.size} {shard.dtype}"
+            )
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         """full[r*n:(r+1)*n] = shard of rank r, for n = shard.size, on every rank."""
-        self._check_flat("all_gather", shard, full)
-        if full.size != shard.size * self.size or full.dtype != shard.dtype:
-            raise ValueError(
-                f"all_gather: output of {full.size} {full.dtype} elements cannot hold {self.size} shards "
-                f"of {shard.size} {shard.dtype}"
-            )
+        self._check_shards("all_gather", shard, full)
         self.mpi.Allgather(shard, full)
         self.ledger.record(unit, phase, "all_gather", (self.size - 1) * shard.size, shard.itemsize)
 
     def reduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
         """shard = sum over ranks of full[r*n:(r+1)*n] for this rank r (a sum; callers divide)."""
-        self._check_flat("reduce_scatter", shard, full)
-        if full.size != shard.size * self.size or full.dtype != shard.dtype:
-            raise ValueError(
-                f"reduce_scatter: input of {full.size} {full.dtype} elements does not split into "
-                f"{self.size} shards of {shard.size} {shard.dtype}"
-            )
+        self._check_shards("reduce_scatter", shard, full)
         self.mpi.Reduce_scatter_block(full, shard, op=_mpi().SUM)
         self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
 

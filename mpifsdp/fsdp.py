@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .accounting import MemoryLedger
 from .autodiff import grad_enabled, scope
+from .backend import to_numpy
 from .comm import Comm
 from .layers import Module
 from .unit import Unit
@@ -23,10 +24,6 @@ class UnitState:
 
     def __init__(self, unit: Unit | None, params, group: FSDPGroup):
         self.unit, self.params, self.group = unit, params, group  # params: [(name in unit, Param)]
-
-    @property
-    def name(self) -> str:
-        return self.unit.name if self.unit else "root"
 
     def _bind(self, views):
         for name, p in self.params:
@@ -108,7 +105,13 @@ class FSDPGroup:
         return self.comm.allgather_object(mine)
 
     def finalize_pending(self, except_root: bool):
-        """End-of-backward sweep: reduce-scatter (zero) grads of units that backward never reached."""
+        """End-of-backward sweep: reduce-scatter (zero) grads of units that backward never reached.
+
+        [Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
+        not reach the loss has no node in the graph, so the engine never calls its hooks. Without
+        this sweep it would skip its reduce-scatter, and ranks would disagree on the collective
+        sequence whenever the skip is data-dependent (DESIGN invariant 6).
+        """
         for state in [s for s in self.states if s in self.pending]:
             if except_root and state is self.root:
                 continue
@@ -192,8 +195,6 @@ def fsdp_group(model) -> FSDPGroup | None:
 
 def full_state_dict(model: Module) -> dict:
     """Host copies of every parameter by name, gathered unit by unit (collective: call on all ranks)."""
-    from .backend import to_numpy
-
     group = fsdp_group(model)
     if group is None:
         return dict(model.state_dict())
