@@ -47,17 +47,30 @@ class Comm:
                 f"shards of {shard.size} {shard.dtype}"
             )
 
-    def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
-        """full[r*n:(r+1)*n] = shard of rank r, for n = shard.size, on every rank."""
+    def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
+        """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
         self._check_shards("all_gather", shard, full)
-        self.mpi.Allgather(shard, full)
+        request = self.mpi.Iallgather(shard, full)
         self.ledger.record(unit, phase, "all_gather", (self.size - 1) * shard.size, shard.itemsize)
+        return request
+
+    def ireduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
+        """Start shard = sum over ranks of full[r*n:(r+1)*n] for this rank r; returns a request."""
+        self._check_shards("reduce_scatter", shard, full)
+        request = self.mpi.Ireduce_scatter_block(full, shard, op=_mpi().SUM)
+        self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
+        return request
+
+    def wait(self, request):
+        """Complete a request from iall_gather / ireduce_scatter (the one place tests can delay)."""
+        request.Wait()
+
+    def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
+        self.wait(self.iall_gather(shard, full, unit=unit, phase=phase))
 
     def reduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
-        """shard = sum over ranks of full[r*n:(r+1)*n] for this rank r (a sum; callers divide)."""
-        self._check_shards("reduce_scatter", shard, full)
-        self.mpi.Reduce_scatter_block(full, shard, op=_mpi().SUM)
-        self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
+        """A sum: callers divide by size for a mean."""
+        self.wait(self.ireduce_scatter(full, shard, unit=unit, phase=phase))
 
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
         """In-place sum over ranks."""

@@ -5,25 +5,33 @@ nodes recorded under the unit's autodiff scope) -> reshard (free). Backward, thr
 pre_backward gathers again and points every parameter's .grad at a view of one flat full_grad;
 the VJPs accumulate into it; post_backward reduce-scatters it into the grad shard and frees both.
 The rest of the model is the root unit, whose scope encloses everything, so its post_backward is
-the end of backward: it first finalizes any unit that ran forward but whose nodes never reached
-backward, so every rank issues every reduce-scatter (DESIGN invariant 6).
+the end of backward.
+
+Overlap (as FSDP2): while unit k computes, the gathers of the next `prefetch` units are in flight
+(forward: the order units ran in the previous forward, registration order at first; backward: the
+reverse of this forward's order), and each unit's reduce-scatter runs while the next unit's
+backward computes. Every rank issues the same collectives in the same order (DESIGN invariant 5):
+the schedule depends only on the model's structure, never on data.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from .accounting import MemoryLedger
 from .autodiff import grad_enabled, scope
 from .backend import to_numpy
 from .comm import Comm
 from .layers import Module
-from .unit import Unit
+from .unit import BufferPool, Unit
 
 
 class UnitState:
     """The FSDP state of one unit: its Params, and the transitions around forward and backward."""
 
-    def __init__(self, unit: Unit | None, params, group: FSDPGroup):
+    def __init__(self, unit: Unit | None, params, group: FSDPGroup, reshard_after_forward: bool):
         self.unit, self.params, self.group = unit, params, group  # params: [(name in unit, Param)]
+        self.reshard_after_forward = reshard_after_forward
 
     def _bind(self, views):
         for name, p in self.params:
@@ -35,55 +43,108 @@ class UnitState:
 
     # -- forward ----------------------------------------------------------------------------------
     def run_forward(self, forward, *args, **kwargs):
-        """Module._forward_wrapper: the unit is unsharded exactly while its forward runs."""
+        """Module._forward_wrapper: the unit is unsharded while its forward runs."""
+        group, is_root = self.group, self is self.group.root
+        if is_root:
+            group.recording = []
         if self.unit is not None:
             self._bind(self.unit.unshard("forward"))
+        group.prefetch(self, "forward")
         try:
             if not grad_enabled():
                 return forward(*args, **kwargs)
-            self.group.pending.add(self)
+            group.pending.add(self)
             with scope(self):
                 return forward(*args, **kwargs)
         finally:
+            if not is_root:
+                group.recording.append(self)
             if self.unit is not None:
                 self._unbind()
-                self.unit.reshard()
+                if self.reshard_after_forward or not grad_enabled():
+                    self.unit.reshard()
+            if is_root:
+                group.end_forward()
 
     # -- backward (called by the autodiff engine through the scope) -------------------------------
     def pre_backward(self):
-        if self.unit is None:
-            return
-        self._bind(self.unit.unshard("backward"))
-        grads = self.unit.zero_full_grad()
-        for name, p in self.params:
-            p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+        if self.unit is not None:
+            self._bind(self.unit.unshard("backward"))
+            grads = self.unit.zero_full_grad()
+            for name, p in self.params:
+                p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+        self.group.prefetch(self, "backward")
 
     def post_backward(self):
-        if self is self.group.root:
-            self.group.finalize_pending(except_root=True)
-        self.group.pending.discard(self)
-        if self.unit is None:
-            return
-        for _, p in self.params:
-            p.grad = None
-        self.unit.reduce_grad(phase="backward")
-        self._unbind()
-        self.unit.reshard()
+        group = self.group
+        if self is group.root:
+            group.finalize_pending()
+        group.pending.discard(self)
+        if self.unit is not None:
+            for _, p in self.params:
+                p.grad = None
+            self._unbind()
+            self.unit.start_reduce_grad(phase="backward")
+            self.unit.reshard()
+            group.reducing.append(self.unit)
+        while len(group.reducing) > (0 if self is group.root else group.max_reducing):
+            group.reducing.popleft().finish_reduce_grad()
+        if self is group.root:
+            group.release_prefetched()
 
 
 class FSDPGroup:
-    """All units of one sharded model, their shared memory ledger, and the root."""
+    """All units of one sharded model: the shared ledger and pool, the root, and the schedule."""
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, prefetch: int, max_reducing: int = 1):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 (units gathered ahead), got {prefetch}")
         self.comm = comm
         self.ledger = MemoryLedger()
+        self.pool = BufferPool()
         self.states: list[UnitState] = []
         self.root: UnitState | None = None
+        self.prefetch_depth = prefetch
+        self.max_reducing = max_reducing  # reduce-scatters left in flight while backward goes on
         self.pending: set = set()  # units whose forward ran with grad and await post_backward
+        self.recording: list = []  # non-root units in the order this forward ran them
+        self.forward_order: list = []  # ... as the previous forward ran them (drives prefetch)
+        self.backward_order: list = []  # the reverse of the last forward with grad
+        self.reducing: deque = deque()  # units whose reduce-scatter is in flight
 
     @property
     def units(self) -> list[Unit]:
         return [s.unit for s in self.states if s.unit is not None]
+
+    def prefetch(self, state: UnitState, direction: str):
+        """Start the gathers of the next `prefetch` units after `state` in this pass's order."""
+        if direction == "forward":
+            order = self.forward_order or [s for s in self.states if s is not self.root]
+        else:
+            order = self.backward_order
+        if state is self.root:
+            ahead = order[: self.prefetch_depth]
+        elif state in order:
+            i = order.index(state)
+            ahead = order[i + 1 : i + 1 + self.prefetch_depth]
+        else:
+            ahead = []
+        for nxt in ahead:
+            if nxt.unit is not None:
+                nxt.unit.start_unshard(direction)
+
+    def end_forward(self):
+        self.forward_order = self.recording
+        if grad_enabled():
+            self.backward_order = list(reversed(self.recording))
+        self.release_prefetched()
+
+    def release_prefetched(self):
+        """Reshard units gathered ahead that will not run now (a changed order, or the pass ended)."""
+        for s in self.states:
+            keep = s in self.pending and not s.reshard_after_forward
+            if s is not self.root and s.unit is not None and not keep:
+                s.unit.reshard()
 
     def plan(self) -> dict:
         """Expected bytes per rank: persistent 16 * shard (fp32 AdamW) plus what is gathered at once."""
@@ -97,14 +158,16 @@ class FSDPGroup:
             "persistent": 4 * itemsize * sum(u.numel for u in units),
             "largest_unit": max(others, default=0),
             "root_unit": root,
+            "prefetch": self.prefetch_depth,
         }
 
     def report(self) -> list[dict]:
         """Every rank's memory and communication ledgers (collective: call on all ranks)."""
-        mine = {"rank": self.comm.rank, "memory": self.ledger.report(), "comm": self.comm.ledger.report()}
+        memory = {**self.ledger.report(), "pool_bytes": self.pool.nbytes}
+        mine = {"rank": self.comm.rank, "memory": memory, "comm": self.comm.ledger.report()}
         return self.comm.allgather_object(mine)
 
-    def finalize_pending(self, except_root: bool):
+    def finalize_pending(self):
         """End-of-backward sweep: reduce-scatter (zero) grads of units that backward never reached.
 
         [Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
@@ -112,9 +175,7 @@ class FSDPGroup:
         this sweep it would skip its reduce-scatter, and ranks would disagree on the collective
         sequence whenever the skip is data-dependent (DESIGN invariant 6).
         """
-        for state in [s for s in self.states if s in self.pending]:
-            if except_root and state is self.root:
-                continue
+        for state in [s for s in self.states if s in self.pending and s is not self.root]:
             state.pre_backward()
             state.post_backward()
 
@@ -137,11 +198,18 @@ def _owned_params(module: Module, prefix: str, unit_ids: set) -> list:
     return found
 
 
-def fully_shard(model: Module, comm: Comm, units=()) -> Module:
+def fully_shard(
+    model: Module, comm: Comm, units=(), *, prefetch: int = 1, reshard_after_forward=True, reshard_root=False
+) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
     After this, every rank holds only its 1/N shard of each unit's parameters; run the model as
     usual (loss = model(x, y); loss.backward()), and build AdamW(model) to step the shards.
+    prefetch: units whose gather runs ahead of compute (0 = none; memory grows by one unit each).
+    reshard_after_forward: True frees a unit's parameters after its forward and gathers them again
+    for backward; False keeps them (2 collectives per step instead of 3, more memory). A bool for
+    every unit, or a dict {unit module: bool}. reshard_root: the same for the root unit (FSDP2 keeps
+    it, as its parameters are the first needed by backward).
     """
     if getattr(model, "_fsdp", None) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -153,6 +221,10 @@ def fully_shard(model: Module, comm: Comm, units=()) -> Module:
             f"units must be submodules of the model (got {unknown or ['the model itself']}); "
             "the model is always the root unit"
         )
+    if isinstance(reshard_after_forward, dict):
+        flags = [bool(reshard_after_forward.get(u, True)) for u in units]
+    else:
+        flags = [bool(reshard_after_forward)] * len(units)
     unit_ids = {id(u) for u in units}
     owned = [(names[id(u)], _owned_params(u, names[id(u)], unit_ids)) for u in units]
     owned.append(("root", _owned_params(model, "", unit_ids)))
@@ -171,18 +243,21 @@ def fully_shard(model: Module, comm: Comm, units=()) -> Module:
         )
     comm.raise_if_any(error, "fully_shard")
 
-    group = FSDPGroup(comm)
+    group = FSDPGroup(comm, prefetch)
     modules = list(units) + [model]
-    for module, (unit_name, params) in zip(modules, owned):
+    for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
         unit = None
         if params or module is not model:
-            unit = Unit(unit_name, [(n, p.data) for n, p in params], comm, ledger=group.ledger)
-        state = UnitState(unit, params, group)
+            unit = Unit(
+                unit_name, [(n, p.data) for n, p in params], comm, ledger=group.ledger, pool=group.pool
+            )
+        state = UnitState(unit, params, group, flag)
         for n, p in params:
             p.name, p.unit_name = n, unit_name
         group.states.append(state)
         module._forward_wrapper = state.run_forward
     group.root = group.states[-1]
+    group.pool.size = max(u.layout.padded_numel for u in group.units)
     for state in group.states:
         state._unbind()  # from here on, parameters exist only as shards
     model._fsdp = group

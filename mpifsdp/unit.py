@@ -9,23 +9,69 @@ Nothing here knows about autodiff, so a NumPy/CuPy code with hand-written gradie
         grads = my_gradients(p["w"], p["b"], my_batch)
     unit.reduce_grad(grads)                        # Reduce_scatter (mean over ranks) -> grad_shard
     opt = AdamW([unit], lr=1e-2); opt.step()       # local update of this rank's shard
+
+The gathers and reduce-scatters can also run nonblocking (start_unshard, start_reduce_grad) so
+that FSDP overlaps them with compute; `full` and `full_grad` come from a BufferPool, so no large
+buffer is allocated per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 from .accounting import MemoryLedger
 from .backend import array_module_of
 from .flat import FlatLayout
 
 
+class BufferPool:
+    """Flat buffers reused across units and steps: no large allocation (and page faults) per step.
+
+    Every buffer has `size` elements (set by the owner to the largest unit), so any free buffer
+    serves any unit; the pool grows only to the number of buffers in use at once.
+    """
+
+    def __init__(self, size: int = 0):
+        self.size = size
+        self._free: dict = {}  # dtype -> list of free buffers
+        self.nbytes = 0  # physical bytes the pool holds
+
+    def take(self, numel: int, dtype, xp, zero: bool = False):
+        free = self._free.setdefault(np.dtype(dtype), [])
+        buf = next((b for b in free if b.size >= numel), None)
+        if buf is None:
+            buf = xp.empty(max(numel, self.size), dtype=dtype)
+            self.nbytes += buf.nbytes
+        else:
+            free.remove(buf)
+        view = buf[:numel]
+        if zero:
+            view.fill(0)
+        return view
+
+    def give(self, view):
+        base = view if view.base is None else view.base
+        self._free[np.dtype(base.dtype)].append(base)
+
+
 class Unit:
-    def __init__(self, name: str, named_arrays, comm, *, dtype=None, ledger: MemoryLedger | None = None):
+    def __init__(
+        self,
+        name: str,
+        named_arrays,
+        comm,
+        *,
+        dtype=None,
+        ledger: MemoryLedger | None = None,
+        pool: BufferPool | None = None,
+    ):
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm = name, comm
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.layout = self._agreed_layout(named_arrays, dtype)
+        self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
@@ -38,8 +84,10 @@ class Unit:
         self.has_grad = False
         self.ledger.alloc("param_shard", self.shard.nbytes)
         self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
-        self.full = None
-        self.full_grad = None
+        self.full = None  # gathered parameters, while unsharded (or gathering)
+        self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
+        self._gathering = None  # request of an unshard in flight
+        self._reducing = None  # (request, receive buffer, full_grad) of a reduce-scatter in flight
 
     def _agreed_layout(self, named_arrays, dtype) -> FlatLayout:
         """Build the layout and check, collectively, that every rank built the same one."""
@@ -64,21 +112,41 @@ class Unit:
 
     @property
     def state(self) -> str:
-        return "sharded" if self.full is None else "unsharded"
+        if self.full is None:
+            return "sharded"
+        return "gathering" if self._gathering is not None else "unsharded"
+
+    def _take(self, category: str, zero: bool = False):
+        buf = self.pool.take(self.layout.padded_numel, self.layout.dtype, self.xp, zero=zero)
+        self.ledger.alloc(category, buf.nbytes)
+        return buf
+
+    def _give(self, category: str, buf):
+        self.ledger.free(category, buf.nbytes)
+        self.pool.give(buf)
 
     # -- parameters ---------------------------------------------------------------------------------
-    def unshard(self, phase: str = "forward") -> dict:
-        """Allgather the full parameters (idempotent); returns name -> view into `full`."""
+    def start_unshard(self, phase: str = "forward"):
+        """Begin gathering the full parameters without waiting (a no-op unless sharded)."""
         if self.full is None:
-            self.full = self.xp.empty(self.layout.padded_numel, dtype=self.layout.dtype)
-            self.ledger.alloc("gathered_params", self.full.nbytes)
-            self.comm.all_gather(self.shard, self.full, unit=self.name, phase=phase)
+            self.full = self._take("gathered_params")
+            self._gathering = self.comm.iall_gather(self.shard, self.full, unit=self.name, phase=phase)
+
+    def unshard(self, phase: str = "forward") -> dict:
+        """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
+        self.start_unshard(phase)
+        if self._gathering is not None:
+            self.comm.wait(self._gathering)
+            self._gathering = None
         return self.layout.views(self.full)
 
     def reshard(self):
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""
+        if self._gathering is not None:  # a buffer MPI is still writing cannot go back to the pool
+            self.comm.wait(self._gathering)
+            self._gathering = None
         if self.full is not None:
-            self.ledger.free("gathered_params", self.full.nbytes)
+            self._give("gathered_params", self.full)
             self.full = None
 
     @contextlib.contextmanager
@@ -91,44 +159,68 @@ class Unit:
 
     # -- gradients ----------------------------------------------------------------------------------
     def zero_full_grad(self) -> dict:
-        """Allocate a zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
+        """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
         if self.full_grad is None:
-            self.full_grad = self.xp.zeros(self.layout.padded_numel, dtype=self.layout.dtype)
-            self.ledger.alloc("gathered_grads", self.full_grad.nbytes)
+            self.full_grad = self._take("gathered_grads", zero=True)
         return self.layout.views(self.full_grad)
 
-    def reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
-        """Reduce_scatter `full_grad` (or the given name -> array grads) and add the mean to grad_shard.
+    def start_reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
+        """Begin the reduce-scatter of `full_grad` (or of the given name -> array grads)."""
+        if grads is not None:
+            self._load_grads(grads)
+        elif self.full_grad is None:
+            raise RuntimeError(
+                f"unit {self.name!r}: reduce_grad() without gradients: pass them, or zero_full_grad() first"
+            )
+        self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
+        # A zero grad_shard (after zero_grad) receives the sum directly; otherwise a temporary does,
+        # so gradients accumulate across backward calls until zeroed.
+        receive = self.grad_shard
+        if self.has_grad:
+            receive = self.pool.take(self.layout.shard_numel, self.layout.dtype, self.xp)
+            self.ledger.alloc("gathered_grads", receive.nbytes)
+        request = self.comm.ireduce_scatter(self.full_grad, receive, unit=self.name, phase=phase)
+        self._reducing = (request, receive, self.full_grad)
+        self.full_grad = None
+
+    def finish_reduce_grad(self):
+        """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
 
         [Note: gradient averaging] Reduce-scatter sums over ranks; dividing by N gives the gradient
         of the global-batch mean when every rank holds an equal share of the batch (invariant 3).
         """
-        if grads is not None:
-            views = self.zero_full_grad()
-            missing = set(self.layout.names) - set(grads)
-            if missing:
-                raise KeyError(f"unit {self.name!r}: reduce_grad is missing gradients for {sorted(missing)}")
-            for name, g in grads.items():
-                if name not in views:
-                    raise KeyError(f"unit {self.name!r} has no tensor {name!r}")
-                if tuple(g.shape) != views[name].shape:
-                    raise ValueError(
-                        f"unit {self.name!r}: gradient {name!r} has shape {tuple(g.shape)}, "
-                        f"expected {views[name].shape}"
-                    )
-                views[name][...] = g
-        elif self.full_grad is None:
-            raise RuntimeError(
-                f"unit {self.name!r}: reduce_grad() without gradients: pass them or zero_full_grad()"
-            )
-        mean = self.xp.empty_like(self.grad_shard)
-        self.ledger.alloc("gathered_grads", mean.nbytes)
-        self.comm.reduce_scatter(self.full_grad, mean, unit=self.name, phase=phase)
-        mean /= self.comm.size
-        self.grad_shard += mean
+        if self._reducing is None:
+            return
+        request, receive, full_grad = self._reducing
+        self._reducing = None
+        self.comm.wait(request)
+        receive /= self.comm.size
+        if receive is not self.grad_shard:
+            self.grad_shard += receive
+            self.ledger.free("gathered_grads", receive.nbytes)
+            self.pool.give(receive)
         self.has_grad = True
-        self.ledger.free("gathered_grads", mean.nbytes + self.full_grad.nbytes)
-        self.full_grad = None
+        self._give("gathered_grads", full_grad)
+
+    def reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
+        """Reduce-scatter the gradients now: grad_shard += mean over ranks of this rank's slice."""
+        self.start_reduce_grad(grads, phase)
+        self.finish_reduce_grad()
+
+    def _load_grads(self, grads: dict):
+        views = self.zero_full_grad()
+        missing = set(self.layout.names) - set(grads)
+        if missing:
+            raise KeyError(f"unit {self.name!r}: reduce_grad is missing gradients for {sorted(missing)}")
+        for name, g in grads.items():
+            if name not in views:
+                raise KeyError(f"unit {self.name!r} has no tensor {name!r}")
+            if tuple(g.shape) != views[name].shape:
+                raise ValueError(
+                    f"unit {self.name!r}: gradient {name!r} has shape {tuple(g.shape)}, "
+                    f"expected {views[name].shape}"
+                )
+            views[name][...] = g
 
     # -- the flat-group protocol of optim.AdamW ---------------------------------------------------
     @property

@@ -1,8 +1,5 @@
 """fully_shard: exact communication and memory, freeing, the end-of-backward sweep, and errors."""
 
-import gc
-import weakref
-
 import numpy as np
 import pytest
 from conftest import agree
@@ -30,7 +27,7 @@ def _step(model, opt, x, y):
 
 def test_communication_per_step_is_exact(comm):
     model = GPT(CFG, seed=0)
-    fully_shard(model, comm, units=model.blocks)
+    fully_shard(model, comm, units=model.blocks, reshard_root=True)  # every unit: 3 collectives
     opt = AdamW(model, lr=1e-3)
     comm.ledger.reset()
     _step(model, opt, *_batch(comm))
@@ -49,54 +46,86 @@ def test_communication_per_step_is_exact(comm):
     assert ledger.total("bytes") == 4 * ledger.total("elements")
 
 
-def test_memory_is_exact_and_nothing_stays_gathered(comm):
-    model = MLPClassifier([7, 13, 5, 3], seed=0)  # every layer a unit: the root holds nothing
-    fully_shard(model, comm, units=model.layers)
+@pytest.mark.parametrize("keep", ["root", "all"])
+def test_units_kept_after_forward_skip_the_backward_gather(comm, keep):
+    """reshard_after_forward=False (and the root by default): 2 collectives per step instead of 3."""
+    model = GPT(CFG, seed=0)
+    fully_shard(model, comm, units=model.blocks, reshard_after_forward=keep == "root")
     opt = AdamW(model, lr=1e-3)
-    ledger = fsdp_group(model).ledger
-    x, y = np.random.default_rng(comm.rank).standard_normal((4, 7), dtype=np.float32), np.arange(4) % 3
-    for _ in range(2):
+    _step(model, opt, *_batch(comm))  # the first step also builds the prefetch order
+    comm.ledger.reset()
+    _step(model, opt, *_batch(comm))
+    for unit in fsdp_group(model).units:
+        kept = keep == "all" or unit.name == "root"
+        assert comm.ledger.total("calls", unit=unit.name, phase="backward", op="all_gather") == (
+            0 if kept else 1
+        )
+        assert comm.ledger.total("calls", unit=unit.name) == (2 if kept else 3)
+        assert unit.full is None and unit.full_grad is None
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_memory_is_exact_and_nothing_stays_gathered(comm, prefetch):
+    """Gathered peak = (1 + prefetch) units exactly; persistent = 16 bytes per shard element."""
+    model = MLPClassifier([8] * 6, seed=0)  # 5 equal units of 72 elements; the root holds nothing
+    fully_shard(model, comm, units=model.layers, prefetch=prefetch)
+    opt = AdamW(model, lr=1e-3)
+    group = fsdp_group(model)
+    x, y = np.random.default_rng(comm.rank).standard_normal((4, 8), dtype=np.float32), np.arange(4) % 3
+    for _ in range(3):
         _step(model, opt, x, y)
-    units = fsdp_group(model).units
-    shard_numel = sum(u.numel for u in units)
-    largest = max(u.layout.padded_numel for u in units) * 4
-    report = ledger.report()
-    assert report["persistent"] == 16 * shard_numel  # fp32 params, grads, m, v
+    unit_bytes = group.units[0].layout.padded_numel * 4
+    report = group.ledger.report()
+    assert report["persistent"] == 16 * sum(u.numel for u in group.units)  # fp32 params, grads, m, v
     assert report["current"]["gathered_params"] == 0 and report["current"]["gathered_grads"] == 0
-    assert report["peak"]["gathered_params"] == largest  # one unit at a time, no prefetch yet
-    assert all(u.full is None and u.full_grad is None for u in units)
+    assert report["peak"]["gathered_params"] == (1 + prefetch) * unit_bytes
+    assert report["peak"]["gathered_grads"] <= 2 * unit_bytes  # one reduce-scatter left in flight
+    assert group.pool.nbytes <= (1 + prefetch + 2) * unit_bytes  # buffers are reused, not re-allocated
+    assert all(u.full is None and u.full_grad is None for u in group.units)
     assert all(p._data is None for p in model.parameters())
 
 
 def test_root_stays_gathered_next_to_one_block(comm):
-    """The root unit (embeddings, ln_f, tied head) is gathered through forward and backward, as in FSDP2."""
+    """The root unit (embeddings, ln_f, tied head) stays gathered through forward and backward (FSDP2)."""
     model = GPT(CFG, seed=0)
     fully_shard(model, comm, units=model.blocks)
     _step(model, AdamW(model, lr=1e-3), *_batch(comm))
     group = fsdp_group(model)
     root, blocks = group.root.unit, [u for u in group.units if u is not group.root.unit]
     peak = group.ledger.report()["peak"]["gathered_params"]
-    assert peak == 4 * (root.layout.padded_numel + max(b.layout.padded_numel for b in blocks))
+    assert peak == 4 * (
+        root.layout.padded_numel + 2 * max(b.layout.padded_numel for b in blocks)
+    )  # prefetch 1
 
 
-def test_gathered_parameters_are_freed_after_forward(comm):
-    """Invariant 1 end to end: no tape entry keeps a view of a unit's gathered buffer alive."""
+def _arrays_in(value):
+    if isinstance(value, np.ndarray):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _arrays_in(v)
+
+
+def test_tape_holds_no_view_of_gathered_parameters(comm):
+    """Invariant 1 end to end: after forward, nothing the tape keeps shares memory with a gather buffer."""
     model = GPT(CFG, seed=0)
-    fully_shard(model, comm, units=model.blocks)
-    refs = []
-    for unit in fsdp_group(model).units:
-        original = unit.unshard
-
-        def tracking_unshard(phase="forward", unit=unit, original=original):
-            views = original(phase)
-            refs.append(weakref.ref(unit.full))
-            return views
-
-        unit.unshard = tracking_unshard
+    fully_shard(model, comm, units=model.blocks, reshard_root=True)
     loss = model(*_batch(comm))
-    gc.collect()
-    alive = sum(r() is not None for r in refs)
-    assert len(refs) == CFG.n_layer + 1 and alive == 0, f"{alive} gathered buffers still alive after forward"
+    group = fsdp_group(model)
+    assert all(u.full is None for u in group.units)
+    buffers = [b for free in group.pool._free.values() for b in free]
+    assert buffers, "the forward gathered through the pool"
+    held, stack, seen = [], [loss], set()
+    while stack:  # every array the graph keeps: saved values and non-parameter inputs
+        t = stack.pop()
+        if id(t) in seen or t._node is None:
+            continue
+        seen.add(id(t))
+        held += list(_arrays_in(t._node.saved))
+        held += [i._data for i in t._node.inputs if i._data is not None]
+        stack += list(t._node.inputs)
+    leaks = sum(np.shares_memory(a, b) for a in held for b in buffers)
+    assert len(held) > 50 and leaks == 0, f"{leaks} tape arrays alias gathered parameters"
     loss.backward()
 
 
