@@ -74,7 +74,10 @@ def main():
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    x, y = (torch.from_numpy(a[rank * cfg["batch_size"] : (rank + 1) * cfg["batch_size"]]) for a in random_batch(cfg, cfg["batch_size"] * world))
+    x, y = (
+        torch.from_numpy(a[rank * cfg["batch_size"] : (rank + 1) * cfg["batch_size"]])
+        for a in random_batch(cfg, cfg["batch_size"] * world)
+    )
     times = []
     for i in range(args.steps + 1):
         dist.barrier()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .accounting import CommLedger
+from .threads import configure_threads
 
 
 class CollectiveError(RuntimeError):
@@ -25,13 +26,16 @@ def _mpi():
 class Comm:
     """Collectives on flat, contiguous arrays: all_gather, reduce_scatter, all_reduce, broadcast."""
 
-    def __init__(self, mpi_comm=None, clone: bool = True):
+    def __init__(self, mpi_comm=None, clone: bool = True, threads="auto"):
+        """threads: BLAS threads per rank: "auto" (the node's cores shared by its ranks, unless
+        OMP_NUM_THREADS or similar is set), an int, or None to leave BLAS alone (see threads.py)."""
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = base.Clone() if clone else base
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.ledger = CommLedger()
+        self.threads = configure_threads(self.mpi, threads)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"

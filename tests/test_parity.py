@@ -4,11 +4,13 @@ Runs at N = 1 under plain pytest and N = 2, 3, 4 under mpiexec (make test). Shap
 that units pad at N = 3 and 4. Losses every step, final parameters and AdamW moments must agree.
 """
 
+import time
+
 import numpy as np
 import pytest
 from conftest import agree
 
-from mpifsdp import AdamW, full_state_dict, fully_shard
+from mpifsdp import AdamW, Comm, full_state_dict, fully_shard
 from mpifsdp.data import rank_slice
 from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
@@ -54,13 +56,30 @@ def _moments_by_name(opt, model):
     return out
 
 
+class DelayedComm(Comm):
+    """Every collective completes only after a sleep: overlap must never change a result."""
+
+    def wait(self, request):
+        time.sleep(0.002)
+        super().wait(request)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("make,batch", [(_gpt, _gpt_batch), (_mlp, _mlp_batch)], ids=["gpt", "mlp"])
-def test_sharded_training_matches_single_process(comm, make, batch, dtype):
+@pytest.mark.parametrize("schedule", ["prefetch1", "prefetch2-keep", "no-prefetch", "delayed"])
+def test_sharded_training_matches_single_process(comm, make, batch, dtype, schedule):
     tol = TOLERANCE[dtype]
     ref, _ = make(dtype)
     model, units = make(dtype)
-    fully_shard(model, comm, units=units(model))
+    options = {
+        "prefetch1": dict(prefetch=1),
+        "prefetch2-keep": dict(prefetch=2, reshard_after_forward=False),
+        "no-prefetch": dict(prefetch=0, reshard_root=True),
+        "delayed": dict(prefetch=1),
+    }[schedule]
+    if schedule == "delayed":
+        comm = DelayedComm(threads=None)
+    fully_shard(model, comm, units=units(model), **options)
     opts = [AdamW(m, lr=1e-2, weight_decay=0.1) for m in (ref, model)]
 
     worst_loss = 0.0
