@@ -1,23 +1,37 @@
-"""Sharded training step at N = 1, 2, 4 vs the single-process unsharded step on the same global batch.
+"""Sharded training step at N = 1, 2, 4 vs the single-process step and vs PyTorch FSDP2, same run.
 
-Each configuration runs as its own job, BLAS threads per rank = cores / N (the unsharded reference
-uses all cores), in one invocation so the figures are comparable. One JSON line per run, then a
-summary line with the ratios to the reference.
-    python bench/bench_fsdp.py [--config peer|small] [--steps 5] [--sizes 1,2,4]
+For each N: mpifsdp (BLAS threads per rank = cores / N); the same step with communication replaced by
+local copies (exposed communication = the difference); the single-process unsharded step on the same
+global batch with all cores; and, where torch is installed, the same model under PyTorch FSDP2 with
+gloo (bench/torch_fsdp2.py). One JSON line per run, then one summary line per N and a final one.
+    python bench/bench_fsdp.py [--config peer|small] [--steps 5] [--sizes 1,2,4] [--prefetch 1]
+On machines that set OPENBLAS_CORETYPE for old OpenBLAS builds, run it as
+`env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_fsdp.py` (make bench does).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, gpt_config, peak_rss_mib, random_batch, train_step  # noqa: E402
+from common import (  # noqa: E402
+    CONFIGS,
+    LocalComm,
+    blas_kernel,
+    current_rss_mib,
+    gpt_config,
+    peak_rss_mib,
+    random_batch,
+    train_step,
+)
 
 
 def worker(args):
@@ -26,17 +40,19 @@ def worker(args):
     from mpi4py import MPI
 
     import mpifsdp
+    from mpifsdp.autodiff import graph_nbytes
     from mpifsdp.data import rank_slice
     from mpifsdp.models import GPT
 
     cfg = CONFIGS[args.config]
-    comm = mpifsdp.Comm()
+    comm = LocalComm() if args.local_comm else mpifsdp.Comm()
+    baseline = current_rss_mib()  # the interpreter, numpy, mpi4py: before any model
     N = comm.size
     model = GPT(gpt_config(cfg), seed=0)
     global_batch = cfg["batch_size"] * (args.ranks_equivalent if args.unsharded else N)
     x, y = random_batch(cfg, global_batch)
     if not args.unsharded:
-        mpifsdp.fully_shard(model, comm, units=model.blocks)
+        mpifsdp.fully_shard(model, comm, units=model.blocks, prefetch=args.prefetch)
         x, y = rank_slice(x, comm.rank, N), rank_slice(y, comm.rank, N)
     opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)
     times = []
@@ -49,22 +65,39 @@ def worker(args):
         dt = comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         if i:
             times.append(dt)
-    step_s = float(np.median(times))
     rss = max(comm.allgather_object(peak_rss_mib()))
+    loss = model(x, y)  # one more forward, to weigh what the tape keeps
+    activations = graph_nbytes(loss) / 2**20
+    loss.backward()
+    group = mpifsdp.fsdp.fsdp_group(model)
+    runtime = (group.ledger.peak_total if group else 16 * model.num_params()) / 2**20
     if comm.rank == 0:
         tokens = global_batch * cfg["block_size"]
+        step_s = float(np.median(times))
+        formula = baseline + runtime + activations
+        impl = (
+            "single-process" if args.unsharded else ("mpifsdp-local-copies" if args.local_comm else "mpifsdp")
+        )
         print(
             json.dumps(
                 {
-                    "impl": "single-process" if args.unsharded else "mpifsdp",
+                    "impl": impl,
                     "config": args.config,
                     "world_size": 1 if args.unsharded else N,
                     "global_batch": global_batch,
                     "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")),
+                    "blas": blas_kernel(),
                     "step_s": round(step_s, 4),
                     "tokens_per_s": round(tokens / step_s, 1),
                     "peak_rss_mib_per_rank": round(rss, 1),
                     "comm_bytes_per_step": comm.ledger.total("bytes"),
+                    "rss_terms_mib": {
+                        "interpreter": round(baseline, 1),
+                        "shards_and_gathered_peak": round(runtime, 1),
+                        "activations": round(activations, 1),
+                        "sum": round(formula, 1),
+                    },
+                    "rss_vs_terms": round(rss / formula, 3),
                 }
             ),
             flush=True,
@@ -73,8 +106,10 @@ def worker(args):
 
 def run(cmd, threads):
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    line = out.strip().splitlines()[-1]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    line = result.stdout.strip().splitlines()[-1]
     print(line, flush=True)
     return json.loads(line)
 
@@ -84,8 +119,11 @@ def main():
     ap.add_argument("--config", choices=CONFIGS, default="peer")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sizes", default="1,2,4")
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--no-torch", action="store_true", help="skip PyTorch FSDP2 even if torch is installed")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--unsharded", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--local-comm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-equivalent", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -94,13 +132,36 @@ def main():
     cores = os.cpu_count() or 1
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     me = [sys.executable, "-m", "mpi4py", __file__, "--worker"]
-    me += ["--config", args.config, "--steps", str(args.steps)]
-    summary = {"bench": "fsdp", "config": args.config, "cores": cores}
+    me += ["--config", args.config, "--steps", str(args.steps), "--prefetch", str(args.prefetch)]
+    with_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
+    final = {"bench": "fsdp", "config": args.config, "cores": cores, "torch": with_torch}
     for n in map(int, args.sizes.split(",")):
-        sharded = run([mpiexec, "-n", str(n), *me], max(1, cores // n))
+        threads = max(1, cores // n)
+        ours = run([mpiexec, "-n", str(n), *me], threads)
+        local = run([mpiexec, "-n", str(n), *me, "--local-comm"], threads)
         single = run([*me, "--unsharded", "--ranks-equivalent", str(n)], cores)
-        summary[f"N{n}_step_vs_single"] = round(sharded["step_s"] / single["step_s"], 3)
-    print(json.dumps(summary))
+        summary = {
+            "world_size": n,
+            "step_vs_single": round(ours["step_s"] / single["step_s"], 3),
+            "exposed_comm_fraction": round(max(0.0, ours["step_s"] - local["step_s"]) / ours["step_s"], 3),
+            "rss_vs_terms": ours["rss_vs_terms"],
+        }
+        if with_torch:
+            torch_cmd = [
+                sys.executable,
+                str(Path(__file__).parent / "torch_fsdp2.py"),
+                "--config",
+                args.config,
+            ]
+            torch_cmd += ["--steps", str(args.steps), "--port", str(random.randint(20000, 40000))]
+            torch = run([mpiexec, "-n", str(n), *torch_cmd], threads)
+            summary["tokens_per_s_vs_torch"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
+            summary["peak_rss_vs_torch"] = round(
+                ours["peak_rss_mib_per_rank"] / torch["peak_rss_mib_per_rank"], 3
+            )
+        print(json.dumps({"bench": "fsdp-summary", **summary}), flush=True)
+        final[f"N{n}"] = summary
+    print(json.dumps(final))
 
 
 if __name__ == "__main__":

@@ -319,6 +319,25 @@ def _nodes_in_reverse_order(root: Tensor) -> list[Tensor]:
     return order
 
 
+def graph_nbytes(root: Tensor) -> int:
+    """Bytes of the distinct arrays the graph behind `root` keeps for backward (activations)."""
+    seen_arrays, total = set(), 0
+    for tensor in _nodes_in_reverse_order(root):
+        node = tensor._node
+        held = [t._data for t in node.inputs if not isinstance(t, Param) and t._data is not None]
+        stack = held + [node.saved]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (tuple, list)):
+                stack.extend(item)
+            elif hasattr(item, "nbytes") and hasattr(item, "base"):
+                base = item if item.base is None else item.base
+                if id(base) not in seen_arrays:
+                    seen_arrays.add(id(base))
+                    total += base.nbytes
+    return total
+
+
 def backward(root: Tensor, grad=None):
     """Accumulate d(root)/d(leaf) into every leaf's .grad, freeing the graph as it goes."""
     if root._freed:
