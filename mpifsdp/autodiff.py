@@ -32,21 +32,35 @@ class Primitive:
     name: str
     forward: Callable
     vjp: Callable
+    reads_inputs: bool = True  # False: the VJP needs only the inputs' shapes, never their values
 
 
 PRIMITIVES: dict[str, Primitive] = {}
 
 
-def primitive(name: str, vjp: Callable):
-    """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive."""
+def primitive(name: str, vjp: Callable, reads_inputs: bool = True):
+    """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
+
+    reads_inputs=False lets the tape drop its reference to the input arrays (only their shapes are
+    kept), so activations consumed only by such ops (add, reshape, ...) are freed during forward.
+    """
 
     def register(forward):
         if name in PRIMITIVES:
             raise ValueError(f"primitive {name!r} registered twice")
-        PRIMITIVES[name] = Primitive(name, forward, vjp)
+        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs)
         return PRIMITIVES[name]
 
     return register
+
+
+class ArrayMeta:
+    """What a shape-only VJP may know of an input array: shape, dtype, ndim, size."""
+
+    __slots__ = ("shape", "dtype", "ndim", "size")
+
+    def __init__(self, array):
+        self.shape, self.dtype, self.ndim, self.size = array.shape, array.dtype, array.ndim, array.size
 
 
 class _State(threading.local):
@@ -84,12 +98,20 @@ def scope(owner):
 
 
 class Node:
-    """One recorded primitive application: what backward needs to run its VJP."""
+    """One recorded primitive application: what backward needs to run its VJP.
+
+    `inputs` are the input Tensors, or shape-only stand-ins (see Primitive.reads_inputs) that share
+    the producer's node. Backward empties `inputs` and `saved` once the VJP has run.
+    """
 
     __slots__ = ("prim", "inputs", "saved", "settings", "scopes")
 
     def __init__(self, prim, inputs, saved, settings, scopes):
         self.prim, self.inputs, self.saved, self.settings, self.scopes = prim, inputs, saved, settings, scopes
+
+    @property
+    def freed(self) -> bool:
+        return self.inputs is None
 
 
 class Tensor:
@@ -102,7 +124,6 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad = None
         self._node: Node | None = None
-        self._freed = False  # set once backward consumed the node that made this tensor
 
     # -- data -----------------------------------------------------------------------------------
     @property
@@ -292,29 +313,39 @@ def apply(name: str, *args, **settings) -> Tensor:
     result = Tensor(out)
     if _state.grad_enabled and any(t.requires_grad for t in inputs):
         result.requires_grad = True
-        result._node = Node(prim, inputs, saved, settings, _state.scopes)
+        kept = inputs if prim.reads_inputs else tuple(map(_shape_only, inputs))
+        result._node = Node(prim, kept, saved, settings, _state.scopes)
     return result
 
 
-def _nodes_in_reverse_order(root: Tensor) -> list[Tensor]:
-    """Tensors with a node reachable from `root`, each after every tensor that consumes it.
+def _shape_only(t: Tensor) -> Tensor:
+    """A stand-in for a non-leaf input: same node and requires_grad, its array replaced by ArrayMeta."""
+    if t._node is None:  # leaves (parameters, inputs) are kept: their .grad is where gradients go
+        return t
+    stub = Tensor(ArrayMeta(t.data), t.requires_grad)
+    stub._node = t._node
+    return stub
+
+
+def _nodes_in_reverse_order(root: Node) -> list[Node]:
+    """Nodes reachable from `root`, each after every node that consumes its output.
 
     Iterative depth-first post-order (no recursion limit on deep models), then reversed.
     """
     order, visited = [], set()
     stack = [(root, False)]
     while stack:
-        tensor, expanded = stack.pop()
+        node, expanded = stack.pop()
         if expanded:
-            order.append(tensor)
+            order.append(node)
             continue
-        if id(tensor) in visited:
+        if id(node) in visited:
             continue
-        visited.add(id(tensor))
-        stack.append((tensor, True))
-        for parent in tensor._node.inputs:
-            if parent._node is not None and id(parent) not in visited:
-                stack.append((parent, False))
+        visited.add(id(node))
+        stack.append((node, True))
+        for t in node.inputs:
+            if t._node is not None and id(t._node) not in visited:
+                stack.append((t._node, False))
     order.reverse()
     return order
 
@@ -322,9 +353,8 @@ def _nodes_in_reverse_order(root: Tensor) -> list[Tensor]:
 def graph_nbytes(root: Tensor) -> int:
     """Bytes of the distinct arrays the graph behind `root` keeps for backward (activations)."""
     seen_arrays, total = set(), 0
-    for tensor in _nodes_in_reverse_order(root):
-        node = tensor._node
-        held = [t._data for t in node.inputs if not isinstance(t, Param) and t._data is not None]
+    for node in _nodes_in_reverse_order(root._node):
+        held = [t._data for t in node.inputs if not isinstance(t, Param) and hasattr(t._data, "base")]
         stack = held + [node.saved]
         while stack:
             item = stack.pop()
@@ -340,38 +370,35 @@ def graph_nbytes(root: Tensor) -> int:
 
 def backward(root: Tensor, grad=None):
     """Accumulate d(root)/d(leaf) into every leaf's .grad, freeing the graph as it goes."""
-    if root._freed:
-        raise RuntimeError(
-            "backward() through a graph that was already freed: run the forward again before "
-            "calling backward() a second time"
-        )
     if root._node is None:
         raise RuntimeError(
             "this tensor does not require grad: its forward ran under no_grad() or used no "
             "trainable parameters, so there is nothing to differentiate"
+        )
+    if root._node.freed:
+        raise RuntimeError(
+            "backward() through a graph that was already freed: run the forward again before "
+            "calling backward() a second time"
         )
     if grad is None:
         if root.size != 1:
             raise ValueError(f"backward() without a gradient needs a scalar, got shape {root.shape}")
         grad = root.xp.ones_like(root.data)
 
-    order = _nodes_in_reverse_order(root)
+    order = _nodes_in_reverse_order(root._node)
     remaining: dict[int, int] = {}  # per scope: nodes still to run
-    scopes = {}
-    for tensor in order:
-        for s in tensor._node.scopes:
+    for node in order:
+        for s in node.scopes:
             remaining[id(s)] = remaining.get(id(s), 0) + 1
-            scopes[id(s)] = s
     started: set[int] = set()
 
-    grads = {id(root): grad}
-    for tensor in order:
-        node = tensor._node
+    grads = {id(root._node): grad}  # keyed by node: one output per node
+    for node in order:
         for s in node.scopes:
             if id(s) not in started:
                 started.add(id(s))
                 s.pre_backward()
-        g = grads.pop(id(tensor), None)
+        g = grads.pop(id(node), None)
         if g is not None:
             arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
             input_grads = node.prim.vjp(g, node.saved, *arrays, **node.settings)
@@ -380,12 +407,12 @@ def backward(root: Tensor, grad=None):
                     continue
                 if t._node is None:
                     t._accumulate_grad(gi)
-                elif id(t) in grads:
-                    grads[id(t)] = grads[id(t)] + gi  # not in place: a VJP may return shared arrays
+                elif id(t._node) in grads:
+                    key = id(t._node)
+                    grads[key] = grads[key] + gi  # not in place: a VJP may return shared arrays
                 else:
-                    grads[id(t)] = gi
-        tensor._node = None  # free the graph as we go
-        tensor._freed = True
+                    grads[id(t._node)] = gi
+        node.inputs = node.saved = None  # free the graph as we go
         for s in reversed(node.scopes):
             remaining[id(s)] -= 1
             if remaining[id(s)] == 0:

@@ -158,7 +158,9 @@ class MLP(Module):
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
     def forward(self, x):
-        return self.drop(self.c_proj(ops.gelu(self.c_fc(x))))
+        # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
+        h = self.c_fc(x)
+        return self.drop(ops.linear(h, self.c_proj.weight, self.c_proj.bias, gelu_input=True))
 
 
 class CausalSelfAttention(Module):

@@ -29,12 +29,16 @@ def unbroadcast(g, shape):
 # -- elementwise arithmetic ----------------------------------------------------------------------
 
 
-@primitive("add", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(g, b.shape)))
+@primitive(
+    "add", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(g, b.shape)), reads_inputs=False
+)
 def _add(a, b):
     return a + b, None
 
 
-@primitive("sub", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape)))
+@primitive(
+    "sub", vjp=lambda g, _, a, b: (unbroadcast(g, a.shape), unbroadcast(-g, b.shape)), reads_inputs=False
+)
 def _sub(a, b):
     return a - b, None
 
@@ -51,7 +55,7 @@ def _div(a, b):
     return a / b, None
 
 
-@primitive("neg", vjp=lambda g, _, a: (-g,))
+@primitive("neg", vjp=lambda g, _, a: (-g,), reads_inputs=False)
 def _neg(a):
     return -a, None
 
@@ -61,7 +65,7 @@ def _pow(a, exponent):
     return a**exponent, None
 
 
-@primitive("exp", vjp=lambda g, out, a: (g * out,))
+@primitive("exp", vjp=lambda g, out, a: (g * out,), reads_inputs=False)
 def _exp(a):
     out = array_module_of(a).exp(a)
     return out, out
@@ -72,13 +76,13 @@ def _log(a):
     return array_module_of(a).log(a), None
 
 
-@primitive("tanh", vjp=lambda g, out, a: (g * (1 - out * out),))
+@primitive("tanh", vjp=lambda g, out, a: (g * (1 - out * out),), reads_inputs=False)
 def _tanh(a):
     out = array_module_of(a).tanh(a)
     return out, out
 
 
-@primitive("sqrt", vjp=lambda g, out, a: (g / (2 * out),))
+@primitive("sqrt", vjp=lambda g, out, a: (g / (2 * out),), reads_inputs=False)
 def _sqrt(a):
     out = array_module_of(a).sqrt(a)
     return out, out
@@ -92,8 +96,26 @@ def _relu(a):
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
-def _gelu_vjp(g, t, x):
-    """g * (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)), computed in place in one buffer."""
+def _gelu_tanh(x):
+    """t = tanh(c (x + k x^3)), built in place as tanh(x (c + c k x^2))."""
+    t = x * x
+    t *= 0.044715 * _GELU_C
+    t += _GELU_C
+    t *= x
+    return array_module_of(x).tanh(t, out=t)
+
+
+def _gelu_array(x):
+    out = _gelu_tanh(x)
+    out += 1
+    out *= x
+    out *= 0.5
+    return out
+
+
+def _gelu_vjp(g, _, x):
+    """g * (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)); t recomputed rather than kept from forward."""
+    t = _gelu_tanh(x)
     d = x * x
     d *= 3 * 0.044715 * _GELU_C
     d += _GELU_C
@@ -108,16 +130,8 @@ def _gelu_vjp(g, t, x):
 
 @primitive("gelu", vjp=_gelu_vjp)
 def _gelu(x):
-    """GELU, tanh approximation (as GPT-2); saves t = tanh(u), an activation, for the VJP."""
-    t = x * x  # u = c (x + k x^3) = x (c + c k x^2), built in place
-    t *= 0.044715 * _GELU_C
-    t += _GELU_C
-    t *= x
-    array_module_of(x).tanh(t, out=t)
-    out = t + 1
-    out *= x
-    out *= 0.5
-    return out, t
+    """GELU, tanh approximation (as GPT-2). Saves nothing: the VJP recomputes tanh from x."""
+    return _gelu_array(x), None
 
 
 # -- linear algebra -------------------------------------------------------------------------------
@@ -140,21 +154,28 @@ def _matmul(a, b):
     return a @ b, None
 
 
-def _linear_vjp(g, _, x, w, b=None, transpose_w=False):
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
+    h = _gelu_array(x) if gelu_input else x  # recomputed: cheaper than keeping (B, T, 4C) around
     g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
-    gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
-    gw = x2.T @ g2 if not transpose_w else g2.T @ x2
+    h2 = h.reshape(-1, h.shape[-1])
+    gh = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
+    gw = h2.T @ g2 if not transpose_w else g2.T @ h2
+    gx = _gelu_vjp(gh, None, x)[0] if gelu_input else gh
     return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
 
 
 @primitive("linear", vjp=_linear_vjp)
-def _linear(x, w, b=None, transpose_w=False):
-    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w."""
+def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
+    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
+
+    gelu_input=True computes gelu(x) @ w + b without keeping gelu(x) for backward (the MLP's second
+    layer): the largest activation of a transformer block is then never stored.
+    """
     w_in = w.shape[1] if transpose_w else w.shape[0]
     if x.shape[-1] != w_in:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
-    out = x.reshape(-1, x.shape[-1]) @ (w.T if transpose_w else w)
+    h = _gelu_array(x) if gelu_input else x
+    out = h.reshape(-1, h.shape[-1]) @ (w.T if transpose_w else w)
     if b is not None:
         out += b
     return out.reshape(*x.shape[:-1], out.shape[-1]), None
@@ -185,6 +206,7 @@ def _reduced_count(shape, axis):
     vjp=lambda g, _, a, axis=None, keepdims=False: (
         array_module_of(g).broadcast_to(_expand_reduced(g, a.shape, axis, keepdims), a.shape),
     ),
+    reads_inputs=False,
 )
 def _sum(a, axis=None, keepdims=False):
     return a.sum(axis=axis, keepdims=keepdims), None
@@ -197,6 +219,7 @@ def _sum(a, axis=None, keepdims=False):
             _expand_reduced(g, a.shape, axis, keepdims) / _reduced_count(a.shape, axis), a.shape
         ),
     ),
+    reads_inputs=False,
 )
 def _mean(a, axis=None, keepdims=False):
     return a.mean(axis=axis, keepdims=keepdims), None
@@ -215,7 +238,7 @@ def _max(a, axis=None, keepdims=False):
     return out, out
 
 
-@primitive("reshape", vjp=lambda g, _, a, shape: (g.reshape(a.shape),))
+@primitive("reshape", vjp=lambda g, _, a, shape: (g.reshape(a.shape),), reads_inputs=False)
 def _reshape(a, shape):
     return a.reshape(shape), None
 
@@ -223,6 +246,7 @@ def _reshape(a, shape):
 @primitive(
     "transpose",
     vjp=lambda g, _, a, axes=None: (g.transpose(None if axes is None else np.argsort(axes)),),
+    reads_inputs=False,
 )
 def _transpose(a, axes=None):
     return a.transpose(axes), None
@@ -247,14 +271,14 @@ def _is_basic_index(index) -> bool:
 
 
 def _getitem_vjp(g, _, a, index):
-    grad = array_module_of(g).zeros_like(a)
+    grad = array_module_of(g).zeros(a.shape, dtype=g.dtype)
     if _is_basic_index(index):
         grad[index] = g
         return (grad,)
     return (_scatter_add(grad, index, g),)
 
 
-@primitive("getitem", vjp=_getitem_vjp)
+@primitive("getitem", vjp=_getitem_vjp, reads_inputs=False)
 def _getitem(a, index):
     return a[index], None
 
@@ -265,7 +289,7 @@ def _concatenate_vjp(g, _, *arrays, axis):
     return tuple(xp.split(g, cuts, axis=axis))
 
 
-@primitive("concatenate", vjp=_concatenate_vjp)
+@primitive("concatenate", vjp=_concatenate_vjp, reads_inputs=False)
 def _concatenate(*arrays, axis=0):
     return array_module_of(arrays[0]).concatenate(arrays, axis=axis), None
 
@@ -283,7 +307,11 @@ def _softmax_array(x, axis, overwrite=False):
     return e
 
 
-@primitive("softmax", vjp=lambda g, p, x, axis=-1: (p * (g - (g * p).sum(axis=axis, keepdims=True)),))
+@primitive(
+    "softmax",
+    vjp=lambda g, p, x, axis=-1: (p * (g - (g * p).sum(axis=axis, keepdims=True)),),
+    reads_inputs=False,
+)
 def _softmax(x, axis=-1):
     p = _softmax_array(x, axis)
     return p, p
@@ -292,6 +320,7 @@ def _softmax(x, axis=-1):
 @primitive(
     "log_softmax",
     vjp=lambda g, out, x, axis=-1: (g - array_module_of(g).exp(out) * g.sum(axis=axis, keepdims=True),),
+    reads_inputs=False,
 )
 def _log_softmax(x, axis=-1):
     xp = array_module_of(x)
@@ -332,28 +361,39 @@ def _cross_entropy(logits, targets, ignore_index=-1):
 # -- fused layers ---------------------------------------------------------------------------------
 
 
+def _normalized(x, mean, rstd):
+    xhat = x - mean
+    xhat *= rstd
+    return xhat
+
+
 def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
-    xhat, rstd = saved
+    """Recomputes xhat from x (which the tape keeps anyway) and the saved per-row mean and 1/std."""
+    xhat = _normalized(x, *saved)
+    rstd = saved[1]
     lead = tuple(range(g.ndim - 1))
     gw = (g * xhat).sum(axis=lead)
     gxhat = g * w
-    gx = rstd * (
-        gxhat - gxhat.mean(axis=-1, keepdims=True) - xhat * (gxhat * xhat).mean(axis=-1, keepdims=True)
-    )
+    gx = gxhat - gxhat.mean(axis=-1, keepdims=True)
+    gxhat *= xhat
+    xhat *= gxhat.mean(axis=-1, keepdims=True)
+    gx -= xhat
+    gx *= rstd
     return (gx, gw) if b is None else (gx, gw, g.sum(axis=lead))
 
 
 @primitive("layer_norm", vjp=_layer_norm_vjp)
 def _layer_norm(x, w, b=None, eps=1e-5):
-    """Normalize the last axis, then scale and shift; saves xhat and 1/std (activations)."""
+    """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
     xp = array_module_of(x)
-    xhat = x - x.mean(axis=-1, keepdims=True)
+    mean = x.mean(axis=-1, keepdims=True)
+    xhat = x - mean
     rstd = 1.0 / xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + eps)
     xhat *= rstd
     out = xhat * w
     if b is not None:
         out += b
-    return out, (xhat, rstd)
+    return out, (mean, rstd)
 
 
 def _embedding_vjp(g, _, w, idx):
@@ -397,7 +437,7 @@ def _attention(q, k, v, scale=None):
     return att @ v, att
 
 
-@primitive("dropout", vjp=lambda g, keep, x, p, seed: (g * keep,))
+@primitive("dropout", vjp=lambda g, keep, x, p, seed: (g * keep,), reads_inputs=False)
 def _dropout(x, p, seed):
     """Inverted dropout; the mask comes from a host RNG seeded by `seed`, identical on every device."""
     mask = np.random.default_rng(seed).random(x.shape) >= p
@@ -412,9 +452,10 @@ def matmul(a, b) -> Tensor:
     return apply("matmul", a, b)
 
 
-def linear(x, weight, bias=None, transpose_w=False) -> Tensor:
+def linear(x, weight, bias=None, transpose_w=False, gelu_input=False) -> Tensor:
+    """x @ weight + bias; gelu_input=True applies GELU to x first without storing gelu(x)."""
     args = (x, weight) if bias is None else (x, weight, bias)
-    return apply("linear", *args, transpose_w=transpose_w)
+    return apply("linear", *args, transpose_w=transpose_w, gelu_input=gelu_input)
 
 
 def relu(x) -> Tensor:
