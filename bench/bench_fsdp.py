@@ -66,6 +66,7 @@ def worker(args):
         if i:
             times.append(dt)
     rss = max(comm.allgather_object(peak_rss_mib()))
+    comm_bytes = comm.ledger.total("bytes")  # of the last timed step
     loss = model(x, y)  # one more forward, to weigh what the tape keeps
     activations = graph_nbytes(loss) / 2**20
     loss.backward()
@@ -90,7 +91,7 @@ def worker(args):
                     "step_s": round(step_s, 4),
                     "tokens_per_s": round(tokens / step_s, 1),
                     "peak_rss_mib_per_rank": round(rss, 1),
-                    "comm_bytes_per_step": comm.ledger.total("bytes"),
+                    "comm_bytes_per_step": comm_bytes,
                     "rss_terms_mib": {
                         "interpreter": round(baseline, 1),
                         "shards_and_gathered_peak": round(runtime, 1),

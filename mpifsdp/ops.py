@@ -1,5 +1,7 @@
 """The primitives: each forward next to its VJP, registered in autodiff.PRIMITIVES.
 
+The transformer's fused kernels (linear, GELU, LayerNorm, attention, cross-entropy) live in fused.py.
+
 Forward: (*arrays, **settings) -> (out, saved). VJP: (g, saved, *arrays, **settings) -> grads.
 `saved` holds activations only, never parameter arrays (see autodiff, lazy parameter data).
 The array module comes from the inputs (`array_module_of`), so every primitive runs on NumPy and CuPy.
@@ -12,6 +14,7 @@ import math
 
 import numpy as np
 
+from . import fused  # noqa: F401  (registers the fused primitives)
 from .autodiff import Tensor, apply, primitive
 from .backend import array_module_of
 
@@ -93,47 +96,6 @@ def _relu(a):
     return array_module_of(a).maximum(a, 0), None
 
 
-_GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def _gelu_tanh(x):
-    """t = tanh(c (x + k x^3)), built in place as tanh(x (c + c k x^2))."""
-    t = x * x
-    t *= 0.044715 * _GELU_C
-    t += _GELU_C
-    t *= x
-    return array_module_of(x).tanh(t, out=t)
-
-
-def _gelu_array(x):
-    out = _gelu_tanh(x)
-    out += 1
-    out *= x
-    out *= 0.5
-    return out
-
-
-def _gelu_vjp(g, _, x):
-    """g * (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)); t recomputed rather than kept from forward."""
-    t = _gelu_tanh(x)
-    d = x * x
-    d *= 3 * 0.044715 * _GELU_C
-    d += _GELU_C
-    d *= 1 - t * t
-    d *= x
-    d += 1
-    d += t
-    d *= 0.5
-    d *= g
-    return (d,)
-
-
-@primitive("gelu", vjp=_gelu_vjp)
-def _gelu(x):
-    """GELU, tanh approximation (as GPT-2). Saves nothing: the VJP recomputes tanh from x."""
-    return _gelu_array(x), None
-
-
 # -- linear algebra -------------------------------------------------------------------------------
 
 
@@ -152,33 +114,6 @@ def _matmul(a, b):
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul needs arrays of 2 or more dims, got shapes {a.shape} and {b.shape}")
     return a @ b, None
-
-
-def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
-    h = _gelu_array(x) if gelu_input else x  # recomputed: cheaper than keeping (B, T, 4C) around
-    g2 = g.reshape(-1, g.shape[-1])
-    h2 = h.reshape(-1, h.shape[-1])
-    gh = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
-    gw = h2.T @ g2 if not transpose_w else g2.T @ h2
-    gx = _gelu_vjp(gh, None, x)[0] if gelu_input else gh
-    return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
-
-
-@primitive("linear", vjp=_linear_vjp)
-def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
-    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
-
-    gelu_input=True computes gelu(x) @ w + b without keeping gelu(x) for backward (the MLP's second
-    layer): the largest activation of a transformer block is then never stored.
-    """
-    w_in = w.shape[1] if transpose_w else w.shape[0]
-    if x.shape[-1] != w_in:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
-    h = _gelu_array(x) if gelu_input else x
-    out = h.reshape(-1, h.shape[-1]) @ (w.T if transpose_w else w)
-    if b is not None:
-        out += b
-    return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
 
 # -- reductions and shape ops ---------------------------------------------------------------------
@@ -294,14 +229,12 @@ def _concatenate(*arrays, axis=0):
     return array_module_of(arrays[0]).concatenate(arrays, axis=axis), None
 
 
-# -- softmax family and losses --------------------------------------------------------------------
+# -- softmax family --------------------------------------------------------------------
 
 
-def _softmax_array(x, axis, overwrite=False):
-    """Stable softmax; overwrite=True reuses x's buffer (x must then be a temporary)."""
+def _softmax_array(x, axis):
     xp = array_module_of(x)
-    e = x if overwrite else x.copy()
-    e -= x.max(axis=axis, keepdims=True)
+    e = x - x.max(axis=axis, keepdims=True)
     xp.exp(e, out=e)
     e /= e.sum(axis=axis, keepdims=True)
     return e
@@ -329,73 +262,6 @@ def _log_softmax(x, axis=-1):
     return out, out
 
 
-def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1):
-    """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
-    lse, valid, count = saved
-    xp = array_module_of(logits)
-    flat = logits.reshape(-1, logits.shape[-1])
-    grad = xp.exp(flat - lse[:, None])
-    rows = xp.arange(flat.shape[0])
-    grad[rows, xp.where(valid, targets.reshape(-1), 0)] -= 1
-    grad *= (valid * (g / count))[:, None].astype(grad.dtype)
-    return (grad.reshape(logits.shape),)
-
-
-@primitive("cross_entropy", vjp=_cross_entropy_vjp)
-def _cross_entropy(logits, targets, ignore_index=-1):
-    """Mean over non-ignored positions of -log softmax(logits)[target]; numerically stable."""
-    xp = array_module_of(logits)
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
-    flat = logits.reshape(-1, logits.shape[-1])
-    t = targets.reshape(-1)
-    valid = t != ignore_index
-    peak = flat.max(axis=1)
-    lse = peak + xp.log(xp.exp(flat - peak[:, None]).sum(axis=1))
-    picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
-    count = max(int(valid.sum()), 1)
-    loss = ((lse - picked) * valid).sum() / count
-    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)
-
-
-# -- fused layers ---------------------------------------------------------------------------------
-
-
-def _normalized(x, mean, rstd):
-    xhat = x - mean
-    xhat *= rstd
-    return xhat
-
-
-def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
-    """Recomputes xhat from x (which the tape keeps anyway) and the saved per-row mean and 1/std."""
-    xhat = _normalized(x, *saved)
-    rstd = saved[1]
-    lead = tuple(range(g.ndim - 1))
-    gw = (g * xhat).sum(axis=lead)
-    gxhat = g * w
-    gx = gxhat - gxhat.mean(axis=-1, keepdims=True)
-    gxhat *= xhat
-    xhat *= gxhat.mean(axis=-1, keepdims=True)
-    gx -= xhat
-    gx *= rstd
-    return (gx, gw) if b is None else (gx, gw, g.sum(axis=lead))
-
-
-@primitive("layer_norm", vjp=_layer_norm_vjp)
-def _layer_norm(x, w, b=None, eps=1e-5):
-    """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
-    xp = array_module_of(x)
-    mean = x.mean(axis=-1, keepdims=True)
-    xhat = x - mean
-    rstd = 1.0 / xp.sqrt((xhat * xhat).mean(axis=-1, keepdims=True) + eps)
-    xhat *= rstd
-    out = xhat * w
-    if b is not None:
-        out += b
-    return out, (mean, rstd)
-
-
 def _embedding_vjp(g, _, w, idx):
     gw = array_module_of(g).zeros_like(w)
     return (_scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
@@ -411,30 +277,6 @@ def _embedding(w, idx):
             f"but the table has {w.shape[0]} rows"
         )
     return w[idx], None
-
-
-def _attention_vjp(g, att, q, k, v, scale=None):
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    gv = _swap_last(att) @ g
-    gs = g @ _swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
-    rowsum = (gs * att).sum(axis=-1, keepdims=True)
-    gs -= rowsum
-    gs *= att
-    gs *= scale
-    return gs @ k, _swap_last(gs) @ q, gv
-
-
-@primitive("attention", vjp=_attention_vjp)
-def _attention(q, k, v, scale=None):
-    """Causal scaled dot-product attention on (B, nh, T, hs); saves the (B, nh, T, T) probabilities."""
-    xp = array_module_of(q)
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    T = q.shape[-2]
-    scores = q @ _swap_last(k)  # (B, nh, T, T)
-    scores *= scale
-    scores += xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # causal: no looking ahead
-    att = _softmax_array(scores, -1, overwrite=True)
-    return att @ v, att
 
 
 @primitive("dropout", vjp=lambda g, keep, x, p, seed: (g * keep,), reads_inputs=False)

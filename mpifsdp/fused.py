@@ -1,0 +1,270 @@
+"""The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, causal attention,
+cross-entropy. Registered like every primitive (forward next to VJP); split from ops.py for size.
+
+On the CPU their elementwise work runs in cache-sized row blocks across this rank's threads
+(threads.for_row_blocks): each block's temporaries stay in L2, and the cores BLAS uses for GEMMs are
+not idle in between. On a GPU each kernel runs as one piece. Memory: none of them keeps more than
+it must for backward: GELU and LayerNorm recompute from their input, attention keeps its
+probabilities (O(B·nh·T²)), cross-entropy keeps one log-sum-exp per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .autodiff import primitive
+from .backend import array_module_of
+from .threads import for_row_blocks
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+def _rows(a):
+    """A 2-D (rows, last axis) view of a contiguous array."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def _by_rows(xp, n_rows: int, row_elements: int, work) -> int:
+    """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU."""
+    if xp is np:
+        return for_row_blocks(n_rows, row_elements, work)
+    work(0, 0, n_rows)
+    return 1
+
+
+# -- GELU (tanh form, as GPT-2) -------------------------------------------------------------------
+
+
+def _gelu_into(out, x):
+    """out = 0.5 x (1 + tanh(c (x + k x^3))), computed in `out` with no temporary."""
+    xp = array_module_of(x)
+    xp.multiply(x, x, out=out)
+    out *= _GELU_K * _GELU_C
+    out += _GELU_C
+    out *= x
+    xp.tanh(out, out=out)
+    out += 1
+    out *= x
+    out *= 0.5
+
+
+def _gelu_grad_into(out, g, x):
+    """out = g * d gelu / dx = g (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)), t = tanh(...)."""
+    xp = array_module_of(x)
+    t = x * x
+    t *= _GELU_K * _GELU_C
+    t += _GELU_C
+    t *= x
+    xp.tanh(t, out=t)
+    xp.multiply(x, x, out=out)
+    out *= 3 * _GELU_K * _GELU_C
+    out += _GELU_C
+    out *= 1 - t * t
+    out *= x
+    out += 1
+    out += t
+    out *= 0.5
+    out *= g
+
+
+def gelu_array(x):
+    xp = array_module_of(x)
+    out = xp.empty_like(x)
+    x2, o2 = _rows(x), _rows(out)
+    _by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _gelu_into(o2[lo:hi], x2[lo:hi]))
+    return out
+
+
+def _gelu_grad(g, x):
+    xp = array_module_of(x)
+    out = xp.empty_like(x)
+    x2, g2, o2 = _rows(x), _rows(g), _rows(out)
+    _by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _gelu_grad_into(o2[lo:hi], g2[lo:hi], x2[lo:hi]))
+    return out
+
+
+@primitive("gelu", vjp=lambda g, _, x: (_gelu_grad(g, x),))
+def _gelu(x):
+    """GELU; saves nothing: the VJP recomputes tanh from x, which the tape keeps anyway."""
+    return gelu_array(x), None
+
+
+# -- linear ---------------------------------------------------------------------------------------
+
+
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
+    h = gelu_array(x) if gelu_input else x  # recomputed: cheaper than keeping (B, T, 4C) around
+    g2, h2 = _rows(g), _rows(h)
+    gh = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
+    gw = h2.T @ g2 if not transpose_w else g2.T @ h2
+    gx = _gelu_grad(gh, x) if gelu_input else gh
+    return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
+
+
+@primitive("linear", vjp=_linear_vjp)
+def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
+    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
+
+    gelu_input=True computes gelu(x) @ w + b without keeping gelu(x) for backward (the MLP's second
+    layer): the largest activation of a transformer block is then never stored.
+    """
+    w_in = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[-1] != w_in:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
+    h = gelu_array(x) if gelu_input else x
+    out = _rows(h) @ (w.T if transpose_w else w)
+    if b is not None:
+        out += b
+    return out.reshape(*x.shape[:-1], out.shape[-1]), None
+
+
+# -- LayerNorm ------------------------------------------------------------------------------------
+
+
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
+    """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std."""
+    mean, rstd = saved
+    xp = array_module_of(x)
+    x2, g2 = _rows(x), _rows(g)
+    n, C = x2.shape
+    gx = xp.empty_like(x)
+    gx2 = _rows(gx)
+    parts = {}  # per block: partial sums for the weight and bias gradients
+
+    def work(i, lo, hi):
+        gc = g2[lo:hi]
+        xhat = x2[lo:hi] - mean[lo:hi]
+        xhat *= rstd[lo:hi]
+        parts[i] = ((gc * xhat).sum(axis=0), gc.sum(axis=0))
+        gxhat = gc * w
+        out = gx2[lo:hi]
+        xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
+        gxhat *= xhat
+        xhat *= gxhat.mean(axis=-1, keepdims=True)
+        out -= xhat
+        out *= rstd[lo:hi]
+
+    blocks = _by_rows(xp, n, C, work)
+    gw = sum(parts[i][0] for i in range(blocks))
+    return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
+
+
+@primitive("layer_norm", vjp=_layer_norm_vjp)
+def _layer_norm(x, w, b=None, eps=1e-5):
+    """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
+    xp = array_module_of(x)
+    x2 = _rows(x)
+    n, C = x2.shape
+    out = xp.empty_like(x)
+    o2 = _rows(out)
+    mean = xp.empty((n, 1), dtype=x.dtype)
+    rstd = xp.empty((n, 1), dtype=x.dtype)
+
+    def work(i, lo, hi):
+        o = o2[lo:hi]
+        mean[lo:hi] = x2[lo:hi].mean(axis=-1, keepdims=True)
+        xp.subtract(x2[lo:hi], mean[lo:hi], out=o)
+        rstd[lo:hi] = 1.0 / xp.sqrt((o * o).mean(axis=-1, keepdims=True) + eps)
+        o *= rstd[lo:hi]
+        o *= w
+        if b is not None:
+            o += b
+
+    _by_rows(xp, n, C, work)
+    return out, (mean, rstd)
+
+
+# -- causal attention -----------------------------------------------------------------------------
+
+
+def _swap_last(a):
+    return a.swapaxes(-1, -2)
+
+
+def _attention_vjp(g, att, q, k, v, scale=None):
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    xp = array_module_of(g)
+    gv = _swap_last(att) @ g
+    gs = g @ _swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
+    T = att.shape[-1]
+    gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
+
+    def work(i, lo, hi):
+        d, a = gs3[lo:hi], att3[lo:hi]
+        d -= (d * a).sum(axis=-1, keepdims=True)
+        d *= a
+        d *= scale
+
+    _by_rows(xp, gs3.shape[0], T * T, work)
+    return gs @ k, _swap_last(gs) @ q, gv
+
+
+@primitive("attention", vjp=_attention_vjp)
+def _attention(q, k, v, scale=None):
+    """Causal scaled dot-product attention on (B, nh, T, hs); saves the (B, nh, T, T) probabilities."""
+    xp = array_module_of(q)
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    T = q.shape[-2]
+    scores = q @ _swap_last(k)  # (B, nh, T, T), turned into probabilities in place
+    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
+    s3 = scores.reshape(-1, T, T)
+
+    def work(i, lo, hi):
+        s = s3[lo:hi]
+        s *= scale
+        s += causal
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+
+    _by_rows(xp, s3.shape[0], T * T, work)
+    return scores @ v, scores
+
+
+# -- cross-entropy --------------------------------------------------------------------------------
+
+
+def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1):
+    """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
+    lse, valid, count = saved
+    xp = array_module_of(logits)
+    flat = _rows(logits)
+    picked = xp.where(valid, targets.reshape(-1), 0)
+    weight = (valid * (g / count)).astype(logits.dtype)[:, None]
+    grad = xp.empty_like(flat)
+
+    def work(i, lo, hi):
+        out = grad[lo:hi]
+        xp.subtract(flat[lo:hi], lse[lo:hi, None], out=out)
+        xp.exp(out, out=out)
+        out[xp.arange(hi - lo), picked[lo:hi]] -= 1
+        out *= weight[lo:hi]
+
+    _by_rows(xp, flat.shape[0], flat.shape[1], work)
+    return (grad.reshape(logits.shape),)
+
+
+@primitive("cross_entropy", vjp=_cross_entropy_vjp)
+def _cross_entropy(logits, targets, ignore_index=-1):
+    """Mean over non-ignored positions of -log softmax(logits)[target]; numerically stable."""
+    xp = array_module_of(logits)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
+    flat = _rows(logits)
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    lse = xp.empty(flat.shape[0], dtype=logits.dtype)
+
+    def work(i, lo, hi):
+        f = flat[lo:hi]
+        peak = f.max(axis=1)
+        lse[lo:hi] = peak + xp.log(xp.exp(f - peak[:, None]).sum(axis=1))
+
+    _by_rows(xp, flat.shape[0], flat.shape[1], work)
+    picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
+    count = max(int(valid.sum()), 1)
+    loss = ((lse - picked) * valid).sum() / count
+    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)
