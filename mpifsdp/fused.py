@@ -4,8 +4,9 @@ cross-entropy. Registered like every primitive (forward next to VJP); split from
 On the CPU their elementwise work runs in cache-sized row blocks across this rank's threads
 (threads.for_row_blocks): each block's temporaries stay in L2, and the cores BLAS uses for GEMMs are
 not idle in between. On a GPU each kernel runs as one piece. Memory: none of them keeps more than
-it must for backward: GELU and LayerNorm recompute from their input, attention keeps its
-probabilities (O(B·nh·T²)), cross-entropy keeps one log-sum-exp per row.
+it must for backward: GELU, LayerNorm and attention recompute from their inputs (attention's
+O(B·nh·T²) probabilities exist only inside the op and its VJP), cross-entropy keeps one
+log-sum-exp per row.
 """
 
 from __future__ import annotations
@@ -184,9 +185,31 @@ def _swap_last(a):
     return a.swapaxes(-1, -2)
 
 
-def _attention_vjp(g, att, q, k, v, scale=None):
+def _attention_probabilities(q, k, scale):
+    """softmax(q k^T * scale + causal mask) on (B, nh, T, T), built in place block by block."""
+    xp = array_module_of(q)
+    T = q.shape[-2]
+    scores = q @ _swap_last(k)
+    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
+    s3 = scores.reshape(-1, T, T)
+
+    def work(i, lo, hi):
+        s = s3[lo:hi]
+        s *= scale
+        s += causal
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+
+    _by_rows(xp, s3.shape[0], T * T, work)
+    return scores
+
+
+def _attention_vjp(g, _, q, k, v, scale=None):
+    """Recomputes the probabilities from q and k (one small batched GEMM) instead of keeping them."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     xp = array_module_of(g)
+    att = _attention_probabilities(q, k, scale)
     gv = _swap_last(att) @ g
     gs = g @ _swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
     T = att.shape[-1]
@@ -204,24 +227,10 @@ def _attention_vjp(g, att, q, k, v, scale=None):
 
 @primitive("attention", vjp=_attention_vjp)
 def _attention(q, k, v, scale=None):
-    """Causal scaled dot-product attention on (B, nh, T, hs); saves the (B, nh, T, T) probabilities."""
-    xp = array_module_of(q)
+    """Causal scaled dot-product attention on (B, nh, T, hs). Keeps nothing beyond q, k, v: backward
+    recomputes the (B, nh, T, T) probabilities, so they exist only inside this op and its VJP."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    T = q.shape[-2]
-    scores = q @ _swap_last(k)  # (B, nh, T, T), turned into probabilities in place
-    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
-    s3 = scores.reshape(-1, T, T)
-
-    def work(i, lo, hi):
-        s = s3[lo:hi]
-        s *= scale
-        s += causal
-        s -= s.max(axis=-1, keepdims=True)
-        xp.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-
-    _by_rows(xp, s3.shape[0], T * T, work)
-    return scores @ v, scores
+    return _attention_probabilities(q, k, scale) @ v, None
 
 
 # -- cross-entropy --------------------------------------------------------------------------------
