@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 
 PERSISTENT = ("param_shard", "grad_shard", "optim_state")
-TRANSIENT = ("gathered_params", "gathered_grads", "optim_scratch")
+TRANSIENT = ("gathered_params", "gathered_grads")
 
 
 class MemoryLedger:

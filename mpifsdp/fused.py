@@ -1,12 +1,11 @@
 """The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, causal attention,
 cross-entropy. Registered like every primitive (forward next to VJP); split from ops.py for size.
 
-On the CPU their elementwise work runs in cache-sized row blocks across this rank's threads
-(threads.for_row_blocks): each block's temporaries stay in L2, and the cores BLAS uses for GEMMs are
-not idle in between. On a GPU each kernel runs as one piece. Memory: none of them keeps more than
-it must for backward: GELU, LayerNorm and attention recompute from their inputs (attention's
-O(B·nh·T²) probabilities exist only inside the op and its VJP), cross-entropy keeps one
-log-sum-exp per row.
+On the CPU their elementwise work runs in blocks of rows across this rank's threads
+(threads.for_row_blocks), so the cores BLAS uses for GEMMs are not idle in between; on a GPU each
+kernel runs as one piece. Memory: none of them keeps more than it must for backward: GELU,
+LayerNorm and attention recompute from their inputs (attention's O(B·nh·T²) probabilities exist
+only inside the op and its VJP), cross-entropy keeps one log-sum-exp per row.
 """
 
 from __future__ import annotations

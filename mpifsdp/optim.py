@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .autodiff import Param
 from .backend import array_module_of
 from .fsdp import fsdp_group
+from .threads import for_row_blocks
 
 
 class ParamGroup:
@@ -33,32 +36,51 @@ class ParamGroup:
         self.param.grad = None
 
 
-def adamw_update(p, g, m, v, scratch, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
-    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read; scratch overwritten).
+SLICE = 1 << 16  # elements updated at a time: the temporary stays small and in cache
+
+
+def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
+    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read).
 
     Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
-    PyTorch's AdamW. `scratch` (at least p's size) avoids allocating temporaries of the model's size
-    every step. A zero gradient where m and v are zero leaves p unchanged, which keeps FSDP padding
-    at zero (DESIGN invariant 2).
+    PyTorch's AdamW. The update runs slice by slice (in parallel over the rank's threads on the CPU)
+    with one slice-sized temporary: no buffer of the model's size is allocated per step. A zero
+    gradient where m and v are zero leaves p unchanged, which keeps FSDP padding at zero (DESIGN
+    invariant 2).
     """
     xp = array_module_of(p)
-    s = scratch[: p.size]
     if weight_decay:
         for start, stop in decay_segments:
             p[start:stop] *= 1.0 - lr * weight_decay
-    xp.multiply(g, 1.0 - beta1, out=s)
-    m *= beta1
-    m += s
-    xp.multiply(g, g, out=s)
-    s *= 1.0 - beta2
-    v *= beta2
-    v += s
-    xp.sqrt(v, out=s)
-    s /= math.sqrt(1.0 - beta2**step)
-    s += eps
-    xp.divide(m, s, out=s)
-    s *= lr / (1.0 - beta1**step)
-    p -= s
+    bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+
+    def update(lo, hi, s):
+        s = s[: hi - lo]
+        gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
+        xp.multiply(gs, 1.0 - beta1, out=s)
+        ms *= beta1
+        ms += s
+        xp.multiply(gs, gs, out=s)
+        s *= 1.0 - beta2
+        vs *= beta2
+        vs += s
+        xp.sqrt(vs, out=s)
+        s /= bias2
+        s += eps
+        xp.divide(ms, s, out=s)
+        s *= lr / bias1
+        p[lo:hi] -= s
+
+    if xp is not np:  # a GPU updates the whole vector at once
+        update(0, p.size, xp.empty_like(p))
+        return
+
+    def block(i, lo, hi):
+        s = np.empty(min(SLICE, hi - lo), dtype=p.dtype)
+        for start in range(lo, hi, SLICE):
+            update(start, min(start + SLICE, hi), s)
+
+    for_row_blocks(p.size, 1, block)
 
 
 class AdamW:
@@ -91,10 +113,6 @@ class AdamW:
     def step(self):
         """Update every group that has a gradient; groups without one are left alone (as PyTorch)."""
         self.step_count += 1
-        first = self.groups[0].flat_param()
-        # One temporary as large as the largest group serves every update, then is freed.
-        scratch = array_module_of(first).empty(max(g.numel for g in self.groups), dtype=first.dtype)
-        _count(self.groups[0], "alloc", "optim_scratch", scratch.nbytes)
         for i, group in enumerate(self.groups):
             g = group.flat_grad()
             if g is None:
@@ -105,7 +123,6 @@ class AdamW:
                 g,
                 m,
                 v,
-                scratch,
                 lr=self.lr,
                 beta1=self.beta1,
                 beta2=self.beta2,
@@ -114,7 +131,6 @@ class AdamW:
                 decay_segments=group.decay_segments,
                 weight_decay=self.weight_decay,
             )
-        _count(self.groups[0], "free", "optim_scratch", scratch.nbytes)
 
     def zero_grad(self):
         for group in self.groups:

@@ -32,3 +32,41 @@ def test_auto_shares_the_cores_between_ranks_on_the_node(comm, monkeypatch):
 def test_threads_per_rank_never_below_one():
     assert threads_per_rank(10_000) == 1
     assert threads_per_rank(1) == usable_cores()
+
+
+def test_kernels_split_across_threads_match_one_thread():
+    """The fused kernels and AdamW give the same numbers whether their rows run on 1 or 3 threads."""
+    import numpy as np
+
+    from mpifsdp import PRIMITIVES
+    from mpifsdp.optim import adamw_update
+    from mpifsdp.threads import row_blocks, set_elementwise_threads
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 1100, 256))  # 3300 rows of 256: three blocks on three threads
+    w, b = rng.standard_normal(256), rng.standard_normal(256)
+    q, k, v = (rng.standard_normal((4, 8, 64, 16)) for _ in range(3))
+    cases = {
+        "gelu": ((x,), {}),
+        "layer_norm": ((x, w, b), {"eps": 1e-5}),
+        "attention": ((q, k, v), {}),
+        "cross_entropy": ((x,), {"targets": rng.integers(0, 256, (3, 1100))}),
+    }
+    results = {}
+    for threads in (1, 3):
+        set_elementwise_threads(threads)
+        assert len(row_blocks(3300, 256)) == threads
+        for name, (arrays, settings) in cases.items():
+            prim = PRIMITIVES[name]
+            out, saved = prim.forward(*arrays, **settings)
+            cotangent = np.cos(np.arange(out.size)).reshape(out.shape)
+            results[threads, name] = (out, prim.vjp(cotangent, saved, *arrays, **settings))
+        p, m, s = (np.linspace(-1, 1, 300_001) for _ in range(3))
+        adamw_update(p, x.reshape(-1)[:300_001], m, s**2, lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=2)
+        results[threads, "adamw"] = (p, (m,))
+    set_elementwise_threads(1)
+    for name in list(cases) + ["adamw"]:
+        (o1, g1), (o3, g3) = results[1, name], results[3, name]
+        np.testing.assert_allclose(o3, o1, rtol=1e-12, atol=1e-12, err_msg=name)
+        for a, c in zip(g1, g3):
+            np.testing.assert_allclose(c, a, rtol=1e-10, atol=1e-12, err_msg=name)
