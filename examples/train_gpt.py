@@ -27,15 +27,11 @@ from mpifsdp.models import GPT, GPTConfig
 
 
 @dataclass
-class TrainConfig:
-    data: str = ""  # a text file; empty: the Python standard library's sources
-    # model
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+class TrainConfig(GPTConfig):
+    """The model's GPTConfig fields (byte tokens: vocab 256; a smaller context), then training's own."""
+
     block_size: int = 64
-    dropout: float = 0.0
-    tie_weights: bool = True
+    data: str = ""  # a text file; empty: the Python standard library's sources
     # optimization
     batch_size: int = 32  # global: split evenly over the ranks
     max_steps: int = 1000
@@ -86,20 +82,8 @@ def main():
     data = TextData(cfg.data or None)
     say(f"data: {data.path} ({len(data.tokens) / 1e6:.1f} M byte tokens), {world} rank(s) on {cfg.device}")
 
-    model = GPT(
-        GPTConfig(
-            vocab_size=256,
-            block_size=cfg.block_size,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_embd=cfg.n_embd,
-            dropout=cfg.dropout,
-            tie_weights=cfg.tie_weights,
-        ),
-        seed=cfg.seed,
-        dtype=np.dtype(cfg.dtype),
-        device=cfg.device,
-    )
+    model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})
+    model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=cfg.device)
     n_params = model.num_params()
     mpifsdp.fully_shard(model, comm, units=model.blocks)
     group = fsdp_group(model)

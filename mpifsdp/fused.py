@@ -255,6 +255,12 @@ def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1):
     return (grad.reshape(logits.shape),)
 
 
+def _row_slices(lo: int, hi: int, row_elements: int):
+    """Sub-ranges of [lo, hi) of about 1 MiB of float32, so a kernel's temporaries stay small."""
+    step = max(1, (1 << 18) // max(1, row_elements))
+    return ((a, min(a + step, hi)) for a in range(lo, hi, step))
+
+
 @primitive("cross_entropy", vjp=_cross_entropy_vjp)
 def _cross_entropy(logits, targets, ignore_index=-1):
     """Mean over non-ignored positions of -log softmax(logits)[target]; numerically stable."""
@@ -266,10 +272,12 @@ def _cross_entropy(logits, targets, ignore_index=-1):
     valid = t != ignore_index
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
-    def work(i, lo, hi):
-        f = flat[lo:hi]
-        peak = f.max(axis=1)
-        lse[lo:hi] = peak + xp.log(xp.exp(f - peak[:, None]).sum(axis=1))
+    def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
+        for a, b in _row_slices(lo, hi, flat.shape[1]):
+            peak = flat[a:b].max(axis=1)
+            e = flat[a:b] - peak[:, None]
+            xp.exp(e, out=e)
+            lse[a:b] = peak + xp.log(e.sum(axis=1))
 
     _by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
