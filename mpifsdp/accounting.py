@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 
 PERSISTENT = ("param_shard", "grad_shard", "optim_state")
-TRANSIENT = ("gathered_params", "gathered_grads")
+TRANSIENT = ("gathered_params", "gathered_grads", "checkpoint_io")
 
 
 class MemoryLedger:

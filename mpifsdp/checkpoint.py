@@ -1,0 +1,409 @@
+"""Sharded checkpoints that load at any world size, crash-safe (safetensors files: consolidated.py).
+
+Format (docs/checkpoint.md): a directory with `manifest.json` and one `rank-NNNNN.bin` per saving rank.
+Each rank file holds, for every unit and for each of param / exp_avg / exp_avg_sq, that rank's slice
+[start, stop) of the unit's *unpadded* flat vector, as raw little-endian bytes, each with a SHA-256.
+The manifest records the layout of every unit and where each slice lives, so a job of any size finds
+the byte ranges it needs without conversion: rank r of M reads only the slices that overlap its own
+shard. Saving writes into `<dir>.tmp-<id>`, fsyncs every file, writes the manifest last, and renames
+the directory into place only after every rank has finished: a checkpoint either exists whole or not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .backend import to_numpy
+from .comm import CollectiveError
+from .fsdp import fsdp_group
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mpifsdp-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or does not fit the model."""
+
+
+if sys.byteorder != "little":  # pragma: no cover - files are little-endian, arrays are written as-is
+    raise ImportError("mpifsdp checkpoints are written from little-endian machines only")
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def group_of(model):
+    group = fsdp_group(model)
+    if group is None:
+        raise CheckpointError(
+            "checkpoints hold sharded models: call fully_shard(model, Comm()) first (N = 1 works too)"
+        )
+    return group
+
+
+def flat_range(unit, rank: int, world: int) -> tuple[int, int]:
+    """The unpadded part [start, stop) of the flat vector that `rank` of `world` owns."""
+    shard = -(-unit.layout.numel // world)
+    return min(rank * shard, unit.layout.numel), min((rank + 1) * shard, unit.layout.numel)
+
+
+def unit_record(unit) -> dict:
+    lay = unit.layout
+    return {
+        "name": unit.name,
+        "dtype": lay.dtype.str,
+        "numel": lay.numel,
+        "tensors": [
+            {"name": n, "shape": list(s), "offset": o} for n, s, o in zip(lay.names, lay.shapes, lay.offsets)
+        ],
+    }
+
+
+def collective(comm, action, what: str):
+    """Run `action()` on every rank; if it raised CheckpointError/OSError anywhere, raise everywhere."""
+    result, error = None, None
+    try:
+        result = action()
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = str(exc)
+    try:
+        comm.raise_if_any(error, what)
+    except CollectiveError as exc:
+        raise CheckpointError(str(exc)) from None
+    return result
+
+
+# -- save -------------------------------------------------------------------------------------------
+
+
+def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
+    """Write a checkpoint of `model` (and `optimizer`) to `directory`, atomically. Collective.
+
+    Every rank writes only its own slices; `extra` (JSON-serializable: step, data position, RNG seeds)
+    goes into the manifest. An existing `directory` is replaced only once the new one is complete.
+    """
+    group = group_of(model)
+    comm = group.comm
+    final = Path(directory)
+    tmp_name = comm.mpi.bcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if comm.rank == 0 else None)
+    tmp = final.parent / tmp_name
+    if comm.rank == 0:
+        tmp.mkdir(parents=True)
+    comm.mpi.Barrier()
+    moments = _moments_by_unit(optimizer, group)
+    file_record = collective(comm, lambda: _write_rank_file(tmp, group, moments), "writing checkpoint files")
+    files = comm.allgather_object(file_record)
+
+    def publish():
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": comm.size,
+            "units": [unit_record(u) for u in group.units],
+            "files": files,
+            "optimizer": _optimizer_record(optimizer),
+            "extra": extra or {},
+        }
+        with open(tmp / MANIFEST, "w") as f:  # written last: its presence marks the files complete
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+
+    comm.mpi.Barrier()  # every rank's file is on disk before the manifest says so
+    collective(comm, publish if comm.rank == 0 else (lambda: None), "publishing the checkpoint")
+    return final
+
+
+def _moments_by_unit(optimizer, group) -> dict:
+    if optimizer is None:
+        return {}
+    out = {}
+    for i, target in enumerate(optimizer.groups):
+        if optimizer.m[i] is not None:
+            out[id(target)] = (optimizer.m[i], optimizer.v[i])
+    units = {id(u) for u in group.units}
+    if optimizer.groups and not set(map(id, optimizer.groups)) <= units:
+        raise CheckpointError(
+            "the optimizer does not step this model's units: build AdamW(model) after fully_shard"
+        )
+    return out
+
+
+def _optimizer_record(optimizer) -> dict | None:
+    if optimizer is None:
+        return None
+    return {
+        "step": optimizer.step_count,
+        "lr": optimizer.lr,
+        "betas": [optimizer.beta1, optimizer.beta2],
+        "eps": optimizer.eps,
+        "weight_decay": optimizer.weight_decay,
+    }
+
+
+def _write_rank_file(tmp: Path, group, moments: dict) -> dict:
+    comm = group.comm
+    name = f"rank-{comm.rank:05d}.bin"
+    segments, offset = [], 0
+    with open(tmp / name, "wb") as f:
+        for index, unit in enumerate(group.units):
+            start, stop = flat_range(unit, comm.rank, comm.size)
+            arrays = {"param": unit.shard}
+            if id(unit) in moments:
+                arrays["exp_avg"], arrays["exp_avg_sq"] = moments[id(unit)]
+            for kind, array in arrays.items():
+                data = np.ascontiguousarray(to_numpy(array[: stop - start]))  # no copy on the CPU
+                f.write(data)
+                digest = hashlib.sha256(data).hexdigest()
+                segments.append(
+                    {
+                        "unit": index,
+                        "kind": kind,
+                        "start": start,
+                        "stop": stop,
+                        "offset": offset,
+                        "sha256": digest,
+                    }
+                )
+                offset += data.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return {"name": name, "bytes": offset, "segments": segments}
+
+
+# -- find and verify --------------------------------------------------------------------------------
+
+
+def read_manifest(directory) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable or corrupted: {exc}") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+            f"expected {FORMAT!r} version {VERSION}"
+        )
+    for record in manifest["files"]:
+        file = Path(directory) / record["name"]
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint file {file} is missing")
+        if file.stat().st_size != record["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {file} is truncated or overwritten: {file.stat().st_size} bytes, "
+                f"the manifest says {record['bytes']}"
+            )
+    return manifest
+
+
+def read_segment(directory: Path, record: dict, segment: dict, dtype: np.dtype) -> np.ndarray:
+    file = directory / record["name"]
+    count = segment["stop"] - segment["start"]
+    with open(file, "rb") as f:
+        f.seek(segment["offset"])
+        raw = f.read(count * dtype.itemsize)
+    if len(raw) != count * dtype.itemsize or hashlib.sha256(raw).hexdigest() != segment["sha256"]:
+        raise CheckpointError(
+            f"checkpoint file {file} is corrupted: the {segment['kind']} bytes of unit #{segment['unit']} "
+            "do not match their checksum"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def verify(directory) -> dict:
+    """Read every segment and check its checksum; returns the manifest or raises CheckpointError."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for record in manifest["files"]:
+        for segment in record["segments"]:
+            read_segment(directory, record, segment, np.dtype(manifest["units"][segment["unit"]]["dtype"]))
+    return manifest
+
+
+def checkpoints(root) -> list[Path]:
+    """Complete checkpoint directories under `root` (those with a manifest), newest step first."""
+    root = Path(root)
+    found = [p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+# -- load -------------------------------------------------------------------------------------------
+
+
+def load(directory, model, optimizer=None) -> dict:
+    """Load a checkpoint saved at any world size into the sharded `model` (and `optimizer`). Collective.
+
+    Each rank reads only the slices that overlap its shard, checks their checksums, and copies them in:
+    parameters and AdamW moments come back bit-identical. Returns the checkpoint's `extra`.
+    A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
+    """
+    group = group_of(model)
+    directory = Path(directory)
+    manifest = collective(
+        group.comm, lambda: _check_fits(read_manifest(directory), group), f"loading {directory}"
+    )
+    collective(group.comm, lambda: _fill(directory, manifest, group, optimizer), f"loading {directory}")
+    if optimizer is not None and manifest["optimizer"] is not None:
+        optimizer.step_count = manifest["optimizer"]["step"]
+    return manifest["extra"]
+
+
+def _check_fits(manifest: dict, group) -> dict:
+    saved = [
+        (u["name"], u["dtype"], [(t["name"], t["shape"]) for t in u["tensors"]]) for u in manifest["units"]
+    ]
+    mine = [
+        (r["name"], r["dtype"], [(t["name"], t["shape"]) for t in r["tensors"]])
+        for r in map(unit_record, group.units)
+    ]
+    if saved != mine:
+        diff = next(
+            (f"saved {a} vs model {b}" for a, b in zip(saved, mine) if a != b),
+            f"{len(saved)} vs {len(mine)} units",
+        )
+        raise CheckpointError(f"the checkpoint does not fit this model (first difference: {diff})")
+    return manifest
+
+
+def _fill(directory: Path, manifest: dict, group, optimizer):
+    comm = group.comm
+    positions = {id(u): i for i, u in enumerate(optimizer.groups)} if optimizer is not None else {}
+    for index, unit in enumerate(group.units):
+        start, stop = flat_range(unit, comm.rank, comm.size)
+        targets = {"param": unit.shard}
+        if id(unit) in positions and manifest["optimizer"] is not None:
+            targets["exp_avg"], targets["exp_avg_sq"] = optimizer._moments(positions[id(unit)])
+        for kind, target in targets.items():
+            target[...] = 0  # padding stays zero
+            for record in manifest["files"]:
+                for seg in record["segments"]:
+                    if (
+                        seg["unit"] != index
+                        or seg["kind"] != kind
+                        or seg["stop"] <= start
+                        or seg["start"] >= stop
+                    ):
+                        continue
+                    data = read_segment(directory, record, seg, unit.layout.dtype)
+                    group.ledger.alloc("checkpoint_io", data.nbytes)
+                    lo, hi = max(start, seg["start"]), min(stop, seg["stop"])
+                    target[lo - start : hi - start] = unit.xp.asarray(
+                        data[lo - seg["start"] : hi - seg["start"]]
+                    )
+                    group.ledger.free("checkpoint_io", data.nbytes)
+        unit.zero_grad()
+
+
+# -- a directory of checkpoints: step-N, keep the last K, load the newest intact ----------------------
+
+
+def save_step(root, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 3) -> Path:
+    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` complete checkpoints."""
+    path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
+    comm = group_of(model).comm
+    if comm.rank == 0 and keep > 0:
+        for old in checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in Path(root).glob("*.tmp-*"):  # left by a save that died: never complete
+            shutil.rmtree(stale, ignore_errors=True)
+    comm.mpi.Barrier()
+    return path
+
+
+def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
+    """Load the newest checkpoint under `root` that is intact; older ones are tried when newer fail.
+
+    Returns (path, extra), or (None, None) when there is no complete checkpoint. Collective.
+    """
+    comm = group_of(model).comm
+    candidates = comm.mpi.bcast([str(p) for p in checkpoints(root)] if comm.rank == 0 else None)
+    for path in candidates:
+        try:
+            return Path(path), load(path, model, optimizer)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+    return None, None
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+
+def _inspect(directory) -> int:
+    manifest = read_manifest(directory)
+    print(f"{directory}: {FORMAT} v{manifest['version']}, saved by {manifest['world_size']} rank(s)")
+    opt = manifest["optimizer"]
+    opt_text = f"step {opt['step']}" if opt else "not saved"
+    print(f"step {manifest['extra'].get('step', '-')}, optimizer {opt_text}")
+    total = 0
+    for u in manifest["units"]:
+        total += u["numel"]
+        print(
+            f"  unit {u['name']:<20} {len(u['tensors']):3d} tensors {u['numel']:>12,d} elements {u['dtype']}"
+        )
+    print(f"  total {total:,d} parameters in {len(manifest['units'])} units")
+    try:
+        verify(directory)
+    except CheckpointError as exc:
+        print(f"integrity: FAILED: {exc}")
+        return 1
+    print(f"integrity: OK ({sum(len(f['segments']) for f in manifest['files'])} checksummed slices)")
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mpifsdp.checkpoint", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("inspect", help="units, sizes, world size, step, integrity").add_argument("dir")
+    export = sub.add_parser("export", help="one consolidated .safetensors file")
+    export.add_argument("dir")
+    export.add_argument("out")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.dir)
+        from .consolidated import export_checkpoint
+
+        print(f"wrote {export_checkpoint(args.dir, args.out)}")
+        return 0
+    except CheckpointError as exc:
+        print(f"error: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""One consolidated .safetensors file, written from and read into shards, a slice per rank.
+
+The file is what the `safetensors` package (and so PyTorch and Hugging Face tools) reads: an 8-byte
+header length, a JSON header (name -> dtype, shape, data offsets), then the tensors' bytes. We lay
+tensors out unit by unit in layout order, so each unit's unpadded flat vector is one contiguous byte
+range and every rank writes its own slice at its offset: no rank holds more than its shard. Reading
+works for any tensor order: each rank reads the byte ranges of the tensor pieces in its shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .backend import to_numpy
+from .checkpoint import (
+    CheckpointError,
+    collective,
+    flat_range,
+    group_of,
+    read_manifest,
+    read_segment,
+    unit_record,
+)
+from .fsdp import fsdp_group
+
+_ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
+
+
+def _safetensors_header(entries) -> bytes:
+    """entries: [(name, dtype, shape)] in data order; returns the 8-byte length + JSON header."""
+    header, offset = {"__metadata__": {"format": "pt", "writer": "mpifsdp"}}, 0
+    for name, dtype, shape in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype.name],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _unit_entries(units_records) -> list:
+    return [(t["name"], np.dtype(u["dtype"]), t["shape"]) for u in units_records for t in u["tensors"]]
+
+
+def export_safetensors(path, model) -> Path:
+    """Write the sharded model's parameters to one .safetensors file. Collective.
+
+    Tensors are laid out unit by unit in layout order, so each unit's unpadded flat vector is one
+    contiguous byte range: every rank writes its own slice at its offset (a shared file system is
+    assumed, as for checkpoints). No rank ever holds more than its shard.
+    """
+    group = group_of(model)
+    comm = group.comm
+    path = Path(path)
+    records = [unit_record(u) for u in group.units]
+    header = _safetensors_header(_unit_entries(records))
+    tmp = path.with_name(
+        comm.mpi.bcast(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}" if comm.rank == 0 else None)
+    )
+    data_bytes = sum(u.layout.numel * u.layout.dtype.itemsize for u in group.units)
+
+    def create():
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + data_bytes)
+
+    collective(comm, create if comm.rank == 0 else (lambda: None), f"creating {path}")
+    comm.mpi.Barrier()
+
+    def write_slices():
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            base = len(header)
+            for unit in group.units:
+                start, stop = flat_range(unit, comm.rank, comm.size)
+                raw = (
+                    to_numpy(unit.shard[: stop - start]).astype(unit.layout.dtype.newbyteorder("<")).tobytes()
+                )
+                os.pwrite(fd, raw, base + start * unit.layout.dtype.itemsize)
+                base += unit.layout.numel * unit.layout.dtype.itemsize
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    collective(comm, write_slices, f"writing {path}")
+    comm.mpi.Barrier()
+    collective(
+        comm, (lambda: os.replace(tmp, path)) if comm.rank == 0 else (lambda: None), f"publishing {path}"
+    )
+    comm.mpi.Barrier()
+    return path
+
+
+def read_safetensors_header(path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where the data starts)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def load_safetensors(path, model):
+    """Initialise `model` (sharded or not) from a .safetensors file; each rank reads only its slices."""
+    header, data_start = read_safetensors_header(path)
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    group = fsdp_group(model)
+    expected = (
+        {n: (tuple(s), u.layout.dtype) for u in group.units for n, s in zip(u.layout.names, u.layout.shapes)}
+        if group
+        else {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    )
+    problems = [f"missing {n}" for n in expected if n not in header]
+    problems += [
+        f"{n}: file has {header[n]['shape']} {header[n]['dtype']}, model wants {list(s)} {_ST_DTYPES[d.name]}"
+        for n, (s, d) in expected.items()
+        if n in header and (tuple(header[n]["shape"]) != s or header[n]["dtype"] != _ST_DTYPES[d.name])
+    ]
+    if problems:
+        raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems[:5])}")
+
+    def read(f, name, t0, t1):
+        dtype = np.dtype(names[header[name]["dtype"]])
+        f.seek(data_start + header[name]["data_offsets"][0] + t0 * dtype.itemsize)
+        return np.frombuffer(f.read((t1 - t0) * dtype.itemsize), dtype=dtype.newbyteorder("<")).astype(dtype)
+
+    with open(path, "rb") as f:
+        if group is None:
+            for name, p in model.named_parameters():
+                p.data[...] = p.xp.asarray(read(f, name, 0, p.size).reshape(p.shape))
+            return
+        for unit in group.units:
+            unit.shard[...] = 0
+            for name, t0, t1, s0 in unit.layout.pieces_in_shard(group.comm.rank):
+                unit.shard[s0 : s0 + t1 - t0] = unit.xp.asarray(read(f, name, t0, t1))
+
+
+def export_checkpoint(directory, path) -> Path:
+    """A saved checkpoint to one .safetensors file, in one process, one slice in memory at a time."""
+    directory, path = Path(directory), Path(path)
+    manifest = read_manifest(directory)
+    header = _safetensors_header(_unit_entries(manifest["units"]))
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as out:
+        out.write(header)
+        base = len(header)
+        for index, unit in enumerate(manifest["units"]):
+            dtype = np.dtype(unit["dtype"])
+            for record in manifest["files"]:
+                for seg in record["segments"]:
+                    if seg["unit"] == index and seg["kind"] == "param" and seg["stop"] > seg["start"]:
+                        out.seek(base + seg["start"] * dtype.itemsize)
+                        out.write(
+                            read_segment(directory, record, seg, dtype)
+                            .astype(dtype.newbyteorder("<"))
+                            .tobytes()
+                        )
+            base += unit["numel"] * dtype.itemsize
+        out.truncate(base)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    return path
