@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
+from mpifsdp import checkpoint
 from mpifsdp.accounting import mib, peak_rss_bytes
 from mpifsdp.data import TextData, rank_slice
 from mpifsdp.fsdp import fsdp_group
@@ -47,6 +48,11 @@ class TrainConfig(GPTConfig):
     eval_batches: int = 8
     log_every: int = 10
     sample_tokens: int = 200
+    # checkpoints
+    save_every: int = 0  # steps between checkpoints; 0: none
+    save_dir: str = "out/checkpoints"
+    keep: int = 3  # complete checkpoints kept
+    resume: str = ""  # a checkpoint directory, or "latest" (the newest intact one in save_dir)
     # system
     seed: int = 1337
     device: str = "cpu"
@@ -59,7 +65,10 @@ def parse_config() -> TrainConfig:
     )
     for f in dataclasses.fields(TrainConfig):
         kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f"(default: {f.default})")
+        flags = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+        parser.add_argument(
+            *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})"
+        )
     return TrainConfig(**vars(parser.parse_args()))
 
 
@@ -104,11 +113,24 @@ def main():
             local = sum(model(*batch("val", i)).item() for i in range(cfg.eval_batches))
         return comm.all_reduce_scalar(local) / (world * cfg.eval_batches)
 
+    first_step = 0
+    if cfg.resume:
+        if cfg.resume == "latest":
+            path, extra = checkpoint.load_latest(cfg.save_dir, model, opt)
+        else:
+            path, extra = cfg.resume, checkpoint.load(cfg.resume, model, opt)
+        first_step = extra["step"] if path is not None else 0
+        say(
+            f"resumed from {path} at step {first_step}"
+            if path
+            else f"no checkpoint in {cfg.save_dir}: from scratch"
+        )
+
     tokens_per_step = cfg.batch_size * cfg.block_size
     val_loss, train_loss = float("nan"), float("nan")
     comm.mpi.Barrier()
     t_start = time.perf_counter()
-    for step in range(cfg.max_steps):
+    for step in range(first_step, cfg.max_steps):
         last = step == cfg.max_steps - 1
         if last:  # measure one training step's communication exactly (evaluation excluded)
             comm.ledger.reset()
@@ -122,7 +144,7 @@ def main():
             step_comm = comm.ledger.report()
         if step % cfg.log_every == 0 or last:
             train_loss = comm.all_reduce_scalar(loss.item()) / world
-            tok_s = tokens_per_step * (step + 1) / (time.perf_counter() - t_start)
+            tok_s = tokens_per_step * (step + 1 - first_step) / (time.perf_counter() - t_start)
             line = (
                 f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.4f} | norm {grad_norm:.2f} "
                 f"| lr {opt.lr:.2e} | {tok_s:,.0f} tok/s | peak RSS {mib(peak_rss_bytes()):.0f} MiB"
@@ -135,6 +157,10 @@ def main():
         if (step > 0 and step % cfg.eval_every == 0) or last:
             val_loss = evaluate()
             say(f"{chr(10) if tty else ''}step {step + 1}: val loss {val_loss:.4f}", flush=True)
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
+            # the data position is the step: batches are a pure function of (seed, step)
+            path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, keep=cfg.keep)
+            say(f"saved {path}", flush=True)
     elapsed = time.perf_counter() - t_start
 
     prompt = np.frombuffer(b"def ", dtype=np.uint8)[None, :].astype(np.int64)
@@ -161,7 +187,7 @@ def main():
                     "val_loss": round(val_loss, 4),
                     "steps": cfg.max_steps,
                     "world_size": world,
-                    "tokens_per_s": round(tokens_per_step * cfg.max_steps / elapsed, 1),
+                    "tokens_per_s": round(tokens_per_step * (cfg.max_steps - first_step) / elapsed, 1),
                     "peak_rss_mib": mib(peak_rss),
                 }
             )

@@ -39,3 +39,14 @@ def test_train_gpt_example_runs_sharded_and_reports(comm):
     assert result["world_size"] == 2 and result["steps"] == 30
     assert result["val_loss"] < 4.0  # from ln(256) = 5.55 at the start
     assert "one training step moved" in out and "plan per rank" in out
+
+
+def test_train_gpt_saves_and_resumes_at_another_world_size(comm, tmp_path):
+    small = ["--n_layer", 2, "--n_embd", 32, "--block_size", 32, "--batch_size", 6, "--sample_tokens", 5]
+    script = ROOT / "examples" / "train_gpt.py"
+    ckpt = ["--save-every", 10, "--save-dir", tmp_path / "ck", "--eval_every", 100]
+    run_example(comm, 2, script, "--max-steps", 20, *ckpt, *small)
+    out = run_example(comm, 3, script, "--max-steps", 30, "--resume", "latest", *ckpt, *small)
+    assert f"resumed from {tmp_path / 'ck' / 'step-00000020'} at step 20" in out
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 30
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-000000{n}0" for n in (1, 2, 3)]
