@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .accounting import CommLedger
+from .schedule import Schedule
 from .threads import configure_threads
 
 
@@ -26,15 +27,26 @@ def _mpi():
 class Comm:
     """Collectives on flat, contiguous arrays: all_gather, reduce_scatter, all_reduce, broadcast."""
 
-    def __init__(self, mpi_comm=None, clone: bool = True, threads="auto"):
+    def __init__(
+        self,
+        mpi_comm=None,
+        clone: bool = True,
+        threads="auto",
+        debug=None,
+        timeout=None,
+        abort_on_timeout=True,
+    ):
         """threads: BLAS threads per rank: "auto" (the node's cores shared by its ranks, unless
-        OMP_NUM_THREADS or similar is set), an int, or None to leave BLAS alone (see threads.py)."""
+        OMP_NUM_THREADS or similar is set), an int, or None to leave BLAS alone (see threads.py).
+        debug / timeout / abort_on_timeout: the schedule checks and the watchdog (schedule.py);
+        None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment."""
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = base.Clone() if clone else base
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.ledger = CommLedger()
+        self.schedule = Schedule(self.mpi, debug, timeout, abort_on_timeout)
         self.threads = configure_threads(self.mpi, threads)
 
     def __repr__(self):
@@ -54,6 +66,7 @@ class Comm:
     def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
         self._check_shards("all_gather", shard, full)
+        self.schedule.announce(unit, phase, "all_gather", full.size, full.dtype)
         request = self.mpi.Iallgather(shard, full)
         self.ledger.record(unit, phase, "all_gather", (self.size - 1) * shard.size, shard.itemsize)
         return request
@@ -61,13 +74,14 @@ class Comm:
     def ireduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
         """Start shard = sum over ranks of full[r*n:(r+1)*n] for this rank r; returns a request."""
         self._check_shards("reduce_scatter", shard, full)
+        self.schedule.announce(unit, phase, "reduce_scatter", full.size, full.dtype)
         request = self.mpi.Ireduce_scatter_block(full, shard, op=_mpi().SUM)
         self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
         return request
 
     def wait(self, request):
-        """Complete a request from iall_gather / ireduce_scatter (the one place tests can delay)."""
-        request.Wait()
+        """Complete a request from iall_gather / ireduce_scatter, under the watchdog."""
+        self.schedule.wait(request)
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         self.wait(self.iall_gather(shard, full, unit=unit, phase=phase))
@@ -78,7 +92,8 @@ class Comm:
 
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
         """In-place sum over ranks."""
-        self.mpi.Allreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
+        self.schedule.announce(unit, phase, "all_reduce", array.size, array.dtype)
+        self.wait(self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM))
         self.ledger.record(
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
         )
@@ -89,7 +104,8 @@ class Comm:
         return float(buf[0])
 
     def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other"):
-        self.mpi.Bcast(array, root=root)
+        self.schedule.announce(unit, phase, "broadcast", array.size, array.dtype)
+        self.wait(self.mpi.Ibcast(array, root=root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
     def allgather_object(self, obj) -> list:

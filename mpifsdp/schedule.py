@@ -1,0 +1,121 @@
+"""Hang-proofing for collectives: fingerprints, a per-step schedule check, debug checks, a watchdog.
+
+[Note: same collectives everywhere] Every collective the runtime issues is announced here first with
+its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into a rolling hash.
+Once per step (at the end of backward) ranks compare (sequence number, hash) with one tiny
+nonblocking allgather; in debug mode (MPIFSDP_DEBUG=1 or Comm(debug=True)) they compare every
+fingerprint before the collective runs. A mismatch raises ScheduleError on every rank naming what
+each rank was about to do. Every wait is watched: a collective that does not complete within the
+timeout (MPIFSDP_TIMEOUT seconds, default 300) reports where this rank is stuck and aborts the job,
+so `mpiexec` exits non-zero instead of hanging. A rank that never arrived prints nothing: the ranks
+missing from the reports are the ones that did not arrive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from collections import deque
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 300.0
+_OP_WORDS = {"all_gather": "gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce"}
+
+
+class ScheduleError(RuntimeError):
+    """Ranks were about to issue different collectives (a hang or a silent wrong answer otherwise)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the watchdog's timeout."""
+
+
+def describe(fp) -> str:
+    seq, unit, phase, op, count, dtype = fp
+    where = f" of unit '{unit}'" if unit else ""
+    return f"{phase} {_OP_WORDS.get(op, op)}{where} ({count} x {dtype}, collective #{seq})"
+
+
+def _digest(*parts) -> int:
+    raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") & (2**62 - 1)
+
+
+class Schedule:
+    def __init__(self, mpi, debug: bool | None = None, timeout: float | None = None, abort: bool = True):
+        self.mpi = mpi
+        self.rank = mpi.Get_rank()
+        self.debug = os.environ.get("MPIFSDP_DEBUG", "0") not in ("", "0") if debug is None else debug
+        self.timeout = (
+            float(os.environ.get("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else timeout
+        )
+        self.abort = abort
+        self.seq = 0
+        self.hash = 0
+        self.recent: deque = deque(maxlen=6)
+        self.current = None  # the fingerprint of the collective in flight, for the watchdog's report
+
+    def announce(self, unit: str, phase: str, op: str, count: int, dtype) -> tuple:
+        """Record the next collective; in debug mode, check that every rank is about to do the same."""
+        fp = (self.seq, unit, phase, op, int(count), str(dtype))
+        self.seq += 1
+        self.hash = _digest(self.hash, fp)
+        self.recent.append(fp)
+        self.current = fp
+        if self.debug:
+            self._compare(_digest(fp), "before " + describe(fp))
+        return fp
+
+    def check_step(self):
+        """Compare every rank's position and rolling hash: one allgather of two integers."""
+        self._compare(self.hash, "at the end of a step")
+
+    def _compare(self, value: int, when: str):
+        mine = np.array([self.seq, value], dtype=np.int64)
+        everyone = np.empty(2 * self.mpi.Get_size(), dtype=np.int64)
+        self.wait(self.mpi.Iallgather(mine, everyone))
+        if len(set(map(tuple, everyone.reshape(-1, 2).tolist()))) == 1:
+            return
+        # every rank saw the same mismatch, so every rank joins this exchange of details
+        reports = self.mpi.allgather([describe(fp) for fp in self.recent])
+        lines = "\n".join(f"  rank {r}: {' -> '.join(steps[-3:])}" for r, steps in enumerate(reports))
+        raise ScheduleError(
+            f"ranks disagree on the sequence of collectives ({when}); "
+            f"each rank's last collectives:\n{lines}\n"
+            "Every rank must run the same units in the same order: look for data-dependent branches, "
+            "uneven batches, or sets iterated in different orders."
+        )
+
+    def wait(self, request):
+        """Request.Wait() under the watchdog: polls with Test so a stall can be reported."""
+        if request.Test():
+            return
+        deadline = time.monotonic() + self.timeout
+        delay = 2e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                self._stalled()
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-4)
+
+    def _stalled(self):
+        where = describe(self.current) if self.current else "a collective"
+        history = "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
+        message = (
+            f"mpifsdp watchdog: rank {self.rank} waited {self.timeout:.1f} s in {where}. "
+            f"Before it: {history}. "
+            "Ranks that did not report are the ones that never arrived (blocked elsewhere, or dead). "
+            "Raise MPIFSDP_TIMEOUT if a collective can legitimately take this long."
+        )
+        log.error(message)
+        if not self.abort:
+            raise CollectiveTimeout(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        self.mpi.Abort(3)
