@@ -5,7 +5,7 @@ from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad,
 from .backend import array_module, available_devices, to_device, to_numpy
 from .comm import CollectiveError, Comm
 from .fsdp import full_state_dict, fully_shard
-from .optim import AdamW
+from .optim import AdamW, NonFiniteError
 from .unit import Unit
 
 __version__ = "0.1.0"
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdamW",
     "CollectiveError",
+    "NonFiniteError",
     "Comm",
     "Unit",
     "fully_shard",

@@ -21,7 +21,7 @@ from collections import deque
 from .accounting import MemoryLedger
 from .autodiff import grad_enabled, scope
 from .backend import to_numpy
-from .comm import Comm
+from .comm import CollectiveError, Comm
 from .layers import Module
 from .unit import BufferPool, Unit
 
@@ -46,6 +46,7 @@ class UnitState:
         """Module._forward_wrapper: the unit is unsharded while its forward runs."""
         group, is_root = self.group, self is self.group.root
         if is_root:
+            group.check_batch(args)
             group.recording = []
         if self.unit is not None:
             self._bind(self.unit.unshard("forward"))
@@ -116,6 +117,22 @@ class FSDPGroup:
     @property
     def units(self) -> list[Unit]:
         return [s.unit for s in self.states if s.unit is not None]
+
+    def check_batch(self, args):
+        """Refuse ranks holding different numbers of samples (collective; one tiny allgather).
+
+        [Note: gradient averaging] Reduce-scatter then /N averages ranks' gradients with equal weight;
+        with unequal batches that is not the gradient of the global mean (DESIGN invariant 3), so an
+        uneven last batch is an error here rather than a silently wrong update.
+        """
+        n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
+        sizes = self.comm.gather_ints(n, phase="forward batch-size check:")[:, 0].tolist()
+        if len(set(sizes)) > 1:
+            raise CollectiveError(
+                f"ranks hold different batch sizes {dict(enumerate(sizes))}: averaging their gradients would "
+                "weight samples unequally. Give every rank the same number of samples (drop or pad the "
+                "last batch; data.rank_slice splits a global batch evenly)."
+            )
 
     def prefetch(self, state: UnitState, direction: str):
         """Start the gathers of the next `prefetch` units after `state` in this pass's order."""

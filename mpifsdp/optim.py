@@ -8,6 +8,7 @@ arithmetic on a slice, and results match the unsharded run to the last bit of el
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -16,6 +17,12 @@ from .autodiff import Param
 from .backend import array_module_of
 from .fsdp import fsdp_group
 from .threads import for_row_blocks
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf gradient, detected on every rank at once."""
 
 
 class ParamGroup:
@@ -26,11 +33,20 @@ class ParamGroup:
         self.numel = param.size
         self.decay_segments = [(0, param.size)] if param.ndim >= 2 else []
 
+    def _whole(self) -> Param:
+        if self.param.unit_name is not None:
+            raise RuntimeError(
+                f"AdamW was built before fully_shard(): parameter {self.param.name!r} now lives only as a "
+                "shard of its unit. Build the optimizer after sharding: AdamW(model)."
+            )
+        return self.param
+
     def flat_param(self):
-        return self.param.data.reshape(-1)
+        return self._whole().data.reshape(-1)
 
     def flat_grad(self):
-        return None if self.param.grad is None else self.param.grad.reshape(-1)
+        grad = self._whole().grad
+        return None if grad is None else grad.reshape(-1)
 
     def zero_grad(self):
         self.param.grad = None
@@ -90,13 +106,20 @@ class AdamW:
     clip_grad_norm global across ranks with one all_reduce of a scalar.
     """
 
-    def __init__(self, targets, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, comm=None):
+    def __init__(
+        self, targets, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, comm=None, nonfinite="raise"
+    ):
         self.groups = _flat_groups(targets)
         if not self.groups:
             raise ValueError("AdamW got no parameters to optimize")
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         # Sharded groups (Units) carry their communicator: clipping must then be global.
         self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._norm = None  # the global grad norm of this step, once computed
         self.step_count = 0
         self.m = [None] * len(self.groups)
         self.v = [None] * len(self.groups)
@@ -110,8 +133,24 @@ class AdamW:
             _count(group, "alloc", "optim_state", 2 * p.nbytes)
         return self.m[i], self.v[i]
 
-    def step(self):
-        """Update every group that has a gradient; groups without one are left alone (as PyTorch)."""
+    def step(self) -> bool:
+        """Update every group that has a gradient; groups without one are left alone (as PyTorch).
+
+        A NaN or Inf anywhere in the gradients (on any rank: the norm is global) raises
+        NonFiniteError on every rank, or with nonfinite="skip" drops the step on every rank, logs a
+        warning and counts it in `skipped_steps`. Returns whether the parameters were updated.
+        """
+        norm = self._norm if self._norm is not None else self.grad_norm()
+        self._norm = None
+        if not math.isfinite(norm):
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"the gradient norm is {norm} at step {self.step_count + 1}: a NaN or Inf reached the "
+                    "gradients (on at least one rank). AdamW(nonfinite='skip') drops such steps instead."
+                )
+            self.skipped_steps += 1
+            log.warning("skipped step %d: gradient norm %s", self.step_count + 1, norm)
+            return False
         self.step_count += 1
         for i, group in enumerate(self.groups):
             g = group.flat_grad()
@@ -131,8 +170,10 @@ class AdamW:
                 decay_segments=group.decay_segments,
                 weight_decay=self.weight_decay,
             )
+        return True
 
     def zero_grad(self):
+        self._norm = None
         for group in self.groups:
             group.zero_grad()
 
@@ -145,6 +186,7 @@ class AdamW:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
         norm = self.grad_norm()
+        self._norm = norm  # step() reuses it for its finiteness check
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
             for group in self.groups:

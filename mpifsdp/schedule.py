@@ -25,7 +25,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
-_OP_WORDS = {"all_gather": "gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce"}
+_OP_WORDS = {
+    "all_gather": "gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "gather_ints": "exchange of sizes",
+}
 
 
 class ScheduleError(RuntimeError):
@@ -113,7 +118,6 @@ class Schedule:
             "Ranks that did not report are the ones that never arrived (blocked elsewhere, or dead). "
             "Raise MPIFSDP_TIMEOUT if a collective can legitimately take this long."
         )
-        log.error(message)
         if not self.abort:
             raise CollectiveTimeout(message)
         sys.stderr.write(message + "\n")

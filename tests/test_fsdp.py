@@ -40,10 +40,15 @@ def test_communication_per_step_is_exact(comm):
         ):
             assert ledger.total("calls", unit=unit.name, phase=phase, op=op) == 1, (unit.name, phase, op)
             assert ledger.total("elements", unit=unit.name, phase=phase, op=op) == (N - 1) * unit.numel
-    assert ledger.total("calls") == 3 * len(units) == 3 * (CFG.n_layer + 1)
+    gathers_and_reductions = [ledger.total(what, op=op) for what in ("calls", "elements", "bytes")
+                              for op in ("all_gather", "reduce_scatter")]  # fmt: skip
+    calls, elements, nbytes = (sum(gathers_and_reductions[i : i + 2]) for i in (0, 2, 4))
+    assert calls == 3 * len(units) == 3 * (CFG.n_layer + 1)
     total_padded = sum(u.layout.padded_numel for u in units)
-    assert ledger.total("elements") * N == 3 * (N - 1) * total_padded  # 3 (N-1)/N sum(padded)
-    assert ledger.total("bytes") == 4 * ledger.total("elements")
+    assert elements * N == 3 * (N - 1) * total_padded  # 3 (N-1)/N sum(padded)
+    assert nbytes == 4 * elements
+    # besides: the batch-size check (one int) and AdamW's global grad norm (one float64)
+    assert ledger.total("calls", op="gather_ints") == 1 and ledger.total("calls", op="all_reduce") == 1
 
 
 @pytest.mark.parametrize("keep", ["root", "all"])

@@ -1,0 +1,222 @@
+"""Failures end the job promptly with a precise message; bad input gets a clear error on every rank.
+
+Scenarios that hang or kill a rank run as real `mpiexec` jobs in subprocesses, with timeouts.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import agree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_abort import mpiexec
+
+from mpifsdp import AdamW, CollectiveError, NonFiniteError, Unit, full_state_dict, fully_shard
+from mpifsdp.backend import parse_device
+from mpifsdp.fsdp import fsdp_group
+from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+
+CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, n_embd=8)
+
+PRELUDE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import numpy as np
+    from mpifsdp import AdamW, Comm, fully_shard
+    from mpifsdp.models import GPT, GPTConfig
+
+    comm = Comm()
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, n_embd=8), seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    opt = AdamW(model, lr=1e-3)
+    x = np.zeros((2, 4), dtype=np.int64)
+
+    def step():
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    """
+)
+
+SCENARIOS = {
+    # rank 1 runs block 2 where the others run block 1: a data-dependent branch
+    "skip_unit": """
+        def skipping_forward(idx, targets):
+            h = model.wte(idx) + model.wpe(np.arange(idx.shape[1]))
+            for i, block in enumerate(model.blocks):
+                if not (comm.rank == 1 and i == 1):
+                    h = block(h)
+            from mpifsdp import ops
+            return ops.cross_entropy(ops.linear(model.ln_f(h), model.wte.weight, transpose_w=True), targets)
+        model.forward = skipping_forward
+        for _ in range(3):
+            step()
+        """,
+    "sleep": """
+        if comm.rank == 1:
+            time.sleep(60)
+        step()
+        """,
+    "sigkill": """
+        for i in range(10_000):
+            if comm.rank == 1 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            step()
+        """,
+}
+
+
+def run_scenario(comm, tmp_path, name, env=None, timeout=120):
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / f"{name}.py"
+    script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[name]))
+    start = time.monotonic()
+    result = subprocess.run(
+        [mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    for _ in range(50):  # the launcher has returned: every rank must be gone (allow teardown a moment)
+        leftovers = subprocess.run(
+            ["pgrep", "-f", str(script)], capture_output=True, text=True
+        ).stdout.split()
+        if not leftovers:
+            break
+        time.sleep(0.1)
+    assert not leftovers, f"ranks still running 5 s after the job ended: {leftovers}"
+    print(f"{name}: exit {result.returncode} after {elapsed:.1f} s")
+    return result, elapsed
+
+
+def test_a_skipped_unit_is_named_on_every_rank_in_debug_mode(comm, tmp_path):
+    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", {"MPIFSDP_DEBUG": "1"})
+    assert result.returncode != 0 and elapsed < 30
+    assert "ScheduleError: ranks disagree on the sequence of collectives" in result.stderr
+    # Forward gathers run ahead in registration order on every rank, so the skip shows in backward,
+    # whose order is the reverse of what each rank actually ran: caught before the first divergence.
+    assert "-> backward gather of unit 'blocks.1' (873 x float32, collective #19)" in result.stderr  # rank 0
+    assert "-> backward gather of unit 'blocks.0' (873 x float32, collective #19)" in result.stderr  # rank 1
+
+
+def test_a_skipped_unit_ends_the_job_without_debug_mode(comm, tmp_path):
+    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", {"MPIFSDP_TIMEOUT": "5"})
+    assert result.returncode != 0 and elapsed < 30
+    assert "ScheduleError" in result.stderr or "mpifsdp watchdog" in result.stderr
+
+
+def test_a_stalled_rank_trips_the_watchdog_which_names_the_collective(comm, tmp_path):
+    result, elapsed = run_scenario(comm, tmp_path, "sleep", {"MPIFSDP_TIMEOUT": "3"})
+    assert result.returncode != 0 and elapsed < 3 + 20
+    assert (
+        "mpifsdp watchdog: rank 0 waited 3.0 s in forward batch-size check: exchange of sizes"
+        in result.stderr
+    )
+    assert "rank 1 waited" not in result.stderr  # the sleeping rank never arrived: it does not report
+
+
+def test_a_killed_rank_ends_the_job(comm, tmp_path):
+    result, elapsed = run_scenario(comm, tmp_path, "sigkill", {"MPIFSDP_TIMEOUT": "10"})
+    assert result.returncode != 0 and elapsed < 30
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_nan_on_one_rank_is_seen_by_every_rank(comm, policy):
+    model = MLPClassifier([5, 7, 3], seed=0)
+    fully_shard(model, comm, units=model.layers)
+    opt = AdamW(model, lr=1e-2, nonfinite=policy)
+    x, y = np.ones((2, 5), np.float32), np.array([0, 2])
+    model(x, y).backward()
+    before = full_state_dict(model)
+    if comm.rank == comm.size - 1:
+        fsdp_group(model).units[0].grad_shard[0] = np.nan  # one rank's gradient goes bad
+    if policy == "raise":
+        with pytest.raises(NonFiniteError, match="gradient norm is nan"):
+            opt.step()
+    else:
+        assert opt.step() is False and opt.skipped_steps == 1 and opt.step_count == 0
+    after = full_state_dict(model)
+    finite_and_unchanged = all(
+        np.isfinite(after[k]).all() and np.array_equal(after[k], before[k]) for k in after
+    )
+    agree(comm, finite_and_unchanged, "parameters changed or went non-finite")
+    opt.zero_grad()
+    model(x, y).backward()
+    assert opt.step() is True  # the next good step goes through
+
+
+def test_uneven_batches_are_refused_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks: runs under mpiexec in make test")
+    model = GPT(CFG, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    rows = 3 if comm.rank == 0 else 2
+    x = np.zeros((rows, 4), dtype=np.int64)
+    with pytest.raises(CollectiveError, match=r"different batch sizes \{0: 3, 1: 2"):
+        model(x, x)
+    model(x[:2], x[:2]).backward()  # the model is usable afterwards
+
+
+def test_optimizer_built_before_sharding(comm):
+    model = MLPClassifier([3, 4, 2])
+    opt = AdamW(model)
+    fully_shard(model, comm, units=model.layers)
+    model(np.ones((1, 3), np.float32), np.array([1])).backward()
+    with pytest.raises(RuntimeError, match="AdamW was built before fully_shard"):
+        opt.step()
+
+
+def test_more_ranks_than_elements_leaves_empty_shards_that_work(comm):
+    """A 1x1 linear (2 numbers) at N = 4: two ranks hold only padding, and training still agrees."""
+    model, ref = MLPClassifier([3, 1, 2], seed=1), MLPClassifier([3, 1, 2], seed=1)
+    fully_shard(model, comm, units=model.layers)
+    opts = AdamW(model, lr=0.1), AdamW(ref, lr=0.1)
+    x, y = (
+        np.random.default_rng(0).standard_normal((comm.size * 2, 3)).astype(np.float32),
+        np.arange(comm.size * 2) % 2,
+    )
+    for m, opt, (xs, ys) in zip(
+        (model, ref),
+        opts,
+        [(x[comm.rank * 2 : comm.rank * 2 + 2], y[comm.rank * 2 : comm.rank * 2 + 2]), (x, y)],
+    ):
+        m(xs, ys).backward()
+        opt.step()
+    got, want = full_state_dict(model), ref.state_dict()
+    agree(comm, all(np.allclose(got[k], want[k], atol=1e-6) for k in want), "empty shards broke training")
+
+
+def test_bad_devices_and_non_contiguous_arrays(comm):
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        parse_device("tpu")
+    w = np.arange(12.0).reshape(3, 4).T  # a non-contiguous view
+    unit = Unit("t", {"w": w}, comm)
+    with unit.unsharded() as full:
+        assert np.array_equal(full["w"], w)
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        comm.all_gather(np.zeros(4)[::2], np.zeros(2 * comm.size))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)  # same examples on every rank
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 5), max_size=3).map(tuple), min_size=1, max_size=4),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+)
+def test_unit_gather_of_shard_is_identity_with_zero_padding(comm, shapes, dtype):
+    """Random shapes and dtypes at this world size: unshard returns the arrays, padding stays zero."""
+    rng = np.random.default_rng(len(shapes))
+    arrays = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(shapes)}
+    unit = Unit("p", arrays, comm)
+    with unit.unsharded() as full:
+        same = all(np.array_equal(full[k], arrays[k]) for k in arrays)
+        padding = unit.full[unit.layout.numel :]
+        assert same and not padding.any()
+    unit.reduce_grad({k: np.ones_like(v) for k, v in arrays.items()})
+    assert np.all(unit.gather(unit.grad_shard)["t0"] == 1)
