@@ -57,7 +57,10 @@ class GPT(Module):
             logits = ops.linear(x, self.wte.weight, transpose_w=True)  # tied: (B, T, vocab)
         else:
             logits = self.lm_head(x)
-        return logits if targets is None else ops.cross_entropy(logits, targets)
+        if targets is None:
+            return logits
+        # the loss in at least float32, also when the model computes in float16 (mixed precision)
+        return ops.cross_entropy(logits.astype(np.promote_types(logits.dtype, np.float32)), targets)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; non_embedding leaves out the position table (and the token table if untied)."""

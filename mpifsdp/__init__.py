@@ -5,7 +5,7 @@ from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad,
 from .backend import array_module, available_devices, to_device, to_numpy
 from .comm import CollectiveError, Comm
 from .fsdp import full_state_dict, fully_shard
-from .optim import AdamW, NonFiniteError
+from .optim import AdamW, LossScaler, NonFiniteError
 from .unit import Unit
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ __all__ = [
     "CollectiveError",
     "NonFiniteError",
     "Comm",
+    "LossScaler",
     "Unit",
     "fully_shard",
     "full_state_dict",

@@ -237,6 +237,9 @@ class Tensor:
     def T(self):
         return self.transpose()
 
+    def astype(self, dtype):
+        return self if self.dtype == dtype else apply("astype", self, dtype=np.dtype(dtype))
+
     def exp(self):
         return apply("exp", self)
 

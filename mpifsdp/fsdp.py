@@ -217,7 +217,15 @@ def _owned_params(module: Module, prefix: str, unit_ids: set) -> list:
 
 
 def fully_shard(
-    model: Module, comm: Comm, units=(), *, prefetch: int = 1, reshard_after_forward=True, reshard_root=False
+    model: Module,
+    comm: Comm,
+    units=(),
+    *,
+    prefetch: int = 1,
+    reshard_after_forward=True,
+    reshard_root=False,
+    param_dtype=None,
+    reduce_dtype=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -228,6 +236,9 @@ def fully_shard(
     for backward; False keeps them (2 collectives per step instead of 3, more memory). A bool for
     every unit, or a dict {unit module: bool}. reshard_root: the same for the root unit (FSDP2 keeps
     it, as its parameters are the first needed by backward).
+    param_dtype / reduce_dtype: mixed precision. Shards, gradient shards and AdamW state stay in the
+    model's dtype (fp32 masters); parameters are gathered and computed in param_dtype (e.g. float16)
+    and gradients reduce-scattered in reduce_dtype (default param_dtype). Use LossScaler with float16.
     """
     if getattr(model, "_fsdp", None) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -266,9 +277,11 @@ def fully_shard(
     for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
         unit = None
         if params or module is not model:
+            arrays = [(n, p.data) for n, p in params]
             unit = Unit(
-                unit_name, [(n, p.data) for n, p in params], comm, ledger=group.ledger, pool=group.pool
-            )
+                unit_name, arrays, comm, ledger=group.ledger, pool=group.pool,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            )  # fmt: skip
         state = UnitState(unit, params, group, flag)
         for n, p in params:
             p.name, p.unit_name = n, unit_name

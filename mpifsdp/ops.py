@@ -173,6 +173,12 @@ def _max(a, axis=None, keepdims=False):
     return out, out
 
 
+@primitive("astype", vjp=lambda g, _, a, dtype: (g.astype(a.dtype),), reads_inputs=False)
+def _astype(a, dtype):
+    """A cast, e.g. half-precision logits to float32 before the loss; the gradient casts back."""
+    return a.astype(dtype), None
+
+
 @primitive("reshape", vjp=lambda g, _, a, shape: (g.reshape(a.shape),), reads_inputs=False)
 def _reshape(a, shape):
     return a.reshape(shape), None

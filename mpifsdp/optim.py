@@ -213,3 +213,45 @@ def _flat_groups(targets) -> list:
     if hasattr(targets, "parameters"):
         targets = targets.parameters()
     return [ParamGroup(t) if isinstance(t, Param) else t for t in targets]
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 compute: scale the loss, unscale the gradients, skip overflows.
+
+        scaler.scale(loss).backward()
+        scaler.step(opt, max_norm=1.0)   # False when the step overflowed and was skipped
+        opt.zero_grad()
+
+    A step whose gradients overflow (a global check: every rank agrees) is skipped and the scale
+    halved; after `growth_interval` good steps in a row the scale doubles.
+    """
+
+    def __init__(self, init_scale: float = 2.0**15, growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale_value = float(init_scale)
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def scale(self, loss):
+        return loss * self.scale_value
+
+    def step(self, optimizer: AdamW, max_norm: float | None = None) -> bool:
+        for group in optimizer.groups:
+            g = group.flat_grad()
+            if g is not None:
+                g /= self.scale_value
+        norm = optimizer.grad_norm()
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            self.good_steps = 0
+            self.scale_value = max(self.min_scale, self.scale_value / 2)
+            log.info("loss scale overflow: skipped the step, scale now %g", self.scale_value)
+            return False
+        if max_norm is not None:
+            optimizer.clip_grad_norm(max_norm)
+        optimizer.step()
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale_value *= 2
+        return True

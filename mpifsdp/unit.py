@@ -66,12 +66,19 @@ class Unit:
         dtype=None,
         ledger: MemoryLedger | None = None,
         pool: BufferPool | None = None,
+        param_dtype=None,
+        reduce_dtype=None,
     ):
+        """param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
+        its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
+        dtype gradients are reduce-scattered in (default param_dtype)."""
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm = name, comm
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.layout = self._agreed_layout(named_arrays, dtype)
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
+        self.param_dtype = np.dtype(param_dtype or self.layout.dtype)
+        self.reduce_dtype = np.dtype(reduce_dtype or self.param_dtype)
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
@@ -116,10 +123,18 @@ class Unit:
             return "sharded"
         return "gathering" if self._gathering is not None else "unsharded"
 
-    def _take(self, category: str, zero: bool = False):
-        buf = self.pool.take(self.layout.padded_numel, self.layout.dtype, self.xp, zero=zero)
+    def _take(self, category: str, dtype, numel: int | None = None, zero: bool = False):
+        buf = self.pool.take(numel or self.layout.padded_numel, dtype, self.xp, zero=zero)
         self.ledger.alloc(category, buf.nbytes)
         return buf
+
+    def _cast(self, category: str, array, dtype):
+        """`array` itself, or a pooled copy in `dtype` (mixed precision)."""
+        if array.dtype == dtype:
+            return array
+        copy = self._take(category, dtype, numel=array.size)
+        copy[...] = array
+        return copy
 
     def _give(self, category: str, buf):
         self.ledger.free(category, buf.nbytes)
@@ -129,22 +144,27 @@ class Unit:
     def start_unshard(self, phase: str = "forward"):
         """Begin gathering the full parameters without waiting (a no-op unless sharded)."""
         if self.full is None:
-            self.full = self._take("gathered_params")
-            self._gathering = self.comm.iall_gather(self.shard, self.full, unit=self.name, phase=phase)
+            self.full = self._take("gathered_params", self.param_dtype)
+            send = self._cast("gathered_params", self.shard, self.param_dtype)
+            self._gathering = (self.comm.iall_gather(send, self.full, unit=self.name, phase=phase), send)
 
     def unshard(self, phase: str = "forward") -> dict:
         """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
         self.start_unshard(phase)
-        if self._gathering is not None:
-            self.comm.wait(self._gathering)
-            self._gathering = None
+        self._finish_gather()
         return self.layout.views(self.full)
+
+    def _finish_gather(self):
+        if self._gathering is not None:
+            request, send = self._gathering
+            self._gathering = None
+            self.comm.wait(request)
+            if send is not self.shard:
+                self._give("gathered_params", send)
 
     def reshard(self):
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""
-        if self._gathering is not None:  # a buffer MPI is still writing cannot go back to the pool
-            self.comm.wait(self._gathering)
-            self._gathering = None
+        self._finish_gather()  # a buffer MPI is still writing cannot go back to the pool
         if self.full is not None:
             self._give("gathered_params", self.full)
             self.full = None
@@ -161,7 +181,7 @@ class Unit:
     def zero_full_grad(self) -> dict:
         """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
         if self.full_grad is None:
-            self.full_grad = self._take("gathered_grads", zero=True)
+            self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
         return self.layout.views(self.full_grad)
 
     def start_reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
@@ -173,15 +193,17 @@ class Unit:
                 f"unit {self.name!r}: reduce_grad() without gradients: pass them, or zero_full_grad() first"
             )
         self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
-        # A zero grad_shard (after zero_grad) receives the sum directly; otherwise a temporary does,
-        # so gradients accumulate across backward calls until zeroed.
-        receive = self.grad_shard
-        if self.has_grad:
-            receive = self.pool.take(self.layout.shard_numel, self.layout.dtype, self.xp)
-            self.ledger.alloc("gathered_grads", receive.nbytes)
-        request = self.comm.ireduce_scatter(self.full_grad, receive, unit=self.name, phase=phase)
-        self._reducing = (request, receive, self.full_grad)
+        source = self._cast("gathered_grads", self.full_grad, self.reduce_dtype)
+        if source is not self.full_grad:
+            self._give("gathered_grads", self.full_grad)
         self.full_grad = None
+        # A zero grad_shard (after zero_grad) of the reduce dtype receives the sum directly; otherwise a
+        # temporary does, so gradients accumulate across backward calls until zeroed.
+        receive = self.grad_shard
+        if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
+            receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
+        request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
+        self._reducing = (request, receive, source)
 
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
@@ -191,16 +213,15 @@ class Unit:
         """
         if self._reducing is None:
             return
-        request, receive, full_grad = self._reducing
+        request, receive, source = self._reducing
         self._reducing = None
         self.comm.wait(request)
         receive /= self.comm.size
         if receive is not self.grad_shard:
             self.grad_shard += receive
-            self.ledger.free("gathered_grads", receive.nbytes)
-            self.pool.give(receive)
+            self._give("gathered_grads", receive)
         self.has_grad = True
-        self._give("gathered_grads", full_grad)
+        self._give("gathered_grads", source)
 
     def reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
         """Reduce-scatter the gradients now: grad_shard += mean over ranks of this rank's slice."""

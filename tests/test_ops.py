@@ -54,6 +54,7 @@ CASES = {
     "mean": [((_r(3, 4, 5),), {"axis": -1}), ((_r(3, 4),), {"axis": None, "keepdims": True})],
     "max": [((_distinct(3, 4, 5),), {"axis": 1}), ((_distinct(4, 3),), {"axis": None})],
     "reshape": [((_r(3, 4),), {"shape": (2, 6)})],
+    "astype": [((_r(3, 4),), {"dtype": np.float64})],
     "transpose": [((_r(2, 3, 4),), {"axes": (2, 0, 1)}), ((_r(3, 4),), {"axes": None})],
     "getitem": [
         ((_r(5, 4),), {"index": (slice(1, 4), 2)}),
