@@ -82,3 +82,78 @@ def gpu_available() -> bool:
 def available_devices() -> list[str]:
     """Devices the tests should run on: 'cpu' always, 'cuda' when a GPU is present."""
     return [CPU, "cuda"] if gpu_available() else [CPU]
+
+
+# -- GPU plumbing for the collectives (transport.py); every cupy access stays in this file -----------
+
+
+def synchronize(array):
+    """Wait for the kernels that produce `array` (a no-op for NumPy arrays): MPI does not see streams."""
+    if array_module_of(array) is not np:
+        _cupy().cuda.get_current_stream().synchronize()
+
+
+def _local_ranks(mpi_comm) -> tuple[int, int]:
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank, size = node.Get_rank(), node.Get_size()
+    node.Free()
+    return rank, size
+
+
+def select_gpu(mpi_comm) -> str:
+    """Bind this rank to GPU (local rank mod GPUs on the node), before any NCCL communicator exists."""
+    rank, _ = _local_ranks(mpi_comm)
+    index = rank % _cupy().cuda.runtime.getDeviceCount()
+    _cupy().cuda.Device(index).use()
+    return f"cuda:{index}"
+
+
+def ranks_sharing_gpu(mpi_comm) -> int:
+    _, size = _local_ranks(mpi_comm)
+    return -(-size // _cupy().cuda.runtime.getDeviceCount())
+
+
+def nccl():
+    return importlib.import_module("cupy.cuda.nccl")
+
+
+def nccl_available() -> bool:
+    try:
+        return nccl().available if hasattr(nccl(), "available") else True
+    except Exception:
+        return False
+
+
+def nccl_dtype(dtype):
+    mod = nccl()
+    names = {"float32": "NCCL_FLOAT32", "float16": "NCCL_FLOAT16", "float64": "NCCL_FLOAT64",
+             "int64": "NCCL_INT64", "bfloat16": "NCCL_BFLOAT16"}  # fmt: skip
+    return getattr(mod, names[np.dtype(dtype).name])
+
+
+def new_stream():
+    return _cupy().cuda.Stream(non_blocking=True)
+
+
+def stream_wait_current(stream):
+    """Make `stream` wait for all work queued so far on the current stream."""
+    stream.wait_event(_cupy().cuda.get_current_stream().record())
+
+
+class StreamRequest:
+    """Completion of work queued on a stream, as an MPI-like request (Test / Wait)."""
+
+    def __init__(self, stream):
+        self.event = stream.record()
+
+    def Test(self):
+        if self.event.done:
+            _cupy().cuda.get_current_stream().wait_event(self.event)
+            return True
+        return False
+
+    def Wait(self):
+        self.event.synchronize()
+        self.Test()

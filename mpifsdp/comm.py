@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from .accounting import CommLedger
+from .backend import parse_device, select_gpu
 from .schedule import Schedule
 from .threads import configure_threads
+from .transport import choose_transport
 
 
 class CollectiveError(RuntimeError):
@@ -35,11 +37,15 @@ class Comm:
         debug=None,
         timeout=None,
         abort_on_timeout=True,
+        device: str = "cpu",
+        transport: str | None = None,
     ):
         """threads: BLAS threads per rank: "auto" (the node's cores shared by its ranks, unless
         OMP_NUM_THREADS or similar is set), an int, or None to leave BLAS alone (see threads.py).
         debug / timeout / abort_on_timeout: the schedule checks and the watchdog (schedule.py);
-        None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment."""
+        None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment.
+        device: "cpu" or "cuda" (this rank takes GPU local_rank mod GPUs); transport: how device
+        arrays move, "nccl", "cuda-aware-mpi" or "host" (see transport.py; None chooses)."""
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = base.Clone() if clone else base
@@ -48,6 +54,8 @@ class Comm:
         self.ledger = CommLedger()
         self.schedule = Schedule(self.mpi, debug, timeout, abort_on_timeout)
         self.threads = configure_threads(self.mpi, threads)
+        self.device = "cpu" if parse_device(device)[0] == "cpu" else select_gpu(self.mpi)
+        self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
@@ -67,7 +75,7 @@ class Comm:
         """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
         self._check_shards("all_gather", shard, full)
         self.schedule.announce(unit, phase, "all_gather", full.size, full.dtype)
-        request = self.mpi.Iallgather(shard, full)
+        request = self.transport.iall_gather(shard, full)
         self.ledger.record(unit, phase, "all_gather", (self.size - 1) * shard.size, shard.itemsize)
         return request
 
@@ -75,7 +83,7 @@ class Comm:
         """Start shard = sum over ranks of full[r*n:(r+1)*n] for this rank r; returns a request."""
         self._check_shards("reduce_scatter", shard, full)
         self.schedule.announce(unit, phase, "reduce_scatter", full.size, full.dtype)
-        request = self.mpi.Ireduce_scatter_block(full, shard, op=_mpi().SUM)
+        request = self.transport.ireduce_scatter(full, shard)
         self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
         return request
 
