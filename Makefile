@@ -11,7 +11,7 @@ MPIRUN  = $(BIN)/mpiexec -n
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 PYTEST   = $(BIN)/python -m pytest -q
 
-.PHONY: install test test-serial test-mpi train bench lint format clean
+.PHONY: install test train bench gpu-check lint format clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,10 @@ bench: install
 	$(BENCH) bench/bench_core.py --config peer
 	$(BENCH) bench/bench_fsdp.py --config small
 	$(BENCH) bench/bench_fsdp.py --config peer
+
+# On a machine with a GPU and CuPy: all GPU checks in one command, logs in $(OUT) (default out/gpu).
+gpu-check:
+	PYTHON=$(PYTHON) bash bench/gpu_check.sh
 
 lint: install
 	$(BIN)/ruff check .
