@@ -71,21 +71,24 @@ class Comm:
                 f"shards of {shard.size} {shard.dtype}"
             )
 
+    def _start(self, op: str, launch, shard, full, unit: str, phase: str):
+        """Check the buffers, announce the collective to the schedule, launch it, count it."""
+        self._check_shards(op, shard, full)
+        self.schedule.announce(unit, phase, op, full.size, full.dtype)
+        request = launch()
+        self.ledger.record(unit, phase, op, (self.size - 1) * shard.size, shard.itemsize)
+        return request
+
     def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
-        self._check_shards("all_gather", shard, full)
-        self.schedule.announce(unit, phase, "all_gather", full.size, full.dtype)
-        request = self.transport.iall_gather(shard, full)
-        self.ledger.record(unit, phase, "all_gather", (self.size - 1) * shard.size, shard.itemsize)
-        return request
+        return self._start(
+            "all_gather", lambda: self.transport.iall_gather(shard, full), shard, full, unit, phase
+        )
 
     def ireduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
         """Start shard = sum over ranks of full[r*n:(r+1)*n] for this rank r; returns a request."""
-        self._check_shards("reduce_scatter", shard, full)
-        self.schedule.announce(unit, phase, "reduce_scatter", full.size, full.dtype)
-        request = self.transport.ireduce_scatter(full, shard)
-        self.ledger.record(unit, phase, "reduce_scatter", (self.size - 1) * shard.size, shard.itemsize)
-        return request
+        launch = lambda: self.transport.ireduce_scatter(full, shard)  # noqa: E731
+        return self._start("reduce_scatter", launch, shard, full, unit, phase)
 
     def wait(self, request):
         """Complete a request from iall_gather / ireduce_scatter, under the watchdog."""
