@@ -10,6 +10,18 @@ import pytest  # noqa: E402
 from mpifsdp.backend import array_module, available_devices  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under mpiexec every rank runs pytest: give each its own temporary root, so that ranks do not
+    race to clean up each other's directories (tests that need one shared directory use rank 0's)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1 and not config.option.basetemp:
+        parent = f"/tmp/pytest-mpifsdp-{os.getuid()}"
+        os.makedirs(parent, exist_ok=True)
+        config.option.basetemp = f"{parent}/rank{world.Get_rank()}"
+
+
 @pytest.fixture(params=available_devices())
 def device(request):
     """Every test taking `device` runs on numpy, and on cupy when a GPU is present."""
