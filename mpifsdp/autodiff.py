@@ -5,8 +5,9 @@ Each primitive is a pair of plain array functions (see ops.py):
     vjp(g, saved, *arrays, **settings) -> one gradient (or None) per array input
 Arrays are positional, settings are keyword (as in JAX's Autodidax).
 
-[Note: lazy parameter data] A node keeps its input *Tensors*, never their arrays; `backward` reads
-`tensor.data` only when the VJP runs, and `saved` may hold activations but never a parameter's array.
+[Note: lazy parameter data] A node keeps its input *Tensors* (or shape-only stand-ins for inputs its
+VJP never reads), never their arrays; `backward` reads `tensor.data` only when the VJP runs, and
+`saved` may hold activations but never a parameter's array.
 That is what lets FSDP free a unit's gathered parameters after forward and gather them again before
 backward (DESIGN invariant 1). A Param whose data is absent raises, naming its owner.
 

@@ -121,8 +121,8 @@ def nccl():
 
 def nccl_available() -> bool:
     try:
-        return nccl().available if hasattr(nccl(), "available") else True
-    except Exception:
+        return bool(getattr(nccl(), "available", True))
+    except ImportError:
         return False
 
 

@@ -195,9 +195,6 @@ class AdamW:
                     g *= scale
         return norm
 
-    def state_dict(self) -> dict:
-        return {"step": self.step_count, "m": self.m, "v": self.v}
-
 
 def _count(group, action: str, category: str, nbytes: int):
     """Record optimizer buffers in the group's memory ledger (sharded Units have one)."""
