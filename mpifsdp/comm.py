@@ -119,13 +119,13 @@ class Comm:
         self.wait(self.mpi.Ibcast(array, root=root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
-    def gather_ints(self, *values: int, phase: str = "check") -> np.ndarray:
+    def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:
         """Every rank's small tuple of integers, as a (size, len(values)) array; watched like a collective."""
         mine = np.array(values, dtype=np.int64)
         everyone = np.empty(self.size * mine.size, dtype=np.int64)
-        self.schedule.announce("", phase, "gather_ints", everyone.size, everyone.dtype)
+        self.schedule.announce("", phase, op, everyone.size, everyone.dtype)
         self.wait(self.mpi.Iallgather(mine, everyone))
-        self.ledger.record("", phase, "gather_ints", (self.size - 1) * mine.size, mine.itemsize)
+        self.ledger.record("", phase, op, (self.size - 1) * mine.size, mine.itemsize)
         return everyone.reshape(self.size, mine.size)
 
     def allgather_object(self, obj) -> list:

@@ -126,7 +126,7 @@ class FSDPGroup:
         uneven last batch is an error here rather than a silently wrong update.
         """
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
-        sizes = self.comm.gather_ints(n, phase="forward batch-size check:")[:, 0].tolist()
+        sizes = self.comm.gather_ints(n, phase="forward", op="batch_size_check")[:, 0].tolist()
         if len(set(sizes)) > 1:
             raise CollectiveError(
                 f"ranks hold different batch sizes {dict(enumerate(sizes))}: averaging their gradients would "

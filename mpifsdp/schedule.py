@@ -29,7 +29,8 @@ _OP_WORDS = {
     "all_gather": "gather",
     "reduce_scatter": "reduce-scatter",
     "all_reduce": "all-reduce",
-    "gather_ints": "exchange of sizes",
+    "gather_ints": "exchange of integers",
+    "batch_size_check": "batch-size check",
 }
 
 

@@ -48,7 +48,7 @@ def test_communication_per_step_is_exact(comm):
     assert elements * N == 3 * (N - 1) * total_padded  # 3 (N-1)/N sum(padded)
     assert nbytes == 4 * elements
     # besides: the batch-size check (one int) and AdamW's global grad norm (one float64)
-    assert ledger.total("calls", op="gather_ints") == 1 and ledger.total("calls", op="all_reduce") == 1
+    assert ledger.total("calls", op="batch_size_check") == 1 and ledger.total("calls", op="all_reduce") == 1
 
 
 @pytest.mark.parametrize("keep", ["root", "all"])
