@@ -48,7 +48,11 @@ def worker(args):
     comm = LocalComm() if args.local_comm else mpifsdp.Comm()
     baseline = current_rss_mib()  # the interpreter, numpy, mpi4py: before any model
     N = comm.size
-    model = GPT(gpt_config(cfg), seed=0)
+    if args.unsharded:
+        model = GPT(gpt_config(cfg), seed=0)
+    else:
+        with mpifsdp.deferred_init():  # built unit by unit by fully_shard
+            model = GPT(gpt_config(cfg), seed=0)
     global_batch = cfg["batch_size"] * (args.ranks_equivalent if args.unsharded else N)
     x, y = random_batch(cfg, global_batch)
     if not args.unsharded:

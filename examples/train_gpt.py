@@ -92,7 +92,8 @@ def main():
     say(f"data: {data.path} ({len(data.tokens) / 1e6:.1f} M byte tokens), {world} rank(s) on {cfg.device}")
 
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})
-    model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=cfg.device)
+    with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit
+        model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=cfg.device)
     n_params = model.num_params()
     mpifsdp.fully_shard(model, comm, units=model.blocks)
     group = fsdp_group(model)

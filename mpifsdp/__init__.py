@@ -5,6 +5,7 @@ from .autodiff import PRIMITIVES, Param, ShardedParameterError, Tensor, no_grad,
 from .backend import array_module, available_devices, to_device, to_numpy
 from .comm import CollectiveError, Comm
 from .fsdp import full_state_dict, fully_shard
+from .layers import deferred_init
 from .optim import AdamW, LossScaler, NonFiniteError
 from .unit import Unit
 
@@ -17,6 +18,7 @@ __all__ = [
     "Comm",
     "LossScaler",
     "Unit",
+    "deferred_init",
     "fully_shard",
     "full_state_dict",
     "PRIMITIVES",

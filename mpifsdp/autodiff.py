@@ -259,15 +259,46 @@ class ShardedParameterError(RuntimeError):
 
 
 class Param(Tensor):
-    """A trainable leaf. Its data may be absent while an FSDP unit is sharded; reading it then raises."""
+    """A trainable leaf. Its data may be absent: while its FSDP unit is sharded, or before a deferred
+    parameter is materialized (layers.deferred_init); reading it then raises. Its shape and dtype are
+    fixed at creation and always known."""
 
-    def __init__(self, data, name: str = ""):
+    def __init__(self, data, name: str = "", shape=None, dtype=None, initial=None):
         super().__init__(data, requires_grad=True)
         self.name = name
         self.unit_name: str | None = None  # set by the FSDP unit that owns this parameter
+        self._shape = tuple(data.shape) if data is not None else tuple(shape)
+        self._dtype = np.dtype(data.dtype if data is not None else dtype)
+        self._initial = initial  # deferred: a function returning the initial array
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The dtype it computes in now (mixed precision binds float16 views), else its own."""
+        return self._dtype if self._data is None else self._data.dtype
+
+    @property
+    def ndim(self):
+        return len(self._shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    def initial_value(self):
+        """The array this parameter starts from: its data, or (deferred) freshly made from its seed."""
+        return self._initial() if self._data is None and self._initial is not None else self.data
 
     @property
     def data(self):
+        if self._data is None and self.unit_name is None and self._initial is not None:
+            raise ShardedParameterError(
+                f"parameter {self.name!r} was built under deferred_init() and has no values yet: "
+                "fully_shard() the model first (it materializes one unit at a time)"
+            )
         if self._data is None:
             raise ShardedParameterError(
                 f"parameter {self.name!r} was used while its unit {self.unit_name!r} is sharded "
@@ -281,8 +312,7 @@ class Param(Tensor):
         self._data = value
 
     def __repr__(self):
-        shape = None if self._data is None else self._data.shape
-        return f"Param({self.name!r}, shape={shape})"
+        return f"Param({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
 
 def as_tensor(value, like: Tensor | None = None) -> Tensor:

@@ -277,7 +277,7 @@ def fully_shard(
     for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
         unit = None
         if params or module is not model:
-            arrays = [(n, p.data) for n, p in params]
+            arrays = [(n, p.initial_value()) for n, p in params]  # deferred: made now, one unit at a time
             unit = Unit(
                 unit_name, arrays, comm, ledger=group.ledger, pool=group.pool,
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype,

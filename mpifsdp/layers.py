@@ -1,12 +1,15 @@
 """Modules: parameter containers with a deterministic order, and the layers a GPT is made of.
 
 Initialisation draws from a NumPy Generator on the host, then moves the arrays to the device, so
-every rank (and CPU vs GPU) starts from bit-identical weights given the same seed.
+every rank (and CPU vs GPU) starts from bit-identical weights given the same seed. Under
+deferred_init() nothing is allocated until fully_shard() materializes the model unit by unit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -15,9 +18,43 @@ from . import ops
 from .autodiff import Param, Tensor
 from .backend import device_of, to_device, to_numpy
 
+_deferring = threading.local()
 
-def new_param(host_array: np.ndarray, dtype, device: str) -> Param:
-    return Param(to_device(np.asarray(host_array), device, dtype=dtype))
+
+@contextlib.contextmanager
+def deferred_init():
+    """Build a model without allocating its parameters.
+
+    Inside, parameters record only their shape, dtype and the seed of their initial values;
+    fully_shard() then materializes them one unit at a time and keeps each rank's shard, so no rank
+    ever holds the whole model: the way to shard a model that does not fit one rank's memory.
+    """
+    previous = getattr(_deferring, "on", False)
+    _deferring.on = True
+    try:
+        yield
+    finally:
+        _deferring.on = previous
+
+
+def _param(make, shape, dtype, device: str) -> Param:
+    def initial():
+        return to_device(make(), device, dtype=dtype)
+
+    if getattr(_deferring, "on", False):
+        return Param(None, shape=shape, dtype=dtype, initial=initial)
+    return Param(initial())
+
+
+def normal_param(rng: np.random.Generator, shape, std: float, dtype, device: str) -> Param:
+    """N(0, std) values drawn on the host from this parameter's own seed (taken from `rng`), so they are
+    the same whether built now or deferred, on every rank and every device."""
+    seed = int(rng.integers(2**63))
+    return _param(lambda: np.random.default_rng(seed).normal(0.0, std, size=shape), shape, dtype, device)
+
+
+def constant_param(value: float, shape, dtype, device: str) -> Param:
+    return _param(lambda: np.full(shape, value), shape, dtype, device)
 
 
 class Module:
@@ -106,8 +143,8 @@ class Linear(Module):
     """y = x @ weight + bias, weight stored (in_features, out_features)."""
 
     def __init__(self, n_in, n_out, bias=True, *, rng, std=0.02, dtype=np.float32, device="cpu"):
-        self.weight = new_param(rng.normal(0.0, std, size=(n_in, n_out)), dtype, device)
-        self.bias = new_param(np.zeros(n_out), dtype, device) if bias else None
+        self.weight = normal_param(rng, (n_in, n_out), std, dtype, device)
+        self.bias = constant_param(0.0, (n_out,), dtype, device) if bias else None
 
     def forward(self, x):
         return ops.linear(x, self.weight, self.bias)
@@ -115,7 +152,7 @@ class Linear(Module):
 
 class Embedding(Module):
     def __init__(self, num, dim, *, rng, std=0.02, dtype=np.float32, device="cpu"):
-        self.weight = new_param(rng.normal(0.0, std, size=(num, dim)), dtype, device)
+        self.weight = normal_param(rng, (num, dim), std, dtype, device)
 
     def forward(self, idx):
         return ops.embedding(self.weight, idx)
@@ -123,8 +160,8 @@ class Embedding(Module):
 
 class LayerNorm(Module):
     def __init__(self, dim, bias=True, eps=1e-5, *, dtype=np.float32, device="cpu"):
-        self.weight = new_param(np.ones(dim), dtype, device)
-        self.bias = new_param(np.zeros(dim), dtype, device) if bias else None
+        self.weight = constant_param(1.0, (dim,), dtype, device)
+        self.bias = constant_param(0.0, (dim,), dtype, device) if bias else None
         self.eps = eps
 
     def forward(self, x):

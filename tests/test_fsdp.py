@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import agree
 
-from mpifsdp import AdamW, CollectiveError, ShardedParameterError, Tensor, fully_shard, ops
+from mpifsdp import AdamW, CollectiveError, ShardedParameterError, Tensor, full_state_dict, fully_shard, ops
 from mpifsdp.fsdp import fsdp_group
 from mpifsdp.layers import Linear, Module
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
@@ -206,3 +206,30 @@ def test_eval_under_no_grad_leaves_nothing_behind(comm):
     group = fsdp_group(model)
     agree(comm, logits.shape == (2, 8, 37) and not group.pending, "eval left pending units")
     assert all(u.full is None for u in group.units)
+
+
+def test_deferred_init_materializes_one_unit_at_a_time(comm):
+    """A model built under deferred_init has no parameter memory until fully_shard makes each unit,
+    keeps this rank's shard, and drops the rest: the same shards as an eager build."""
+    import tracemalloc
+
+    from mpifsdp import deferred_init
+
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=12, n_head=2, n_embd=32)
+    eager = GPT(cfg, seed=0)
+    fully_shard(eager, comm, units=eager.blocks)
+    with deferred_init():
+        lazy = GPT(cfg, seed=0)
+    assert all(p._data is None for p in lazy.parameters()) and lazy.num_params() == eager.num_params()
+    with pytest.raises(ShardedParameterError, match="built under deferred_init"):
+        lazy(np.zeros((1, 4), dtype=np.int64))
+    tracemalloc.start()
+    fully_shard(lazy, comm, units=lazy.blocks)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    group = fsdp_group(lazy)
+    unit_bytes = max(u.layout.padded_numel for u in group.units) * 4
+    # beyond the shards it keeps: one unit's float32 arrays and one parameter's float64 draw at most
+    assert peak - group.ledger.persistent() <= 4 * unit_bytes < 4 * lazy.num_params() / 2
+    want, got = full_state_dict(eager), full_state_dict(lazy)
+    agree(comm, all(np.array_equal(want[k], got[k]) for k in want), "deferred init differs from eager")

@@ -17,6 +17,9 @@ from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 and 4 ranks
 TOLERANCE = {np.float64: 1e-12, np.float32: 1e-5}
+# Parameters and moments get 5x and 10x that: AdamW divides by sqrt(v), so where a gradient is near
+# zero the last-bit differences of a different summation order (N partial sums) grow to ~lr * 1e-3.
+PARAM_SLACK, MOMENT_SLACK = 5, 10
 
 
 def _gpt(dtype):
@@ -112,7 +115,7 @@ def test_sharded_training_matches_single_process(comm, make, batch, dtype, sched
     agree(comm, sorted(got) == sorted(want), f"parameter names differ: {sorted(got)} vs {sorted(want)}")
     agree(
         comm,
-        worst_loss < tol and param_err < tol and moment_err < tol * 10,
+        worst_loss < tol and param_err < tol * PARAM_SLACK and moment_err < tol * MOMENT_SLACK,
         f"N={comm.size}: loss rel err {worst_loss:.2e}, param err {param_err:.2e}, "
         f"moment rel err {moment_err:.2e}",
     )
