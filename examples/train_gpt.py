@@ -100,8 +100,9 @@ def main():
     plan = group.plan()
     say(
         f"model: {n_params / 1e6:.2f} M parameters in {plan['units']} units; plan per rank: "
-        f"{mib(plan['persistent'])} MiB persistent (16 B x shard) + {mib(plan['largest_unit'])} MiB largest "
-        f"unit + {mib(plan['root_unit'])} MiB root unit gathered"
+        f"{mib(plan['persistent'])} MiB persistent (16 B x shard) + gathered at most "
+        f"{mib((1 + plan['prefetch']) * plan['largest_unit'])} MiB ({1 + plan['prefetch']} units, prefetch "
+        f"{plan['prefetch']}) + {mib(plan['root_unit'])} MiB root unit, and their gradients as much"
     )
     opt = mpifsdp.AdamW(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
