@@ -93,8 +93,8 @@ class Unit:
         self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
-        self._gathering = None  # request of an unshard in flight
-        self._reducing = None  # (request, receive buffer, full_grad) of a reduce-scatter in flight
+        self._gathering = None  # (request, send buffer) of an unshard in flight
+        self._reducing = None  # (request, receive buffer, send buffer) of a reduce-scatter in flight
 
     def _agreed_layout(self, named_arrays, dtype) -> FlatLayout:
         """Build the layout and check, collectively, that every rank built the same one."""
