@@ -82,18 +82,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def main():
     cfg = parse_config()
-    comm = mpifsdp.Comm()
+    comm = mpifsdp.Comm(device=cfg.device)  # on a GPU: this rank's GPU, and how collectives move
     rank, world = comm.rank, comm.size
     say = print if rank == 0 else (lambda *a, **k: None)
     tty = sys.stdout.isatty()
-    xp = mpifsdp.array_module(cfg.device)
+    xp = mpifsdp.array_module(comm.device)
 
     data = TextData(cfg.data or None)
     say(f"data: {data.path} ({len(data.tokens) / 1e6:.1f} M byte tokens), {world} rank(s) on {cfg.device}")
 
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})
     with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit
-        model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=cfg.device)
+        model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=comm.device)
     n_params = model.num_params()
     mpifsdp.fully_shard(model, comm, units=model.blocks)
     group = fsdp_group(model)
