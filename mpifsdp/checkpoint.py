@@ -254,9 +254,16 @@ def verify(directory) -> dict:
 
 
 def checkpoints(root) -> list[Path]:
-    """Complete checkpoint directories under `root` (those with a manifest), newest step first."""
+    """Complete checkpoint directories under `root` (those with a manifest), newest step first.
+
+    Directories of a save in progress (`*.tmp-*`) or of one being replaced (`*.old-*`) are never listed.
+    """
     root = Path(root)
-    found = [p for p in root.iterdir() if p.is_dir() and (p / MANIFEST).is_file()] if root.is_dir() else []
+    found = [
+        p
+        for p in (root.iterdir() if root.is_dir() else [])
+        if p.is_dir() and (p / MANIFEST).is_file() and ".tmp-" not in p.name and ".old-" not in p.name
+    ]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
