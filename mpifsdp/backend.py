@@ -84,7 +84,7 @@ def available_devices() -> list[str]:
     return [CPU, "cuda"] if gpu_available() else [CPU]
 
 
-# -- GPU plumbing for the collectives (transport.py); every cupy access stays in this file -----------
+# -- the node and its GPUs (threads.py, transport.py); every cupy access stays in this file -----------
 
 
 def synchronize(array):
@@ -93,7 +93,8 @@ def synchronize(array):
         _cupy().cuda.get_current_stream().synchronize()
 
 
-def _local_ranks(mpi_comm) -> tuple[int, int]:
+def local_ranks(mpi_comm) -> tuple[int, int]:
+    """(this rank's index, number of ranks) on its node. Collective over `mpi_comm`."""
     from mpi4py import MPI
 
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -104,14 +105,14 @@ def _local_ranks(mpi_comm) -> tuple[int, int]:
 
 def select_gpu(mpi_comm) -> str:
     """Bind this rank to GPU (local rank mod GPUs on the node), before any NCCL communicator exists."""
-    rank, _ = _local_ranks(mpi_comm)
+    rank, _ = local_ranks(mpi_comm)
     index = rank % _cupy().cuda.runtime.getDeviceCount()
     _cupy().cuda.Device(index).use()
     return f"cuda:{index}"
 
 
 def ranks_sharing_gpu(mpi_comm) -> int:
-    _, size = _local_ranks(mpi_comm)
+    _, size = local_ranks(mpi_comm)
     return -(-size // _cupy().cuda.runtime.getDeviceCount())
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
+from .backend import local_ranks
+
 log = logging.getLogger(__name__)
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -39,9 +41,7 @@ def configure_threads(mpi_comm, threads: int | str | None = "auto") -> int | Non
     if threads is None:
         return None
     if threads == "auto":
-        node = mpi_comm.Split_type(_shared_type())
-        ranks_on_node = node.Get_size()
-        node.Free()
+        _, ranks_on_node = local_ranks(mpi_comm)
         chosen = [v for v in USER_VARIABLES if os.environ.get(v)]
         if chosen:
             log.info("BLAS threads left as set by %s=%s", chosen[0], os.environ[chosen[0]])
@@ -53,12 +53,6 @@ def configure_threads(mpi_comm, threads: int | str | None = "auto") -> int | Non
     set_elementwise_threads(int(threads))
     log.info("BLAS threads per rank: %d (%d usable cores)", threads, usable_cores())
     return int(threads)
-
-
-def _shared_type():
-    from mpi4py import MPI
-
-    return MPI.COMM_TYPE_SHARED
 
 
 # -- elementwise work split across this rank's threads ---------------------------------------------
