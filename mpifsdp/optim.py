@@ -183,16 +183,23 @@ class AdamW:
         total = self.comm.all_reduce_scalar(local) if self.comm is not None else local
         return math.sqrt(total)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
-        norm = self.grad_norm()
+    def scale_grads(self, factor: float):
+        """Multiply every gradient this optimizer steps by `factor`, in place."""
+        for group in self.groups:
+            g = group.flat_grad()
+            if g is not None:
+                g *= factor
+
+    def clip_grad_norm(self, max_norm: float, norm: float | None = None) -> float:
+        """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
+
+        `norm`: the current global norm when the caller already has it (saves a pass and an all_reduce).
+        """
+        norm = self.grad_norm() if norm is None else norm
         self._norm = norm  # step() reuses it for its finiteness check
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
-            for group in self.groups:
-                g = group.flat_grad()
-                if g is not None:
-                    g *= scale
+            self.scale_grads(scale)
         return norm
 
 
@@ -234,10 +241,7 @@ class LossScaler:
         return loss * self.scale_value
 
     def step(self, optimizer: AdamW, max_norm: float | None = None) -> bool:
-        for group in optimizer.groups:
-            g = group.flat_grad()
-            if g is not None:
-                g /= self.scale_value
+        optimizer.scale_grads(1.0 / self.scale_value)
         norm = optimizer.grad_norm()
         if not math.isfinite(norm):
             self.skipped_steps += 1
@@ -245,8 +249,7 @@ class LossScaler:
             self.scale_value = max(self.min_scale, self.scale_value / 2)
             log.info("loss scale overflow: skipped the step, scale now %g", self.scale_value)
             return False
-        if max_norm is not None:
-            optimizer.clip_grad_norm(max_norm)
+        optimizer.clip_grad_norm(max_norm if max_norm is not None else math.inf, norm=norm)  # one norm a step
         optimizer.step()
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
