@@ -243,6 +243,21 @@ def read_segment(directory: Path, record: dict, segment: dict, dtype: np.dtype) 
     return np.frombuffer(raw, dtype=dtype)
 
 
+def read_slices(directory, manifest: dict, unit_index: int, kind: str, start: int, stop: int):
+    """(start, values) of each saved `kind` slice of unit #unit_index overlapping [start, stop),
+    read and checksum-checked one at a time (so at most one slice is in memory)."""
+    dtype = np.dtype(manifest["units"][unit_index]["dtype"])
+    for record in manifest["files"]:
+        for seg in record["segments"]:
+            if (
+                seg["unit"] == unit_index
+                and seg["kind"] == kind
+                and seg["start"] < stop
+                and seg["stop"] > start
+            ):
+                yield seg["start"], read_segment(Path(directory), record, seg, dtype)
+
+
 def verify(directory) -> dict:
     """Read every segment and check its checksum; returns the manifest or raises CheckpointError."""
     directory = Path(directory)
@@ -315,22 +330,11 @@ def _fill(directory: Path, manifest: dict, group, optimizer):
             targets["exp_avg"], targets["exp_avg_sq"] = optimizer._moments(positions[id(unit)])
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero
-            for record in manifest["files"]:
-                for seg in record["segments"]:
-                    if (
-                        seg["unit"] != index
-                        or seg["kind"] != kind
-                        or seg["stop"] <= start
-                        or seg["start"] >= stop
-                    ):
-                        continue
-                    data = read_segment(directory, record, seg, unit.layout.dtype)
-                    group.ledger.alloc("checkpoint_io", data.nbytes)
-                    lo, hi = max(start, seg["start"]), min(stop, seg["stop"])
-                    target[lo - start : hi - start] = unit.xp.asarray(
-                        data[lo - seg["start"] : hi - seg["start"]]
-                    )
-                    group.ledger.free("checkpoint_io", data.nbytes)
+            for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):
+                group.ledger.alloc("checkpoint_io", data.nbytes)
+                lo, hi = max(start, seg_start), min(stop, seg_start + data.size)
+                target[lo - start : hi - start] = unit.xp.asarray(data[lo - seg_start : hi - seg_start])
+                group.ledger.free("checkpoint_io", data.nbytes)
         unit.zero_grad()
 
 

@@ -24,7 +24,7 @@ from .checkpoint import (
     flat_range,
     group_of,
     read_manifest,
-    read_segment,
+    read_slices,
     unit_record,
 )
 from .fsdp import fsdp_group
@@ -156,15 +156,9 @@ def export_checkpoint(directory, path) -> Path:
         base = len(header)
         for index, unit in enumerate(manifest["units"]):
             dtype = np.dtype(unit["dtype"])
-            for record in manifest["files"]:
-                for seg in record["segments"]:
-                    if seg["unit"] == index and seg["kind"] == "param" and seg["stop"] > seg["start"]:
-                        out.seek(base + seg["start"] * dtype.itemsize)
-                        out.write(
-                            read_segment(directory, record, seg, dtype)
-                            .astype(dtype.newbyteorder("<"))
-                            .tobytes()
-                        )
+            for seg_start, data in read_slices(directory, manifest, index, "param", 0, unit["numel"]):
+                out.seek(base + seg_start * dtype.itemsize)
+                out.write(data.tobytes())
             base += unit["numel"] * dtype.itemsize
         out.truncate(base)
         out.flush()
