@@ -180,7 +180,8 @@ def _layer_norm(x, w, b=None, eps=1e-5):
 # -- causal attention -----------------------------------------------------------------------------
 
 
-def _swap_last(a):
+def swap_last(a):
+    """The matrix transpose of a stack of matrices (a view)."""
     return a.swapaxes(-1, -2)
 
 
@@ -188,7 +189,7 @@ def _attention_probabilities(q, k, scale):
     """softmax(q k^T * scale + causal mask) on (B, nh, T, T), built in place block by block."""
     xp = array_module_of(q)
     T = q.shape[-2]
-    scores = q @ _swap_last(k)
+    scores = q @ swap_last(k)
     causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
     s3 = scores.reshape(-1, T, T)
 
@@ -209,8 +210,8 @@ def _attention_vjp(g, _, q, k, v, scale=None):
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     xp = array_module_of(g)
     att = _attention_probabilities(q, k, scale)
-    gv = _swap_last(att) @ g
-    gs = g @ _swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
+    gv = swap_last(att) @ g
+    gs = g @ swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
     T = att.shape[-1]
     gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
 
@@ -221,7 +222,7 @@ def _attention_vjp(g, _, q, k, v, scale=None):
         d *= scale
 
     _by_rows(xp, gs3.shape[0], T * T, work)
-    return gs @ k, _swap_last(gs) @ q, gv
+    return gs @ k, swap_last(gs) @ q, gv
 
 
 @primitive("attention", vjp=_attention_vjp)

@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 
-from . import fused  # noqa: F401  (registers the fused primitives)
 from .autodiff import Tensor, apply, primitive
 from .backend import array_module_of
+from .fused import swap_last  # importing fused registers the fused primitives
 
 
 def unbroadcast(g, shape):
@@ -99,15 +99,11 @@ def _relu(a):
 # -- linear algebra -------------------------------------------------------------------------------
 
 
-def _swap_last(a):
-    return a.swapaxes(-1, -2)
-
-
 @primitive(
     "matmul",
     vjp=lambda g, _, a, b: (
-        unbroadcast(g @ _swap_last(b), a.shape),
-        unbroadcast(_swap_last(a) @ g, b.shape),
+        unbroadcast(g @ swap_last(b), a.shape),
+        unbroadcast(swap_last(a) @ g, b.shape),
     ),
 )
 def _matmul(a, b):
@@ -238,21 +234,15 @@ def _concatenate(*arrays, axis=0):
 # -- softmax family --------------------------------------------------------------------
 
 
-def _softmax_array(x, axis):
-    xp = array_module_of(x)
-    e = x - x.max(axis=axis, keepdims=True)
-    xp.exp(e, out=e)
-    e /= e.sum(axis=axis, keepdims=True)
-    return e
-
-
 @primitive(
     "softmax",
     vjp=lambda g, p, x, axis=-1: (p * (g - (g * p).sum(axis=axis, keepdims=True)),),
     reads_inputs=False,
 )
 def _softmax(x, axis=-1):
-    p = _softmax_array(x, axis)
+    p = x - x.max(axis=axis, keepdims=True)
+    array_module_of(x).exp(p, out=p)
+    p /= p.sum(axis=axis, keepdims=True)
     return p, p
 
 
