@@ -121,12 +121,10 @@ class Comm:
 
     def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:
         """Every rank's small tuple of integers, as a (size, len(values)) array; watched like a collective."""
-        mine = np.array(values, dtype=np.int64)
-        everyone = np.empty(self.size * mine.size, dtype=np.int64)
-        self.schedule.announce("", phase, op, everyone.size, everyone.dtype)
-        self.wait(self.mpi.Iallgather(mine, everyone))
-        self.ledger.record("", phase, op, (self.size - 1) * mine.size, mine.itemsize)
-        return everyone.reshape(self.size, mine.size)
+        self.schedule.announce("", phase, op, self.size * len(values), np.dtype(np.int64))
+        everyone = self.schedule.exchange_ints(*values)
+        self.ledger.record("", phase, op, (self.size - 1) * len(values), everyone.itemsize)
+        return everyone
 
     def allgather_object(self, obj) -> list:
         """Every rank's `obj` (pickled); for small metadata such as layout fingerprints and reports."""

@@ -82,11 +82,15 @@ class Schedule:
         """Compare every rank's position and rolling hash: one allgather of two integers."""
         self._compare(self.hash, "at the end of a step")
 
-    def _compare(self, value: int, when: str):
-        mine = np.array([self.seq, value], dtype=np.int64)
-        everyone = np.empty(2 * self.mpi.Get_size(), dtype=np.int64)
+    def exchange_ints(self, *values: int) -> np.ndarray:
+        """Every rank's small tuple of integers, as a (size, len(values)) array, under the watchdog."""
+        mine = np.array(values, dtype=np.int64)
+        everyone = np.empty(self.mpi.Get_size() * mine.size, dtype=np.int64)
         self.wait(self.mpi.Iallgather(mine, everyone))
-        if len(set(map(tuple, everyone.reshape(-1, 2).tolist()))) == 1:
+        return everyone.reshape(-1, mine.size)
+
+    def _compare(self, value: int, when: str):
+        if len(set(map(tuple, self.exchange_ints(self.seq, value).tolist()))) == 1:
             return
         # every rank saw the same mismatch, so every rank joins this exchange of details
         reports = self.mpi.allgather([describe(fp) for fp in self.recent])
