@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import time
 
 import numpy as np
 
 from mpifsdp import Comm
+from mpifsdp.accounting import peak_rss_bytes
 from mpifsdp.models import GPTConfig
 
 # The configuration every benchmark (ours and the peers') uses.
@@ -41,7 +41,7 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_bytes() / 2**20
 
 
 def random_batch(cfg: dict, batch_size: int, seed: int = 0):
