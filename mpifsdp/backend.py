@@ -93,27 +93,15 @@ def synchronize(array):
         _cupy().cuda.get_current_stream().synchronize()
 
 
-def local_ranks(mpi_comm) -> tuple[int, int]:
-    """(this rank's index, number of ranks) on its node. Collective over `mpi_comm`."""
-    from mpi4py import MPI
-
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    rank, size = node.Get_rank(), node.Get_size()
-    node.Free()
-    return rank, size
-
-
-def select_gpu(mpi_comm) -> str:
-    """Bind this rank to GPU (local rank mod GPUs on the node), before any NCCL communicator exists."""
-    rank, _ = local_ranks(mpi_comm)
-    index = rank % _cupy().cuda.runtime.getDeviceCount()
+def select_gpu(node_rank: int) -> str:
+    """Bind this rank to GPU (its index on the node mod GPUs), before any NCCL communicator exists."""
+    index = node_rank % _cupy().cuda.runtime.getDeviceCount()
     _cupy().cuda.Device(index).use()
     return f"cuda:{index}"
 
 
-def ranks_sharing_gpu(mpi_comm) -> int:
-    _, size = local_ranks(mpi_comm)
-    return -(-size // _cupy().cuda.runtime.getDeviceCount())
+def ranks_sharing_gpu(ranks_on_node: int) -> int:
+    return -(-ranks_on_node // _cupy().cuda.runtime.getDeviceCount())
 
 
 def nccl():

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .comm import CollectiveError
 from .fsdp import fsdp_group
 
 log = logging.getLogger(__name__)
@@ -80,18 +79,11 @@ def unit_record(unit) -> dict:
     }
 
 
-def collective(comm, action, what: str):
-    """Run `action()` on every rank; if it raised CheckpointError/OSError anywhere, raise everywhere."""
-    result, error = None, None
-    try:
-        result = action()
-    except (CheckpointError, OSError, ValueError) as exc:
-        error = str(exc)
-    try:
-        comm.raise_if_any(error, what)
-    except CollectiveError as exc:
-        raise CheckpointError(str(exc)) from None
-    return result
+def collective(comm, action, what: str, root: int | None = None):
+    """Run `action()` on every rank (or on `root` only); if it failed anywhere, raise CheckpointError
+    on every rank naming each rank's error (a rank failing alone would leave the others waiting)."""
+    run = comm.run_everywhere if root is None else (lambda *a, **k: comm.on_root(*a, root=root, **k))
+    return run(action, what, catch=(CheckpointError, OSError, ValueError), error_type=CheckpointError)
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -106,11 +98,8 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     group = group_of(model)
     comm = group.comm
     final = Path(directory)
-    tmp_name = comm.mpi.bcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if comm.rank == 0 else None)
-    tmp = final.parent / tmp_name
-    if comm.rank == 0:
-        tmp.mkdir(parents=True)
-    comm.mpi.Barrier()
+    tmp = final.parent / comm.broadcast_object(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    collective(comm, lambda: tmp.mkdir(parents=True), f"creating {tmp}", root=0)
     moments = _moments_by_unit(optimizer, group)
     file_record = collective(comm, lambda: _write_rank_file(tmp, group, moments), "writing checkpoint files")
     files = comm.allgather_object(file_record)
@@ -139,8 +128,8 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
 
-    comm.mpi.Barrier()  # every rank's file is on disk before the manifest says so
-    collective(comm, publish if comm.rank == 0 else (lambda: None), "publishing the checkpoint")
+    # every rank's file is on disk before the manifest says so: `collective` above agreed on that
+    collective(comm, publish, "publishing the checkpoint", root=0)
     return final
 
 
@@ -350,7 +339,7 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
             shutil.rmtree(old, ignore_errors=True)
         for stale in Path(root).glob("*.tmp-*"):  # left by a save that died: never complete
             shutil.rmtree(stale, ignore_errors=True)
-    comm.mpi.Barrier()
+    comm.barrier()
     return path
 
 
@@ -360,61 +349,10 @@ def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, 
     Returns (path, extra), or (None, None) when there is no complete checkpoint. Collective.
     """
     comm = group_of(model).comm
-    candidates = comm.mpi.bcast([str(p) for p in checkpoints(root)] if comm.rank == 0 else None)
+    candidates = comm.broadcast_object([str(p) for p in checkpoints(root)] if comm.rank == 0 else None)
     for path in candidates:
         try:
             return Path(path), load(path, model, optimizer)
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", path, exc)
     return None, None
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-
-def _inspect(directory) -> int:
-    manifest = read_manifest(directory)
-    print(f"{directory}: {FORMAT} v{manifest['version']}, saved by {manifest['world_size']} rank(s)")
-    opt = manifest["optimizer"]
-    opt_text = f"step {opt['step']}" if opt else "not saved"
-    print(f"step {manifest['extra'].get('step', '-')}, optimizer {opt_text}")
-    total = 0
-    for u in manifest["units"]:
-        total += u["numel"]
-        print(
-            f"  unit {u['name']:<20} {len(u['tensors']):3d} tensors {u['numel']:>12,d} elements {u['dtype']}"
-        )
-    print(f"  total {total:,d} parameters in {len(manifest['units'])} units")
-    try:
-        verify(directory)
-    except CheckpointError as exc:
-        print(f"integrity: FAILED: {exc}")
-        return 1
-    print(f"integrity: OK ({sum(len(f['segments']) for f in manifest['files'])} checksummed slices)")
-    return 0
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mpifsdp.checkpoint", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("inspect", help="units, sizes, world size, step, integrity").add_argument("dir")
-    export = sub.add_parser("export", help="one consolidated .safetensors file")
-    export.add_argument("dir")
-    export.add_argument("out")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "inspect":
-            return _inspect(args.dir)
-        from .consolidated import export_checkpoint
-
-        print(f"wrote {export_checkpoint(args.dir, args.out)}")
-        return 0
-    except CheckpointError as exc:
-        print(f"error: {exc}")
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,17 +1,25 @@
-"""Comm: the collectives FSDP needs, over an MPI communicator, with exact accounting.
+"""Comm: every collective mpifsdp issues, over an MPI communicator, checked, watched and counted.
 
 Knows nothing of units or autodiff: callers pass a unit name and a phase only for the ledger.
 By default it works on a Clone of COMM_WORLD (as mpi4jax does), so our collectives can never match
 a user's own messages; pass any communicator to embed mpifsdp in a code that already uses MPI.
+
+[Note: same collectives everywhere] (docs/design.md, invariant 5) No other module of the package
+calls an MPI collective (tests/test_comm.py greps for it; transport.py moves the bytes of the large
+ones). So every collective, from a unit's gather to a checkpoint's barrier, is announced to the
+schedule (its fingerprint enters the per-step check), completes under the watchdog, and is
+counted in the ledger.
 """
 
 from __future__ import annotations
+
+import pickle
 
 import numpy as np
 
 from .accounting import CommLedger
 from .backend import parse_device, select_gpu
-from .schedule import Schedule
+from .schedule import Schedule, ScheduleError, describe, digest
 from .threads import configure_threads
 from .transport import choose_transport
 
@@ -27,7 +35,8 @@ def _mpi():
 
 
 class Comm:
-    """Collectives on flat, contiguous arrays: all_gather, reduce_scatter, all_reduce, broadcast."""
+    """Collectives on flat, contiguous arrays (all_gather, reduce_scatter, all_reduce, broadcast),
+    on small Python objects (broadcast_object, allgather_object), barrier, and collective checks."""
 
     def __init__(
         self,
@@ -52,14 +61,56 @@ class Comm:
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.ledger = CommLedger()
-        self.schedule = Schedule(self.mpi, debug, timeout, abort_on_timeout)
-        self.threads = configure_threads(self.mpi, threads)
-        self.device = "cpu" if parse_device(device)[0] == "cpu" else select_gpu(self.mpi)
-        self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport)
+        self.schedule = Schedule(self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout)
+        self.node_rank, self.node_size = self._node_ranks()
+        self.threads = configure_threads(self.node_size, threads)
+        on_gpu = parse_device(device)[0] != "cpu"
+        self.device = select_gpu(self.node_rank) if on_gpu else "cpu"
+        self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
 
+    def _node_ranks(self) -> tuple[int, int]:
+        """(this rank's index, number of ranks) on its node: for BLAS threads and GPU choice."""
+        node = self.mpi.Split_type(_mpi().COMM_TYPE_SHARED)
+        rank, size = node.Get_rank(), node.Get_size()
+        node.Free()
+        return rank, size
+
+    # -- the schedule: every collective is announced, and checked ----------------------------------
+    def _announce(self, unit: str, phase: str, op: str, count: int, dtype):
+        fp = self.schedule.announce(unit, phase, op, count, dtype)
+        if self.schedule.debug:  # compare every fingerprint before its collective runs
+            self._compare(digest(fp), "before " + describe(fp))
+
+    def check_schedule(self):
+        """Compare every rank's position and rolling hash of collectives: one allgather of two ints."""
+        self._compare(self.schedule.position()[1], "at the end of a step")
+
+    def _compare(self, value: int, when: str):
+        seq = self.schedule.position()[0]
+        if len(set(map(tuple, self._exchange_ints(seq, value).tolist()))) == 1:
+            return
+        # every rank saw the same mismatch, so every rank joins this exchange of details
+        raise self.schedule.mismatch(self._exchange_objects(self.schedule.recent_steps()), when)
+
+    # -- the raw exchanges (watched, not announced: they carry the schedule's own checks) ----------
+    def _exchange_ints(self, *values: int) -> np.ndarray:
+        mine = np.array(values, dtype=np.int64)
+        everyone = np.empty(self.size * mine.size, dtype=np.int64)
+        self.schedule.wait(self.mpi.Iallgather(mine, everyone))
+        return everyone.reshape(-1, mine.size)
+
+    def _exchange_objects(self, obj) -> list:
+        raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = self._exchange_ints(raw.size)[:, 0]
+        everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.schedule.wait(self.mpi.Iallgatherv(raw, (everyone, sizes)))
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(everyone[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    # -- collectives on flat arrays ----------------------------------------------------------------
     def _check_shards(self, op: str, shard, full):
         """Both contiguous 1-D, same dtype, and `full` exactly N shards long; else a clear error."""
         for a in (shard, full):
@@ -74,7 +125,7 @@ class Comm:
     def _start(self, op: str, launch, shard, full, unit: str, phase: str):
         """Check the buffers, announce the collective to the schedule, launch it, count it."""
         self._check_shards(op, shard, full)
-        self.schedule.announce(unit, phase, op, full.size, full.dtype)
+        self._announce(unit, phase, op, full.size, full.dtype)
         request = launch()
         self.ledger.record(unit, phase, op, (self.size - 1) * shard.size, shard.itemsize)
         return request
@@ -103,7 +154,7 @@ class Comm:
 
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
         """In-place sum over ranks."""
-        self.schedule.announce(unit, phase, "all_reduce", array.size, array.dtype)
+        self._announce(unit, phase, "all_reduce", array.size, array.dtype)
         self.wait(self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM))
         self.ledger.record(
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
@@ -115,30 +166,67 @@ class Comm:
         return float(buf[0])
 
     def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other"):
-        self.schedule.announce(unit, phase, "broadcast", array.size, array.dtype)
+        self._announce(unit, phase, "broadcast", array.size, array.dtype)
         self.wait(self.mpi.Ibcast(array, root=root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
     def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:
-        """Every rank's small tuple of integers, as a (size, len(values)) array; watched like a collective."""
-        self.schedule.announce("", phase, op, self.size * len(values), np.dtype(np.int64))
-        everyone = self.schedule.exchange_ints(*values)
+        """Every rank's small tuple of integers, as a (size, len(values)) array."""
+        self._announce("", phase, op, self.size * len(values), np.dtype(np.int64))
+        everyone = self._exchange_ints(*values)
         self.ledger.record("", phase, op, (self.size - 1) * len(values), everyone.itemsize)
         return everyone
 
-    def allgather_object(self, obj) -> list:
-        """Every rank's `obj` (pickled); for small metadata such as layout fingerprints and reports."""
-        return self.mpi.allgather(obj)
+    def barrier(self, *, phase: str = "other"):
+        """Return once every rank has arrived (e.g. every rank's file is on disk)."""
+        self._announce("", phase, "barrier", 0, np.dtype(np.uint8))
+        self.wait(self.mpi.Ibarrier())
 
-    def raise_if_any(self, error: str | None, what: str):
+    # -- small Python objects (pickled): names, file records, reports ------------------------------
+    def broadcast_object(self, obj=None, root: int = 0, *, phase: str = "other"):
+        """`obj` of rank `root`, on every rank (its length first, then its bytes)."""
+        raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
+        length = np.array([0 if raw is None else raw.size], dtype=np.int64)
+        self.broadcast(length, root, phase=phase)
+        buf = raw.copy() if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
+        self.broadcast(buf, root, phase=phase)
+        return pickle.loads(buf.tobytes())
+
+    def allgather_object(self, obj, *, phase: str = "other") -> list:
+        """Every rank's `obj` (pickled), in rank order; for small metadata such as layouts and reports."""
+        self._announce("", phase, "allgather_object", self.size, np.dtype(np.uint8))
+        everyone = self._exchange_objects(obj)
+        self.ledger.record("", phase, "allgather_object", 0, 1)  # sizes differ by rank: calls only
+        return everyone
+
+    # -- collective checks -------------------------------------------------------------------------
+    def raise_if_any(self, error: str | None, what: str, error_type=CollectiveError):
         """Collective check: if any rank reports an error, raise on every rank with all messages.
 
         [Note: same collectives everywhere] A check that can fail on one rank must not raise there
         alone: the other ranks would block in their next collective. So each rank contributes its
-        verdict and every rank raises the same CollectiveError (DESIGN invariant 5).
+        verdict and every rank raises the same error (docs/design.md, invariant 5).
         """
         errors = self.allgather_object(error)
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
-            raise CollectiveError(f"{what} failed on {len(failed)} of {self.size} ranks:\n{lines}")
+            raise error_type(f"{what} failed on {len(failed)} of {self.size} ranks:\n{lines}")
+
+    def run_everywhere(self, action, what: str, catch=(OSError, ValueError), error_type=CollectiveError):
+        """Run `action()` on every rank and agree: if it raised one of `catch` on any rank, every rank
+        raises `error_type` naming each rank's error; else returns this rank's result."""
+        result, error = None, None
+        try:
+            result = action()
+        except catch as exc:
+            error = str(exc) or type(exc).__name__
+        self.raise_if_any(error, what, error_type)
+        return result
+
+    def on_root(self, action, what: str, root: int = 0, **kwargs):
+        """run_everywhere with `action` on rank `root` only (publishing a file, writing a header)."""
+        return self.run_everywhere(action if self.rank == root else (lambda: None), what, **kwargs)
+
+
+__all__ = ["Comm", "CollectiveError", "ScheduleError"]

@@ -64,9 +64,7 @@ def export_safetensors(path, model) -> Path:
     path = Path(path)
     records = [unit_record(u) for u in group.units]
     header = _safetensors_header(_unit_entries(records))
-    tmp = path.with_name(
-        comm.mpi.bcast(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}" if comm.rank == 0 else None)
-    )
+    tmp = path.with_name(comm.broadcast_object(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))
     data_bytes = sum(u.layout.numel * u.layout.dtype.itemsize for u in group.units)
 
     def create():
@@ -74,8 +72,7 @@ def export_safetensors(path, model) -> Path:
             f.write(header)
             f.truncate(len(header) + data_bytes)
 
-    collective(comm, create if comm.rank == 0 else (lambda: None), f"creating {path}")
-    comm.mpi.Barrier()
+    collective(comm, create, f"creating {path}", root=0)
 
     def write_slices():
         fd = os.open(tmp, os.O_WRONLY)
@@ -92,12 +89,8 @@ def export_safetensors(path, model) -> Path:
         finally:
             os.close(fd)
 
-    collective(comm, write_slices, f"writing {path}")
-    comm.mpi.Barrier()
-    collective(
-        comm, (lambda: os.replace(tmp, path)) if comm.rank == 0 else (lambda: None), f"publishing {path}"
-    )
-    comm.mpi.Barrier()
+    collective(comm, write_slices, f"writing {path}")  # agreed: every rank's slices are on disk
+    collective(comm, lambda: os.replace(tmp, path), f"publishing {path}", root=0)
     return path
 
 

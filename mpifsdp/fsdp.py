@@ -92,7 +92,7 @@ class UnitState:
             group.reducing.popleft().finish_reduce_grad()
         if self is group.root:
             group.release_prefetched()
-            group.comm.schedule.check_step()  # every rank issued the same collectives this step
+            group.comm.check_schedule()  # every rank issued the same collectives this step
 
 
 class FSDPGroup:

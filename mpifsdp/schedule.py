@@ -3,9 +3,9 @@
 [Note: same collectives everywhere] Every collective the runtime issues is announced here first with
 its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into a rolling hash.
 Once per step (at the end of backward) ranks compare (sequence number, hash) with one tiny
-nonblocking allgather; in debug mode (MPIFSDP_DEBUG=1 or Comm(debug=True)) they compare every
-fingerprint before the collective runs. A mismatch raises ScheduleError on every rank naming what
-each rank was about to do. Every wait is watched: a collective that does not complete within the
+nonblocking allgather (Comm.check_schedule); in debug mode (MPIFSDP_DEBUG=1 or Comm(debug=True))
+they compare every fingerprint before the collective runs. A mismatch raises ScheduleError on
+every rank naming what each rank was about to do. Every wait is watched: a collective that does not complete within the
 timeout (MPIFSDP_TIMEOUT seconds, default 300) reports where this rank is stuck and aborts the job,
 so `mpiexec` exits non-zero instead of hanging. A rank that never arrived prints nothing: the ranks
 missing from the reports are the ones that did not arrive.
@@ -20,8 +20,6 @@ import sys
 import time
 from collections import deque
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
@@ -31,6 +29,10 @@ _OP_WORDS = {
     "all_reduce": "all-reduce",
     "gather_ints": "exchange of integers",
     "batch_size_check": "batch-size check",
+    "barrier": "barrier",
+    "broadcast": "broadcast",
+    "allgather_object": "exchange of objects",
+    "valid_target_count": "count of valid targets",
 }
 
 
@@ -48,54 +50,52 @@ def describe(fp) -> str:
     return f"{phase} {_OP_WORDS.get(op, op)}{where} ({count} x {dtype}, collective #{seq})"
 
 
-def _digest(*parts) -> int:
+def digest(*parts) -> int:
     raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(raw, "little") & (2**62 - 1)
 
 
 class Schedule:
-    def __init__(self, mpi, debug: bool | None = None, timeout: float | None = None, abort: bool = True):
-        self.mpi = mpi
-        self.rank = mpi.Get_rank()
+    """This rank's record of the collectives it issued: fingerprints, rolling hash, the watchdog.
+
+    It issues no collective itself: Comm exchanges the (position, hash) pairs it produces and hands
+    the other ranks' recent fingerprints back to `mismatch` for the report."""
+
+    def __init__(self, rank: int, abort, debug: bool | None = None, timeout: float | None = None,
+                 abort_on_timeout: bool = True):  # fmt: skip
+        self.rank = rank
+        self._abort = abort  # ends the job (MPI_Abort) when the watchdog fires
         self.debug = os.environ.get("MPIFSDP_DEBUG", "0") not in ("", "0") if debug is None else debug
         self.timeout = (
             float(os.environ.get("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else timeout
         )
-        self.abort = abort
+        self.abort_on_timeout = abort_on_timeout
         self.seq = 0
         self.hash = 0
         self.recent: deque = deque(maxlen=6)
         self.current = None  # the fingerprint of the collective in flight, for the watchdog's report
 
     def announce(self, unit: str, phase: str, op: str, count: int, dtype) -> tuple:
-        """Record the next collective; in debug mode, check that every rank is about to do the same."""
+        """Record the next collective; returns its fingerprint."""
         fp = (self.seq, unit, phase, op, int(count), str(dtype))
         self.seq += 1
-        self.hash = _digest(self.hash, fp)
+        self.hash = digest(self.hash, fp)
         self.recent.append(fp)
         self.current = fp
-        if self.debug:
-            self._compare(_digest(fp), "before " + describe(fp))
         return fp
 
-    def check_step(self):
-        """Compare every rank's position and rolling hash: one allgather of two integers."""
-        self._compare(self.hash, "at the end of a step")
+    def position(self) -> tuple[int, int]:
+        """(collectives issued so far, rolling hash of their fingerprints): equal on every rank."""
+        return self.seq, self.hash
 
-    def exchange_ints(self, *values: int) -> np.ndarray:
-        """Every rank's small tuple of integers, as a (size, len(values)) array, under the watchdog."""
-        mine = np.array(values, dtype=np.int64)
-        everyone = np.empty(self.mpi.Get_size() * mine.size, dtype=np.int64)
-        self.wait(self.mpi.Iallgather(mine, everyone))
-        return everyone.reshape(-1, mine.size)
+    def recent_steps(self) -> list[str]:
+        return [describe(fp) for fp in self.recent]
 
-    def _compare(self, value: int, when: str):
-        if len(set(map(tuple, self.exchange_ints(self.seq, value).tolist()))) == 1:
-            return
-        # every rank saw the same mismatch, so every rank joins this exchange of details
-        reports = self.mpi.allgather([describe(fp) for fp in self.recent])
+    @staticmethod
+    def mismatch(reports: list[list[str]], when: str) -> ScheduleError:
+        """The error every rank raises, from every rank's `recent_steps()`."""
         lines = "\n".join(f"  rank {r}: {' -> '.join(steps[-3:])}" for r, steps in enumerate(reports))
-        raise ScheduleError(
+        return ScheduleError(
             f"ranks disagree on the sequence of collectives ({when}); "
             f"each rank's last collectives:\n{lines}\n"
             "Every rank must run the same units in the same order: look for data-dependent branches, "
@@ -123,8 +123,8 @@ class Schedule:
             "Ranks that did not report are the ones that never arrived (blocked elsewhere, or dead). "
             "Raise MPIFSDP_TIMEOUT if a collective can legitimately take this long."
         )
-        if not self.abort:
+        if not self.abort_on_timeout:
             raise CollectiveTimeout(message)
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
-        self.mpi.Abort(3)
+        self._abort(3)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import os
 
-from .backend import local_ranks
-
 log = logging.getLogger(__name__)
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -32,16 +30,15 @@ def threads_per_rank(ranks_on_node: int) -> int:
     return max(1, cores // max(1, ranks_on_node))
 
 
-def configure_threads(mpi_comm, threads: int | str | None = "auto") -> int | None:
+def configure_threads(ranks_on_node: int, threads: int | str | None = "auto") -> int | None:
     """Set BLAS threads for this rank and log the choice; returns the count (None: left alone).
 
     threads: "auto" (this rank's share, unless a *_NUM_THREADS variable is set), an int, or None.
-    Collective over `mpi_comm` when "auto" (it counts the ranks on this node).
+    ranks_on_node: how many ranks share this node's cores (Comm counts them).
     """
     if threads is None:
         return None
     if threads == "auto":
-        _, ranks_on_node = local_ranks(mpi_comm)
         chosen = [v for v in USER_VARIABLES if os.environ.get(v)]
         if chosen:
             log.info("BLAS threads left as set by %s=%s", chosen[0], os.environ[chosen[0]])

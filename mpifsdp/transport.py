@@ -110,13 +110,13 @@ class NCCLTransport:
         return backend.StreamRequest(self.stream)
 
 
-def choose_transport(mpi, device: str, transport: str | None):
+def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
     """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else host."""
     if device == "cpu":
         if transport not in (None, "mpi"):
             raise ValueError(f"transport {transport!r} needs a GPU device; on the CPU only 'mpi' applies")
         return MPITransport(mpi)
-    ranks_per_gpu = backend.ranks_sharing_gpu(mpi)
+    ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
     if transport is None:
         transport = "nccl" if ranks_per_gpu == 1 and backend.nccl_available() else "host"
         if ranks_per_gpu > 1:

@@ -262,7 +262,7 @@ def test_cli_inspect_and_export(comm, tmp_path):
     model, opt = sharded(comm)
     train(model, opt, comm, 1)
     save(tmp_path / "ck", model, opt, extra={"step": 1})
-    run = [sys.executable, "-m", "mpifsdp.checkpoint"]
+    run = [sys.executable, "-m", "mpifsdp"]
     out = subprocess.run([*run, "inspect", str(tmp_path / "ck")], capture_output=True, text=True)
     assert out.returncode == 0 and "integrity: OK" in out.stdout and "unit blocks.1" in out.stdout
     out = subprocess.run(

@@ -1,5 +1,7 @@
 """Comm: closed-form results from rank, the adjoint identity, accounting, collective errors."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import agree
@@ -102,3 +104,26 @@ def test_transport_choices_are_checked(comm):
     with pytest.raises(ValueError, match="transport 'nccl' needs a GPU device"):
         choose_transport(comm.mpi, "cpu", "nccl")
     assert comm.transport.name == "mpi" and comm.device == "cpu"
+
+
+def test_no_module_but_comm_and_transport_calls_mpi_collectives():
+    """docs/design.md, invariant 5: every collective goes through Comm (announced, watched, counted)."""
+    from pathlib import Path
+
+    import mpifsdp
+
+    collectives = re.compile(
+        r"mpi4py"  # the module itself
+        r"|\.(I?Allgatherv?|I?Allreduce|I?Bcast|I?Barrier|I?Reduce_scatter(_block)?|I?Gatherv?|I?Scatterv?"
+        r"|I?Alltoallv?|I?Reduce|Split(_type)?|Clone|Dup|Create\w*)\("  # mpi4py's buffer collectives
+        r"|\.mpi\.(?!Get_rank|Get_size)\w+\("  # anything else on a Comm's MPI communicator (pickled ones)
+    )
+    package = Path(mpifsdp.__file__).parent
+    offenders = [
+        f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name not in ("comm.py", "transport.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if collectives.search(line)
+    ]
+    assert not offenders, "MPI collectives outside comm.py / transport.py:\n" + "\n".join(offenders)

@@ -15,7 +15,7 @@ def _blas_threads():
 def test_a_user_setting_is_respected(comm):
     assert os.environ.get("OMP_NUM_THREADS") == "1"  # set by conftest, as a user would
     with threadpool_limits(1, user_api="blas"):
-        assert configure_threads(comm.mpi, "auto") is None
+        assert configure_threads(comm.node_size, "auto") is None
         assert _blas_threads() == 1
 
 
