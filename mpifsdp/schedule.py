@@ -1,14 +1,14 @@
 """Hang-proofing for collectives: fingerprints, a per-step schedule check, debug checks, a watchdog.
 
-[Note: same collectives everywhere] Every collective the runtime issues is announced here first with
-its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into a rolling hash.
-Once per step (at the end of backward) ranks compare (sequence number, hash) with one tiny
-nonblocking allgather (Comm.check_schedule); in debug mode (MPIFSDP_DEBUG=1 or Comm(debug=True))
-they compare every fingerprint before the collective runs. A mismatch raises ScheduleError on
-every rank naming what each rank was about to do. Every wait is watched: a collective that does not complete within the
-timeout (MPIFSDP_TIMEOUT seconds, default 300) reports where this rank is stuck and aborts the job,
-so `mpiexec` exits non-zero instead of hanging. A rank that never arrived prints nothing: the ranks
-missing from the reports are the ones that did not arrive.
+[Note: same collectives everywhere] (docs/design.md, invariant 5) Comm announces every collective
+here first with its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into
+a rolling hash. Once per step (at the end of backward) ranks compare (sequence number, hash) with one
+tiny nonblocking allgather (Comm.check_schedule); in debug mode (MPIFSDP_DEBUG=1 or
+Comm(debug=True)) they compare every fingerprint before its collective runs. A mismatch raises
+ScheduleError on every rank naming what each rank was about to do. Every wait is watched: a
+collective that does not complete within the timeout (MPIFSDP_TIMEOUT seconds, default 300) reports
+where this rank is stuck and aborts the job, so `mpiexec` exits non-zero instead of hanging. A rank
+that never arrived prints nothing: the ranks missing from the reports are the ones that did not.
 """
 
 from __future__ import annotations
