@@ -17,7 +17,9 @@ the schedule depends only on the model's structure, never on data.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import nullcontext
 
+from . import ops
 from .accounting import MemoryLedger
 from .autodiff import grad_enabled, scope
 from .backend import to_numpy
@@ -51,12 +53,14 @@ class UnitState:
         if self.unit is not None:
             self._bind(self.unit.unshard("forward"))
         group.prefetch(self, "forward")
+        global_mean = ops.mean_over_ranks(group.count_share) if is_root else nullcontext()
         try:
-            if not grad_enabled():
-                return forward(*args, **kwargs)
-            group.pending.add(self)
-            with scope(self):
-                return forward(*args, **kwargs)
+            with global_mean:
+                if not grad_enabled():
+                    return forward(*args, **kwargs)
+                group.pending.add(self)
+                with scope(self):
+                    return forward(*args, **kwargs)
         finally:
             if not is_root:
                 group.recording.append(self)
@@ -133,6 +137,16 @@ class FSDPGroup:
                 "weight samples unequally. Give every rank the same number of samples (drop or pad the "
                 "last batch; data.rank_slice splits a global batch evenly)."
             )
+
+    def count_share(self, local: int) -> float:
+        """The count this rank's mean-reduced loss divides by: valid targets summed over ranks / N.
+
+        [Note: gradient averaging] (docs/design.md, invariant 3) With it, the mean of the ranks' losses
+        and of their gradients (reduce-scatter, then 1/N) is the global batch's mean even when ranks
+        hold different numbers of valid (not ignored) targets. Equal counts give exactly the local one.
+        """
+        counts = self.comm.gather_ints(local, phase="forward", op="valid_target_count")[:, 0]
+        return int(counts.sum()) / self.comm.size
 
     def prefetch(self, state: UnitState, direction: str):
         """Start the gathers of the next `prefetch` units after `state` in this pass's order."""

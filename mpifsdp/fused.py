@@ -236,7 +236,7 @@ def _attention(q, k, v, scale=None):
 # -- cross-entropy --------------------------------------------------------------------------------
 
 
-def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1):
+def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
     lse, valid, count = saved
     xp = array_module_of(logits)
@@ -263,8 +263,9 @@ def _row_slices(lo: int, hi: int, row_elements: int):
 
 
 @primitive("cross_entropy", vjp=_cross_entropy_vjp)
-def _cross_entropy(logits, targets, ignore_index=-1):
-    """Mean over non-ignored positions of -log softmax(logits)[target]; numerically stable."""
+def _cross_entropy(logits, targets, ignore_index=-1, count=None):
+    """Sum over non-ignored positions of -log softmax(logits)[target], divided by `count` (default:
+    the number of non-ignored positions, i.e. their mean); numerically stable."""
     xp = array_module_of(logits)
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
@@ -282,6 +283,6 @@ def _cross_entropy(logits, targets, ignore_index=-1):
 
     _by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
-    count = max(int(valid.sum()), 1)
+    count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
     loss = ((lse - picked) * valid).sum() / count
     return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)

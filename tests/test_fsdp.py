@@ -47,8 +47,10 @@ def test_communication_per_step_is_exact(comm):
     total_padded = sum(u.layout.padded_numel for u in units)
     assert elements * N == 3 * (N - 1) * total_padded  # 3 (N-1)/N sum(padded)
     assert nbytes == 4 * elements
-    # besides: the batch-size check (one int) and AdamW's global grad norm (one float64)
-    assert ledger.total("calls", op="batch_size_check") == 1 and ledger.total("calls", op="all_reduce") == 1
+    # besides: the batch-size check and the loss's count of valid targets (one int each), and
+    # AdamW's global grad norm (one float64)
+    for op in ("batch_size_check", "valid_target_count", "all_reduce"):
+        assert ledger.total("calls", op=op) == 1, op
 
 
 @pytest.mark.parametrize("keep", ["root", "all"])

@@ -33,6 +33,13 @@ def _gpt_batch(step):
     return rng.integers(0, 37, (GLOBAL_BATCH, 8)), rng.integers(0, 37, (GLOBAL_BATCH, 8))
 
 
+def _gpt_batch_with_ignored_targets(step):
+    """About 40% of targets ignored (-1), most in the first rows: ranks hold unequal valid counts."""
+    x, y = _gpt_batch(step)
+    share = np.linspace(0.95, 0.0, GLOBAL_BATCH)[:, None]
+    return x, np.where(np.random.default_rng(1000 + step).random(y.shape) < share, -1, y)
+
+
 def _mlp(dtype):
     # units of 7*13+13 = 104 and 13*5+5 = 70 elements; the root holds the last layer.
     return MLPClassifier([7, 13, 5, 3], activation="gelu", seed=4, dtype=dtype), lambda m: m.layers[:2]
@@ -107,7 +114,11 @@ class DelayedComm(Comm):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("make,batch", [(_gpt, _gpt_batch), (_mlp, _mlp_batch)], ids=["gpt", "mlp"])
+@pytest.mark.parametrize(
+    "make,batch",
+    [(_gpt, _gpt_batch), (_gpt, _gpt_batch_with_ignored_targets), (_mlp, _mlp_batch)],
+    ids=["gpt", "gpt-ignored", "mlp"],
+)
 @pytest.mark.parametrize("schedule", ["prefetch1", "prefetch2-keep", "no-prefetch", "delayed"])
 def test_sharded_training_matches_single_process(comm, make, batch, dtype, schedule):
     """Tolerances: tests/tolerance.py. The single-process reference and its reordering probe (the
@@ -125,6 +136,6 @@ def test_sharded_training_matches_single_process(comm, make, batch, dtype, sched
     errors = _errors(_train(make, batch, dtype, comm, **options), reference)
     worst, report = within(errors, probe, dtype)
     if comm.rank == 0:
-        case = f"{make.__name__[1:]} {np.dtype(dtype).name} {schedule}"
+        case = f"{batch.__name__[1:]} {np.dtype(dtype).name} {schedule}"
         print(f"\nPARITY N={comm.size} {case} ratio={worst:.3f}")
     agree(comm, worst <= 1.0, f"N={comm.size}: sharded run beyond the bound ({worst:.2f}x): {report}")
