@@ -153,6 +153,7 @@ def _optimizer_record(optimizer) -> dict | None:
         return None
     return {
         "step": optimizer.step_count,
+        "group_steps": {g.name: n for g, n in zip(optimizer.groups, optimizer.steps)},
         "lr": optimizer.lr,
         "betas": [optimizer.beta1, optimizer.beta2],
         "eps": optimizer.eps,
@@ -288,7 +289,11 @@ def load(directory, model, optimizer=None) -> dict:
     )
     collective(group.comm, lambda: _fill(directory, manifest, group, optimizer), f"loading {directory}")
     if optimizer is not None and manifest["optimizer"] is not None:
-        optimizer.step_count = manifest["optimizer"]["step"]
+        record = manifest["optimizer"]
+        optimizer.step_count = record["step"]
+        # checkpoints written before per-group steps: every group was at the global step
+        per_group = record.get("group_steps", {})
+        optimizer.steps = [per_group.get(g.name, record["step"]) for g in optimizer.groups]
     return manifest["extra"]
 
 

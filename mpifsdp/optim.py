@@ -120,7 +120,10 @@ class AdamW:
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._norm = None  # the global grad norm of this step, once computed
-        self.step_count = 0
+        self.step_count = 0  # steps taken (skipped ones not counted)
+        # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
+        # step k gets the bias corrections of its first step, not of step k.
+        self.steps = [0] * len(self.groups)
         self.m = [None] * len(self.groups)
         self.v = [None] * len(self.groups)
 
@@ -134,7 +137,8 @@ class AdamW:
         return self.m[i], self.v[i]
 
     def step(self) -> bool:
-        """Update every group that has a gradient; groups without one are left alone (as PyTorch).
+        """Update every group that has a gradient; groups without one are left alone and their step
+        count stays (as PyTorch).
 
         A NaN or Inf anywhere in the gradients (on any rank: the norm is global) raises
         NonFiniteError on every rank, or with nonfinite="skip" drops the step on every rank, logs a
@@ -157,6 +161,7 @@ class AdamW:
             if g is None:
                 continue
             m, v = self._moments(i)
+            self.steps[i] += 1
             adamw_update(
                 group.flat_param(),
                 g,
@@ -166,7 +171,7 @@ class AdamW:
                 beta1=self.beta1,
                 beta2=self.beta2,
                 eps=self.eps,
-                step=self.step_count,
+                step=self.steps[i],
                 decay_segments=group.decay_segments,
                 weight_decay=self.weight_decay,
             )

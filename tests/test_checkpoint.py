@@ -24,7 +24,7 @@ CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)  # 
 
 def shared_dir(comm, tmp_path):
     """One directory for every rank (rank 0's tmp_path; all ranks share this machine's disk)."""
-    return comm.mpi.bcast(str(tmp_path) if comm.rank == 0 else None)
+    return comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
 
 
 def sub_comm(n):
@@ -279,3 +279,21 @@ def test_cli_inspect_and_export(comm, tmp_path):
     out = subprocess.run([*run, "inspect", str(tmp_path / "ck")], capture_output=True, text=True)
     assert out.returncode == 1 and "rank-00000.bin is truncated" in out.stdout
     json.loads((tmp_path / "ck" / "manifest.json").read_text())  # the manifest is plain JSON
+
+
+def test_each_units_adamw_step_is_saved_and_old_checkpoints_load(comm, tmp_path):
+    model, opt = sharded(comm)
+    train(model, opt, comm, 2)
+    opt.steps = [2, 1, 5][: len(opt.steps)]  # as if the units had first been stepped at other times
+    path = save(f"{shared_dir(comm, tmp_path)}/ck", model, opt)
+    other, other_opt = sharded(comm, seed=1)
+    load(path, other, other_opt)
+    agree(comm, other_opt.steps == opt.steps and other_opt.step_count == 2, f"steps {other_opt.steps}")
+
+    if comm.rank == 0:  # a checkpoint of the first format version: one step for all units
+        manifest = json.loads((path / "manifest.json").read_text())
+        del manifest["optimizer"]["group_steps"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    comm.barrier()
+    load(path, other, other_opt)
+    agree(comm, other_opt.steps == [2] * len(opt.steps), f"old format gave steps {other_opt.steps}")

@@ -63,3 +63,20 @@ def test_clip_grad_norm_scales_to_max(rng):
 def test_empty_optimizer_is_refused():
     with pytest.raises(ValueError, match="no parameters"):
         AdamW([])
+
+
+def test_each_group_counts_its_own_steps(rng):
+    """A parameter first stepped at step 3 gets the bias corrections of its own first step (as
+    PyTorch): m_hat = g and v_hat = g^2, so it moves by lr * g / (|g| + eps) after its decay."""
+    lr, wd, eps = 0.01, 0.1, 1e-8
+    a, b = Param(rng.standard_normal(3), "a"), Param(rng.standard_normal((2, 2)), "b")
+    opt = AdamW([a, b], lr=lr, eps=eps, weight_decay=wd)
+    b0, g = b.data.copy(), rng.standard_normal((2, 2))
+    for step in range(3):
+        a.grad = rng.standard_normal(3)
+        if step == 2:
+            b.grad = g.copy()
+        opt.step()
+        opt.zero_grad()
+    np.testing.assert_allclose(b.data, b0 * (1 - lr * wd) - lr * g / (np.abs(g) + eps), rtol=1e-14)
+    assert opt.steps == [3, 1] and opt.step_count == 3
