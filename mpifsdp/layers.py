@@ -57,6 +57,12 @@ def constant_param(value: float, shape, dtype, device: str) -> Param:
     return _param(lambda: np.full(shape, value), shape, dtype, device)
 
 
+def _holds_parameters(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, Module) for v in value)
+    return isinstance(value, (Param, Module))
+
+
 class Module:
     """Base class. Parameters are found by walking attributes in assignment order.
 
@@ -65,6 +71,15 @@ class Module:
     """
 
     _forward_wrapper = None
+
+    def __setattr__(self, name, value):
+        """Name parameters by their path in the module tree as soon as they join it, so every error
+        names the parameter ('blocks.0.attn.c_attn.weight'), sharded or not. Each level renames its
+        subtree when a child is attached; the outermost module, attached last, has the last word."""
+        object.__setattr__(self, name, value)
+        if not name.startswith("_") and _holds_parameters(value):
+            for path, param in self.named_parameters():
+                param.name = path
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError

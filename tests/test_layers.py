@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+import mpifsdp
 from mpifsdp import Tensor
 from mpifsdp.gradcheck import check_grad
 from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear
@@ -85,3 +86,14 @@ def test_state_dict_round_trip_and_errors():
 def test_attention_rejects_indivisible_heads():
     with pytest.raises(ValueError, match="n_embd 10 must be divisible by n_head 4"):
         CausalSelfAttention(10, 4, rng=np.random.default_rng(0))
+
+
+def test_parameters_are_named_by_the_module_tree_from_construction():
+    from mpifsdp.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8))
+    assert all(p.name == name for name, p in model.named_parameters())
+    weight = model.blocks[1].mlp.c_fc.weight
+    assert weight.name == "blocks.1.mlp.c_fc.weight"
+    with pytest.raises(ValueError, match=r"parameter 'blocks\.1\.mlp\.c_fc\.weight' \(8, 32\)"):
+        mpifsdp.ops.linear(np.ones((2, 3), np.float32), weight)  # an unsharded model's error names it
