@@ -2,6 +2,8 @@
 
 python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds, one process
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
+mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
+Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16]
 """
 
@@ -31,32 +33,58 @@ CONFIGS = {
 PEAK_TFLOPS = {"float16": 790.0, "float32": 60.0}  # H200: dense bf16/fp16 measured by others; fp32 (no TF32)
 
 
+SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
+F64_BOUND = 1e-10  # float64 CPU vs GPU losses, relative: only summation order differs (~1e-15 per op)
+
+
+def _losses(device, dtype, global_batch, comm=None, reverse=False, transport_comm=None):
+    """3 training steps of a small GPT on `device`; the global batch's loss per step. With comm: sharded,
+    each rank its slice, the loss the ranks' mean. reverse: the batch's rows reversed (the probe)."""
+    model = GPT(gpt_config(SMALL_GPT), seed=0, dtype=dtype, device=device)
+    if comm is not None:
+        mpifsdp.fully_shard(model, comm, units=model.blocks)
+    opt = mpifsdp.AdamW(model, lr=1e-2)
+    xp = mpifsdp.array_module(device)
+    out = []
+    for step in range(3):
+        x, y = random_batch(SMALL_GPT, global_batch, seed=step)
+        if reverse:
+            x, y = x[::-1].copy(), y[::-1].copy()
+        if comm is not None:
+            x, y = rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
+        loss = train_step(model, opt, xp.asarray(x), xp.asarray(y)).item()
+        out.append(loss if comm is None else comm.all_reduce_scalar(loss) / comm.size)
+    return np.array(out)
+
+
 def parity(args):
-    small = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
-    comm = mpifsdp.Comm(device="cuda") if args.sharded else None
-    losses = {}
-    for device in ("cpu", "cuda"):
-        model = GPT(gpt_config(small), seed=0, device=device)
-        if args.sharded and device == "cuda":
-            mpifsdp.fully_shard(model, comm, units=model.blocks)
-        opt = mpifsdp.AdamW(model, lr=1e-2)
-        xp = mpifsdp.array_module(device)
-        out = []
-        for step in range(3):
-            x, y = random_batch(small, 4 * (comm.size if comm else 1), seed=step)
-            if args.sharded and device == "cuda":
-                x, y = rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
-            loss = train_step(model, opt, xp.asarray(x), xp.asarray(y))
-            out.append(loss.item())
-        losses[device] = out
+    """CPU-NumPy vs GPU-CuPy from the same seeds, float64 and float32; exits 1 beyond the bounds.
+
+    float64: relative error <= F64_BOUND. float32: the bound of tests/tolerance.py, measured on this
+    machine: 8x the CPU run's own reordering noise (the same run with the batch's rows reversed)
+    plus 16 ulps: a GPU's kernels reorder sums, and nothing else may differ."""
+    comm = mpifsdp.Comm(device="cuda", transport=args.transport) if args.sharded else None
+    global_batch = 4 * (comm.size if comm else 1)
+    results, ok = {}, True
+    for dtype in (np.float64, np.float32):
+        cpu = _losses("cpu", dtype, global_batch)
+        gpu = _losses("cuda", dtype, global_batch, comm)
+        err = float(np.max(np.abs(gpu - cpu) / np.abs(cpu)))
+        if dtype == np.float64:
+            limit = F64_BOUND
+        else:
+            probe = float(
+                np.max(np.abs(_losses("cpu", dtype, global_batch, reverse=True) - cpu) / np.abs(cpu))
+            )
+            limit = 8 * probe + 16 * float(np.finfo(dtype).eps)
+        ok &= err <= limit
+        results[np.dtype(dtype).name] = {"cpu": cpu.tolist(), "gpu": gpu.tolist(), "max_rel_err": err,
+                                         "bound": limit}  # fmt: skip
     if comm is None or comm.rank == 0:
-        err = (
-            max(abs(a - b) / abs(a) for a, b in zip(losses["cpu"], losses["cuda"]))
-            if not args.sharded
-            else None
-        )
-        print(json.dumps({"check": "parity", "sharded": args.sharded, "losses": losses, "max_rel_err": err,
-                          "transport": comm.transport.name if comm else None}))  # fmt: skip
+        where = {"ranks": comm.size if comm else 1, "transport": comm.transport.name if comm else None}
+        print(json.dumps({"check": "parity", "sharded": args.sharded, **where, "ok": ok, **results}))
+    if not ok:
+        sys.exit(1)
 
 
 def speed(args):
@@ -114,6 +142,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("check", choices=["parity", "speed"])
     ap.add_argument("--sharded", action="store_true")
+    ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
     ap.add_argument("--config", choices=CONFIGS, default="peer")
     ap.add_argument("--dtype", default="float32", choices=sorted(PEAK_TFLOPS))
     ap.add_argument("--steps", type=int, default=5)
