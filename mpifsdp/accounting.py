@@ -2,7 +2,7 @@
 
 [Note: exact accounting] Every runtime buffer (shards, gathered parameters and gradients, optimizer
 state) is added here when allocated and removed when freed, and every collective records its call
-and bytes, so tests can hold memory and traffic to the formulas exactly (DESIGN invariant 7):
+and bytes, so tests can hold memory and traffic to the formulas exactly (docs/design.md, invariant 7):
     persistent bytes per rank = 16 * shard_numel (fp32 params, grads, m, v)
     elements per rank per step = (N - 1) / N * 3 * padded_numel (two gathers + one reduce-scatter)
 """

@@ -9,7 +9,7 @@ Arrays are positional, settings are keyword (as in JAX's Autodidax).
 VJP never reads), never their arrays; `backward` reads `tensor.data` only when the VJP runs, and
 `saved` may hold activations but never a parameter's array.
 That is what lets FSDP free a unit's gathered parameters after forward and gather them again before
-backward (DESIGN invariant 1). A Param whose data is absent raises, naming its owner.
+backward (docs/design.md, invariant 1). A Param whose data is absent raises, naming its owner.
 
 Scopes: while `with scope(obj):` is active, every recorded node remembers obj (scopes nest). During
 backward, obj.pre_backward() runs before the first of its nodes and obj.post_backward() after the last

@@ -84,9 +84,12 @@ class Comm:
         if self.schedule.debug:  # compare every fingerprint before its collective runs
             self._compare(digest(fp), "before " + describe(fp))
 
-    def check_schedule(self):
-        """Compare every rank's position and rolling hash of collectives: one allgather of two ints."""
+    def check_schedule(self, *, phase: str = "backward"):
+        """Compare every rank's position and rolling hash of collectives: one allgather of two ints
+        (itself announced first, so the hash it compares includes it)."""
+        self._announce("", phase, "schedule_check", 2 * self.size, np.dtype(np.int64))
         self._compare(self.schedule.position()[1], "at the end of a step")
+        self.ledger.record("", phase, "schedule_check", 2 * (self.size - 1), 8)
 
     def _compare(self, value: int, when: str):
         seq = self.schedule.position()[0]

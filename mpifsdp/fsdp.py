@@ -10,7 +10,7 @@ the end of backward.
 Overlap (as FSDP2): while unit k computes, the gathers of the next `prefetch` units are in flight
 (forward: the order units ran in the previous forward, registration order at first; backward: the
 reverse of this forward's order), and each unit's reduce-scatter runs while the next unit's
-backward computes. Every rank issues the same collectives in the same order (DESIGN invariant 5):
+backward computes. Every rank issues the same collectives in the same order (docs/design.md, invariant 5):
 the schedule depends only on the model's structure, never on data.
 """
 
@@ -126,7 +126,7 @@ class FSDPGroup:
         """Refuse ranks holding different numbers of samples (collective; one tiny allgather).
 
         [Note: gradient averaging] Reduce-scatter then /N averages ranks' gradients with equal weight;
-        with unequal batches that is not the gradient of the global mean (DESIGN invariant 3), so an
+        with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3), so an
         uneven last batch is an error here rather than a silently wrong update.
         """
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
@@ -205,7 +205,7 @@ class FSDPGroup:
         [Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
         not reach the loss has no node in the graph, so the engine never calls its hooks. Without
         this sweep it would skip its reduce-scatter, and ranks would disagree on the collective
-        sequence whenever the skip is data-dependent (DESIGN invariant 6).
+        sequence whenever the skip is data-dependent (docs/design.md, invariant 6).
         """
         for state in [s for s in self.states if s in self.pending and s is not self.root]:
             state.pre_backward()

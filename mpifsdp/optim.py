@@ -61,7 +61,7 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
     Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
     PyTorch's AdamW. The update runs slice by slice (in parallel over the rank's threads on the CPU)
     with one slice-sized temporary: no buffer of the model's size is allocated per step. A zero
-    gradient where m and v are zero leaves p unchanged, which keeps FSDP padding at zero (DESIGN
+    gradient where m and v are zero leaves p unchanged, which keeps FSDP padding at zero (docs/design.md,
     invariant 2).
     """
     xp = array_module_of(p)

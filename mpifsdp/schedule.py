@@ -33,6 +33,7 @@ _OP_WORDS = {
     "broadcast": "broadcast",
     "allgather_object": "exchange of objects",
     "valid_target_count": "count of valid targets",
+    "schedule_check": "schedule check",
 }
 
 

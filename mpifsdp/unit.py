@@ -82,7 +82,7 @@ class Unit:
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
-        # them there (the padded gradient is zero, so AdamW moves nothing): DESIGN invariant 2.
+        # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
         self.shard = self.xp.zeros(n, dtype=self.layout.dtype)
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
@@ -208,8 +208,9 @@ class Unit:
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
 
-        [Note: gradient averaging] Reduce-scatter sums over ranks; dividing by N gives the gradient
-        of the global-batch mean when every rank holds an equal share of the batch (invariant 3).
+        [Note: gradient averaging] (docs/design.md, invariant 3) Reduce-scatter sums over ranks;
+        dividing by N gives the gradient of the global-batch mean when every rank's loss is its share
+        of that mean (equal batches; losses that divide by the global count, ops.mean_over_ranks).
         """
         if self._reducing is None:
             return

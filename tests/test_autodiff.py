@@ -60,7 +60,7 @@ def test_non_scalar_backward_needs_a_gradient():
 
 
 def test_vjp_reads_parameter_data_when_it_runs():
-    """DESIGN invariant 1: the tape holds the Param, not its array."""
+    """docs/design.md, invariant 1: the tape holds the Param, not its array."""
     w = Param(np.array([3.0]), "w")
     x = Tensor(np.array([5.0]), requires_grad=True)
     loss = (x * w * w).sum()  # d/dx = w^2, read at backward time
