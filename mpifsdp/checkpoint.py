@@ -98,39 +98,55 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     group = group_of(model)
     comm = group.comm
     final = Path(directory)
-    tmp = final.parent / comm.broadcast_object(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    collective(comm, lambda: tmp.mkdir(parents=True), f"creating {tmp}", root=0)
+    staging = collective(comm, lambda: _staging_dir(final, comm), f"creating a directory next to {final}")
     moments = _moments_by_unit(optimizer, group)
-    file_record = collective(comm, lambda: _write_rank_file(tmp, group, moments), "writing checkpoint files")
-    files = comm.allgather_object(file_record)
+    record = collective(comm, lambda: _write_rank_file(staging, group, moments), "writing checkpoint files")
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": comm.size,
+        "units": [unit_record(u) for u in group.units],
+        "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
+        "optimizer": _optimizer_record(optimizer),
+        "extra": extra or {},
+    }
 
     def publish():
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": comm.size,
-            "units": [unit_record(u) for u in group.units],
-            "files": files,
-            "optimizer": _optimizer_record(optimizer),
-            "extra": extra or {},
-        }
-        with open(tmp / MANIFEST, "w") as f:  # written last: its presence marks the files complete
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        _write_manifest(staging, manifest)
+        _move_into_place(staging, final)
 
-    # every rank's file is on disk before the manifest says so: `collective` above agreed on that
     collective(comm, publish, "publishing the checkpoint", root=0)
     return final
+
+
+def _staging_dir(final: Path, comm) -> Path:
+    """A new, empty directory next to `final` (same file system, so the publishing rename is atomic),
+    named by rank 0 and created by it. Collective."""
+    staging = final.parent / comm.broadcast_object(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    if comm.rank == 0:
+        staging.mkdir(parents=True)
+    return staging
+
+
+def _write_manifest(directory: Path, manifest: dict):
+    """Written last, and fsynced with its directory: its presence marks the checkpoint complete."""
+    with open(directory / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _move_into_place(staging: Path, final: Path):
+    """Rename the complete checkpoint to its name; an existing one is replaced only now."""
+    if final.exists():
+        old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(final.parent)
 
 
 def _moments_by_unit(optimizer, group) -> dict:
@@ -219,13 +235,17 @@ def read_manifest(directory) -> dict:
     return manifest
 
 
+def _checksum_matches(raw: bytes, segment: dict) -> bool:
+    return hashlib.sha256(raw).hexdigest() == segment["sha256"]
+
+
 def read_segment(directory: Path, record: dict, segment: dict, dtype: np.dtype) -> np.ndarray:
     file = directory / record["name"]
     count = segment["stop"] - segment["start"]
     with open(file, "rb") as f:
         f.seek(segment["offset"])
         raw = f.read(count * dtype.itemsize)
-    if len(raw) != count * dtype.itemsize or hashlib.sha256(raw).hexdigest() != segment["sha256"]:
+    if len(raw) != count * dtype.itemsize or not _checksum_matches(raw, segment):
         raise CheckpointError(
             f"checkpoint file {file} is corrupted: the {segment['kind']} bytes of unit #{segment['unit']} "
             "do not match their checksum"

@@ -230,6 +230,18 @@ def _owned_params(module: Module, prefix: str, unit_ids: set) -> list:
     return found
 
 
+def _shared_parameters(owned) -> dict:
+    """{parameter name: [units]} for each parameter that more than one unit would own.
+
+    [Note: one unit per parameter] (docs/design.md, invariant 4) A tied weight in two units would be
+    gathered, reduced and updated twice; fully_shard refuses it on every rank."""
+    owners: dict[int, list[str]] = {}
+    for unit_name, params in owned:
+        for _, p in params:
+            owners.setdefault(id(p), []).append(unit_name)
+    return {name: owners[id(p)] for _, params in owned for name, p in params if len(owners[id(p)]) > 1}
+
+
 def fully_shard(
     model: Module,
     comm: Comm,
@@ -272,14 +284,9 @@ def fully_shard(
     owned = [(names[id(u)], _owned_params(u, names[id(u)], unit_ids)) for u in units]
     owned.append(("root", _owned_params(model, "", unit_ids)))
 
-    owners: dict[int, list[str]] = {}
-    for unit_name, params in owned:
-        for _, p in params:
-            owners.setdefault(id(p), []).append(unit_name)
-    shared = {pname: owners[id(p)] for _, params in owned for pname, p in params if len(owners[id(p)]) > 1}
+    shared = _shared_parameters(owned)
     error = None
     if shared:
-        # [Note: one unit per parameter] a tied weight in two units would be gathered and updated twice.
         error = (
             f"parameters shared between units {shared}: tied weights must live in one unit; put the "
             "modules that share them in the same unit (e.g. leave both in the root)"

@@ -71,15 +71,28 @@ class Module:
     """
 
     _forward_wrapper = None
+    _parent = None  # the module this one was first attached to (for parameter names)
 
     def __setattr__(self, name, value):
         """Name parameters by their path in the module tree as soon as they join it, so every error
-        names the parameter ('blocks.0.attn.c_attn.weight'), sharded or not. Each level renames its
-        subtree when a child is attached; the outermost module, attached last, has the last word."""
+        names the parameter ('blocks.0.attn.c_attn.weight'), sharded or not. A module attached to a
+        parent remembers it, so a later change deep inside (tying `lm_head.weight = wte.weight`)
+        renames the tree from its root: a tied weight keeps the name where it is first found."""
         object.__setattr__(self, name, value)
-        if not name.startswith("_") and _holds_parameters(value):
-            for path, param in self.named_parameters():
-                param.name = path
+        if name.startswith("_") or not _holds_parameters(value):
+            return
+        for child in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(child, Module) and child._parent is None and child is not self:
+                object.__setattr__(child, "_parent", self)
+        for path, param in self._root().named_parameters():
+            param.name = path
+
+    def _root(self) -> Module:
+        node, seen = self, {id(self)}
+        while node._parent is not None and id(node._parent) not in seen:
+            node = node._parent
+            seen.add(id(node))
+        return node
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError

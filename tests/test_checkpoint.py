@@ -212,14 +212,16 @@ KILL_SCRIPT = textwrap.dedent(
     from mpifsdp import AdamW, Comm, fully_shard
     from mpifsdp.models import GPT, GPTConfig
 
-    root = sys.argv[1]
+    root, mode = sys.argv[1], sys.argv[2]  # mode: "new" (step-2 beside step-1) or "overwrite" (one name)
     comm = Comm()
     model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10), seed=0)
     fully_shard(model, comm, units=model.blocks)
     opt = AdamW(model, lr=1e-2)
     x = np.zeros((2, 8), dtype=np.int64)
     model(x, x).backward(); opt.step(); opt.zero_grad()
-    ck.save_step(root, 1, model, opt)
+    save = (lambda step: ck.save_step(root, step, model, opt)) if mode == "new" else (
+        lambda step: ck.save(f"{root}/ck", model, opt, {"step": step}))
+    save(1)
     model(x, x).backward(); opt.step(); opt.zero_grad()
     original = ck._write_rank_file
 
@@ -232,28 +234,39 @@ KILL_SCRIPT = textwrap.dedent(
         return original(tmp, group, moments)
 
     ck._write_rank_file = dying
-    ck.save_step(root, 2, model, opt)
+    save(2)
     """
 )
 
 
-def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(comm, tmp_path):
+def killed_during_save(comm, tmp_path, mode):
     if comm.size > 1:
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
     root = tmp_path / "ckpts"
     result = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root)],
+        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root), mode],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0
+    return root
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(comm, tmp_path):
+    root = killed_during_save(comm, tmp_path, "new")
     assert [p.name for p in checkpoints(root)] == ["step-00000001"]
     assert list(root.glob("step-00000002.tmp-*")), "the partial save stays a temporary directory"
     verify(root / "step-00000001")
     model, opt = sharded(comm, seed=3)
     path, extra = load_latest(root, model, opt)
     assert path.name == "step-00000001" and opt.step_count == 1 and extra["step"] == 1
+
+
+def test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one(comm, tmp_path):
+    root = killed_during_save(comm, tmp_path, "overwrite")
+    model, opt = sharded(comm, seed=3)
+    assert load(root / "ck", model, opt)["step"] == 1 and opt.step_count == 1
 
 
 def test_cli_inspect_and_export(comm, tmp_path):

@@ -60,9 +60,28 @@ SCENARIOS = {
         for _ in range(3):
             step()
         """,
+    # rank 1 runs blocks 0 and 1 in the other order; without prefetch (which follows each rank's own
+    # last order) every collective still pairs with one of the same op and size, of another unit
+    "swap_units": """
+        model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, n_embd=8), seed=0)
+        fully_shard(model, comm, units=model.blocks, prefetch=0)
+        opt = AdamW(model, lr=1e-3)
+
+        def swapped_forward(idx, targets):
+            h = model.wte(idx) + model.wpe(np.arange(idx.shape[1]))
+            for i in ([1, 0, 2] if comm.rank == 1 else [0, 1, 2]):
+                h = model.blocks[i](h)
+            from mpifsdp import ops
+            return ops.cross_entropy(ops.linear(model.ln_f(h), model.wte.weight, transpose_w=True), targets)
+
+        model.forward = swapped_forward
+        for _ in range(3):
+            step()
+        print("finished without noticing")
+        """,
     "sleep": """
         if comm.rank == 1:
-            time.sleep(60)
+            time.sleep(20)
         step()
         """,
     "sigkill": """
@@ -98,7 +117,8 @@ def run_scenario(comm, tmp_path, name, env=None, timeout=120):
 
 
 def test_a_skipped_unit_is_named_on_every_rank_in_debug_mode(comm, tmp_path):
-    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", {"MPIFSDP_DEBUG": "1"})
+    # a short watchdog: without the debug check the divergence would end in the watchdog instead
+    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", {"MPIFSDP_DEBUG": "1", "MPIFSDP_TIMEOUT": "10"})
     assert result.returncode != 0 and elapsed < 30
     assert "ScheduleError: ranks disagree on the sequence of collectives" in result.stderr
     # Forward gathers run ahead in registration order on every rank, so the skip shows in backward,
@@ -114,9 +134,18 @@ def test_a_skipped_unit_ends_the_job_without_debug_mode(comm, tmp_path):
     assert "ScheduleError" in result.stderr or "mpifsdp watchdog" in result.stderr
 
 
+def test_units_swapped_on_one_rank_are_caught_by_the_per_step_check(comm, tmp_path):
+    """Equal-sized collectives of different units pair silently; the end-of-step comparison of the
+    ranks' fingerprint hashes stops the job before the optimizer uses the mixed gradients."""
+    result, elapsed = run_scenario(comm, tmp_path, "swap_units", {"MPIFSDP_TIMEOUT": "10"})
+    assert result.returncode != 0 and elapsed < 30, result.stdout + result.stderr
+    assert "ScheduleError: ranks disagree on the sequence of collectives (at the end of a step)" in result.stderr
+    assert "finished without noticing" not in result.stdout
+
+
 def test_a_stalled_rank_trips_the_watchdog_which_names_the_collective(comm, tmp_path):
     result, elapsed = run_scenario(comm, tmp_path, "sleep", {"MPIFSDP_TIMEOUT": "3"})
-    assert result.returncode != 0 and elapsed < 3 + 20
+    assert result.returncode != 0 and elapsed < 3 + 12  # rank 1 sleeps 20 s
     # ranks 0 and 2 wait; whichever times out first aborts the job (the other may not get to print)
     assert re.search(r"mpifsdp watchdog: rank [02] waited 3\.0 s in forward batch-size check", result.stderr)
     assert "rank 1 waited" not in result.stderr  # the sleeping rank never arrived: it does not report

@@ -97,3 +97,7 @@ def test_parameters_are_named_by_the_module_tree_from_construction():
     assert weight.name == "blocks.1.mlp.c_fc.weight"
     with pytest.raises(ValueError, match=r"parameter 'blocks\.1\.mlp\.c_fc\.weight' \(8, 32\)"):
         mpifsdp.ops.linear(np.ones((2, 3), np.float32), weight)  # an unsharded model's error names it
+    untied = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=2, n_embd=8, tie_weights=False))
+    untied.lm_head.weight = untied.wte.weight  # tied after construction, as nanoGPT does
+    assert untied.wte.weight.name == "wte.weight"  # the name where it is first found, not 'weight'
+    assert untied.blocks[0].attn.c_proj.bias.name == "blocks.0.attn.c_proj.bias"
