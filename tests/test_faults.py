@@ -118,7 +118,8 @@ def run_scenario(comm, tmp_path, name, env=None, timeout=120):
 
 def test_a_skipped_unit_is_named_on_every_rank_in_debug_mode(comm, tmp_path):
     # a short watchdog: without the debug check the divergence would end in the watchdog instead
-    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", {"MPIFSDP_DEBUG": "1", "MPIFSDP_TIMEOUT": "10"})
+    env = {"MPIFSDP_DEBUG": "1", "MPIFSDP_TIMEOUT": "10"}
+    result, elapsed = run_scenario(comm, tmp_path, "skip_unit", env)
     assert result.returncode != 0 and elapsed < 30
     assert "ScheduleError: ranks disagree on the sequence of collectives" in result.stderr
     # Forward gathers run ahead in registration order on every rank, so the skip shows in backward,
@@ -139,7 +140,9 @@ def test_units_swapped_on_one_rank_are_caught_by_the_per_step_check(comm, tmp_pa
     ranks' fingerprint hashes stops the job before the optimizer uses the mixed gradients."""
     result, elapsed = run_scenario(comm, tmp_path, "swap_units", {"MPIFSDP_TIMEOUT": "10"})
     assert result.returncode != 0 and elapsed < 30, result.stdout + result.stderr
-    assert "ScheduleError: ranks disagree on the sequence of collectives (at the end of a step)" in result.stderr
+    assert "ScheduleError: ranks disagree on the sequence of collectives (at the end of a step)" in (
+        result.stderr
+    )
     assert "finished without noticing" not in result.stdout
 
 
