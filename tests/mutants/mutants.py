@@ -1,0 +1,200 @@
+"""Mutants: each switches one safety mechanism off, so tests/test_mutations.py can show that the test
+named for it fails without it (a safety test that cannot fail proves nothing).
+
+A mutant is applied at interpreter start by this folder's sitecustomize.py when MPIFSDP_MUTANT names
+it, so it reaches every process of a run: pytest itself, and the mpiexec jobs tests start.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _replace(owner, attribute: str, new):
+    """Swap owner.attribute for `new`; refuses a name that no longer exists (a renamed mechanism
+    must not turn its mutant into a silent no-op)."""
+    if not hasattr(owner, attribute):
+        raise AttributeError(f"mutant target {owner.__name__}.{attribute} does not exist")
+    setattr(owner, attribute, new)
+
+
+def _no_schedule_check():
+    from mpifsdp.comm import Comm
+
+    _replace(Comm, "check_schedule", lambda self, **kw: None)
+
+
+def _no_debug_check():
+    from mpifsdp.comm import Comm
+
+    _replace(Comm, "_announce", lambda self, *args: self.schedule.announce(*args))
+
+
+def _no_watchdog():
+    from mpifsdp.schedule import Schedule
+
+    _replace(Schedule, "wait", lambda self, request: request.Wait())
+
+
+def _no_nonfinite_check():
+    from mpifsdp.optim import AdamW
+
+    _replace(AdamW, "grad_norm", lambda self: 0.0)
+
+
+def _no_uneven_batch_check():
+    from mpifsdp.fsdp import FSDPGroup
+
+    _replace(FSDPGroup, "check_batch", lambda self, args: None)
+
+
+def _no_tied_weight_check():
+    import mpifsdp.fsdp
+
+    _replace(mpifsdp.fsdp, "_shared_parameters", lambda owned: {})
+
+
+def _no_checksum():
+    import mpifsdp.checkpoint
+
+    _replace(mpifsdp.checkpoint, "_checksum_matches", lambda raw, segment: True)
+
+
+def _no_atomic_publish():
+    """Write the checkpoint in place: no staging directory, no rename."""
+    import mpifsdp.checkpoint as ck
+
+    def in_place(final, comm):
+        final.mkdir(parents=True, exist_ok=True)
+        comm.barrier()
+        return final
+
+    _replace(ck, "_staging_dir", in_place)
+    _replace(ck, "_move_into_place", lambda staging, final: None)
+
+
+def _no_global_valid_count():
+    from mpifsdp.fsdp import FSDPGroup
+
+    _replace(FSDPGroup, "count_share", lambda self, local: local)
+
+
+def _no_gradient_mean():
+    """Reduce-scatter's sum kept, the 1/N dropped."""
+    from mpifsdp.unit import Unit
+
+    finish = Unit.finish_reduce_grad
+
+    def summed(self):
+        pending = self._reducing is not None
+        finish(self)
+        if pending:
+            self.grad_shard *= self.comm.size
+
+    _replace(Unit, "finish_reduce_grad", summed)
+
+
+def _no_end_of_backward_sweep():
+    from mpifsdp.fsdp import FSDPGroup
+
+    _replace(FSDPGroup, "finalize_pending", lambda self: None)
+
+
+def _errors_raised_where_they_happen():
+    from mpifsdp.comm import Comm
+
+    def local_only(self, error, what, error_type=None):
+        if error:
+            raise RuntimeError(f"{what} failed on rank {self.rank}: {error}")
+
+    _replace(Comm, "raise_if_any", local_only)
+
+
+@dataclass
+class Mutant:
+    switch_off: callable
+    mechanism: str
+    tests: list  # pytest node ids that must fail with the mechanism off
+    ranks: int = 1  # run them under mpiexec -n ranks when > 1
+
+
+MUTANTS = {
+    "schedule_check": Mutant(
+        _no_schedule_check,
+        "per-step schedule check (Comm.check_schedule)",
+        ["tests/test_faults.py::test_units_swapped_on_one_rank_are_caught_by_the_per_step_check"],
+    ),
+    "debug_check": Mutant(
+        _no_debug_check,
+        "debug-mode check before every collective (Comm._announce)",
+        ["tests/test_faults.py::test_a_skipped_unit_is_named_on_every_rank_in_debug_mode"],
+    ),
+    "watchdog": Mutant(
+        _no_watchdog,
+        "watchdog on every wait (Schedule.wait)",
+        ["tests/test_faults.py::test_a_stalled_rank_trips_the_watchdog_which_names_the_collective"],
+    ),
+    "nonfinite": Mutant(
+        _no_nonfinite_check,
+        "NaN/Inf policy of AdamW (global gradient norm)",
+        ["tests/test_faults.py::test_a_nan_on_one_rank_is_seen_by_every_rank"],
+        ranks=2,
+    ),
+    "uneven_batch": Mutant(
+        _no_uneven_batch_check,
+        "uneven-batch refusal (FSDPGroup.check_batch)",
+        ["tests/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
+        ranks=2,
+    ),
+    "tied_weights": Mutant(
+        _no_tied_weight_check,
+        "tied-weight check (fsdp._shared_parameters)",
+        ["tests/test_fsdp.py::test_tied_weights_split_across_units_are_refused"],
+    ),
+    "checksum": Mutant(
+        _no_checksum,
+        "checkpoint checksums (checkpoint._checksum_matches)",
+        [
+            "tests/test_checkpoint.py::test_truncated_missing_and_corrupted_files_are_refused_by_name",
+            "tests/test_checkpoint.py::test_keep_last_k_and_latest_falls_back_past_a_corrupted_one",
+        ],
+    ),
+    "atomic_publish": Mutant(
+        _no_atomic_publish,
+        "atomic publish of checkpoints (staging directory + rename)",
+        [
+            "tests/test_checkpoint.py::test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one",
+            "tests/test_checkpoint.py::test_a_rank_killed_during_save_leaves_the_previous_checkpoint",
+        ],
+    ),
+    "global_valid_count": Mutant(
+        _no_global_valid_count,
+        "global count of valid targets (FSDPGroup.count_share)",
+        ["tests/test_parity.py::test_sharded_training_matches_single_process[prefetch1-gpt-ignored-f64]"],
+        ranks=2,
+    ),
+    "gradient_mean": Mutant(
+        _no_gradient_mean,
+        "1/N of the gradient reduce-scatter (Unit.finish_reduce_grad)",
+        ["tests/test_parity.py::test_sharded_training_matches_single_process[prefetch1-mlp-f64]"],
+        ranks=2,
+    ),
+    "end_of_backward_sweep": Mutant(
+        _no_end_of_backward_sweep,
+        "end-of-backward sweep of unreached units (FSDPGroup.finalize_pending)",
+        ["tests/test_fsdp.py::test_units_backward_never_reached_are_still_reduced"],
+    ),
+    "errors_on_every_rank": Mutant(
+        _errors_raised_where_they_happen,
+        "collective checks raise on every rank (Comm.raise_if_any)",
+        ["tests/test_comm.py::test_raise_if_any_raises_everywhere"],
+        ranks=2,
+    ),
+}
+
+
+def apply_from_environment():
+    name = os.environ.get("MPIFSDP_MUTANT")
+    if name:
+        MUTANTS[name].switch_off()
