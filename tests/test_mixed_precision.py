@@ -2,8 +2,10 @@
 
 import numpy as np
 from conftest import agree
+from mpi4py import MPI
+from tolerance import rel_err, within
 
-from mpifsdp import AdamW, LossScaler, full_state_dict, fully_shard
+from mpifsdp import AdamW, Comm, LossScaler, full_state_dict, fully_shard
 from mpifsdp.data import rank_slice
 from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig
@@ -16,36 +18,47 @@ def batch(step):
     return rng.integers(0, 37, (12, 8)), rng.integers(0, 37, (12, 8))
 
 
-def test_float16_compute_tracks_the_float32_reference(comm):
-    ref = GPT(CFG, seed=0)
+def _train(comm=None):
+    """5 AdamW steps: float32 in one process without comm; with comm, sharded with float16 compute and
+    float32 reductions (LossScaler). Returns the model, its optimizer and {quantity: [arrays]}."""
     model = GPT(CFG, seed=0)
-    fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
-    opts = AdamW(ref, lr=3e-3), AdamW(model, lr=3e-3)
-    scaler = LossScaler(init_scale=2.0**10)
-    comm.ledger.reset()
-    worst = 0.0
+    if comm is not None:
+        fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt, scaler, losses = AdamW(model, lr=3e-3), LossScaler(init_scale=2.0**10), []
     for step in range(5):
         x, y = batch(step)
-        loss_ref = ref(x, y)
-        loss_ref.backward()
-        opts[0].step()
-        opts[0].zero_grad()
-        loss = model(rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size))
-        assert loss.dtype == np.float32  # the loss is computed in float32 from float16 logits
-        scaler.scale(loss).backward()
-        assert scaler.step(opts[1])
-        opts[1].zero_grad()
-        mean = comm.all_reduce_scalar(loss.item()) / comm.size
-        worst = max(worst, abs(mean - loss_ref.item()) / loss_ref.item())
-    got, want = full_state_dict(model), ref.state_dict()
-    param_err = max(np.abs(got[k] - want[k]).max() for k in want)
-    # AdamW moves every weight by about lr per step whatever the gradient's size: 5 steps of 3e-3
-    message = f"fp16 vs fp32: loss rel {worst:.2e}, params {param_err:.2e}"
-    agree(comm, worst < 1e-3 and param_err < 1e-2, message)
+        if comm is not None:
+            x, y = rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
+        loss = model(x, y)
+        assert loss.dtype == np.float32  # computed in float32, also from float16 logits
+        if comm is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            assert scaler.step(opt)
+        opt.zero_grad()
+        losses.append(loss.item() if comm is None else comm.all_reduce_scalar(loss.item()) / comm.size)
+    params = full_state_dict(model)
+    return model, opt, {"loss": [np.array(losses)], "params": [params[k] for k in sorted(params)]}
+
+
+def test_float16_compute_tracks_the_float32_reference(comm):
+    """Tolerance (tests/tolerance.py): float16 compute is itself far from float32 (AdamW moves weights
+    by about lr whatever a gradient's size, so float16's errors show at the scale of lr). Measured: the
+    same mixed-precision training on one rank; sharding may add no more than a small multiple of it."""
+    reference = _train()[2]
+    single = _train(Comm(MPI.COMM_SELF, threads=None))[2]
+    comm.ledger.reset()
+    model, opt, sharded = _train(comm)
+    probe = {k: rel_err(single[k], reference[k]) for k in reference}
+    errors = {k: rel_err(sharded[k], reference[k]) for k in reference}
+    worst, report = within(errors, probe, np.float32)  # the loss and the masters are float32
+    agree(comm, worst <= 1.0, f"N={comm.size}: float16 compute beyond the bound ({worst:.2f}x): {report}")
 
     group = fsdp_group(model)
     assert all(u.shard.dtype == np.float32 and u.grad_shard.dtype == np.float32 for u in group.units)
-    assert all(m.dtype == np.float32 for m in opts[1].m)
+    assert all(m.dtype == np.float32 for m in opt.m)
     ledger = comm.ledger
     for phase in ("forward", "backward"):  # float16 on the wire (full_state_dict's gathers are fp32)
         assert ledger.total("bytes", op="all_gather", phase=phase) == 2 * ledger.total(
