@@ -96,7 +96,7 @@ class Comm:
         if len(set(map(tuple, self._exchange_ints(seq, value).tolist()))) == 1:
             return
         # every rank saw the same mismatch, so every rank joins this exchange of details
-        raise self.schedule.mismatch(self._exchange_objects(self.schedule.recent_steps()), when)
+        raise self.schedule.mismatch(self._exchange_objects(self.schedule.recent_steps())[0], when)
 
     # -- the raw exchanges (watched, not announced: they carry the schedule's own checks) ----------
     def _exchange_ints(self, *values: int) -> np.ndarray:
@@ -105,13 +105,15 @@ class Comm:
         self.schedule.wait(self.mpi.Iallgather(mine, everyone))
         return everyone.reshape(-1, mine.size)
 
-    def _exchange_objects(self, obj) -> list:
+    def _exchange_objects(self, obj) -> tuple[list, int]:
+        """Every rank's pickled `obj`, and the bytes this rank received."""
         raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         sizes = self._exchange_ints(raw.size)[:, 0]
         everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.schedule.wait(self.mpi.Iallgatherv(raw, (everyone, sizes)))
         bounds = np.concatenate([[0], np.cumsum(sizes)])
-        return [pickle.loads(everyone[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+        objects = [pickle.loads(everyone[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+        return objects, everyone.size - raw.size
 
     # -- collectives on flat arrays ----------------------------------------------------------------
     def _check_shards(self, op: str, shard, full):
@@ -184,6 +186,7 @@ class Comm:
         """Return once every rank has arrived (e.g. every rank's file is on disk)."""
         self._announce("", phase, "barrier", 0, np.dtype(np.uint8))
         self.wait(self.mpi.Ibarrier())
+        self.ledger.record("", phase, "barrier", 0, 1)
 
     # -- small Python objects (pickled): names, file records, reports ------------------------------
     def broadcast_object(self, obj=None, root: int = 0, *, phase: str = "other"):
@@ -198,8 +201,9 @@ class Comm:
     def allgather_object(self, obj, *, phase: str = "other") -> list:
         """Every rank's `obj` (pickled), in rank order; for small metadata such as layouts and reports."""
         self._announce("", phase, "allgather_object", self.size, np.dtype(np.uint8))
-        everyone = self._exchange_objects(obj)
-        self.ledger.record("", phase, "allgather_object", 0, 1)  # sizes differ by rank: calls only
+        everyone, received = self._exchange_objects(obj)
+        received += 8 * (self.size - 1)  # the other ranks' lengths, exchanged first
+        self.ledger.record("", phase, "allgather_object", received, 1)  # counted in bytes
         return everyone
 
     # -- collective checks -------------------------------------------------------------------------

@@ -131,3 +131,28 @@ def test_no_module_but_comm_and_transport_calls_mpi_collectives():
         if collectives.search(line)
     ]
     assert not offenders, "MPI collectives outside comm.py / transport.py:\n" + "\n".join(offenders)
+
+
+def test_object_collectives_barrier_and_agreement_are_announced_and_counted(comm):
+    comm.ledger.reset()
+    before = comm.schedule.position()[0]
+    assert comm.broadcast_object({"name": "x"} if comm.rank == 0 else None) == {"name": "x"}
+    assert comm.allgather_object(comm.rank * 10) == [r * 10 for r in range(comm.size)]
+    comm.barrier()
+    assert comm.run_everywhere(lambda: comm.rank, "a harmless action") == comm.rank
+
+    def fails_on_last_rank():
+        if comm.rank == comm.size - 1:
+            raise OSError("disk full")
+
+    with pytest.raises(
+        CollectiveError, match=rf"a write failed on 1 of {comm.size} ranks:\n  rank {comm.size - 1}: disk"
+    ):
+        comm.run_everywhere(fails_on_last_rank, "a write")
+    with pytest.raises(KeyError):  # not in `catch`: raised where it happens, as any bug
+        comm.run_everywhere(lambda: {}["missing"], "a lookup", catch=(OSError,))
+    # 2 broadcasts (length, bytes), 1 + 1 + 1 object exchanges (raise_if_any inside each
+    # run_everywhere), 1 barrier; each announced to the schedule and counted in the ledger
+    for op, calls in (("broadcast", 2), ("allgather_object", 3), ("barrier", 1)):
+        assert comm.ledger.total("calls", op=op) == calls, op
+    assert comm.schedule.position()[0] - before == 6
