@@ -2,15 +2,46 @@
 
 inspect: units, sizes, world size, step, and an integrity check of every slice's checksum.
 export: one consolidated .safetensors file from a checkpoint, in one process, a slice at a time.
+DIR is a checkpoint, or a directory of step-N checkpoints (the newest is taken). Errors are one line
+on stderr and exit status 1; an existing OUT is replaced only with --force.
 """
 
 from __future__ import annotations
 
-from .checkpoint import FORMAT, CheckpointError, read_manifest, verify
+import sys
+from pathlib import Path
+
+from .checkpoint import checkpoints
 from .consolidated import export_checkpoint
+from .manifest import FORMAT, MANIFEST, CheckpointError, read_manifest, verify
+
+
+def _checkpoint_in(path) -> Path:
+    """`path` itself if it holds a checkpoint, else the newest step-N checkpoint under it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory" if path.exists() else f"{path} does not exist")
+    if (path / MANIFEST).is_file():
+        return path
+    found = checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} holds no checkpoint (no {MANIFEST}, and no step-N checkpoint in it)")
+    return found[0]
+
+
+def _export(directory, out, force: bool) -> Path:
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory: give the path of the .safetensors file to write")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"{out.parent} does not exist: create it first")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out} exists: pass --force to replace it")
+    return export_checkpoint(_checkpoint_in(directory), out)
 
 
 def _inspect(directory) -> int:
+    directory = _checkpoint_in(directory)
     manifest = read_manifest(directory)
     print(f"{directory}: {FORMAT} v{manifest['version']}, saved by {manifest['world_size']} rank(s)")
     opt = manifest["optimizer"]
@@ -41,14 +72,15 @@ def main(argv=None) -> int:
     export = sub.add_parser("export", help="one consolidated .safetensors file")
     export.add_argument("dir")
     export.add_argument("out")
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             return _inspect(args.dir)
-        print(f"wrote {export_checkpoint(args.dir, args.out)}")
+        print(f"wrote {_export(args.dir, args.out, args.force)}")
         return 0
-    except CheckpointError as exc:
-        print(f"error: {exc}")
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
 
 

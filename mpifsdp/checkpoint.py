@@ -11,10 +11,10 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -24,18 +24,33 @@ import numpy as np
 
 from .backend import to_numpy
 from .fsdp import fsdp_group
+from .manifest import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    read_manifest,
+    read_slices,
+    slice_digest,
+    verify,
+    with_digest,
+)
+
+__all__ = [
+    "CheckpointError",
+    "checkpoints",
+    "load",
+    "load_latest",
+    "recover",
+    "save",
+    "save_step",
+    "verify",
+]
 
 log = logging.getLogger(__name__)
 
-FORMAT = "mpifsdp-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
-KINDS = ("param", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or does not fit the model."""
-
+STAGING, REPLACED = ".tmp-", ".old-"  # suffixes of a save in progress and of a checkpoint being replaced
+STEP = re.compile(r"step-(\d+)")  # the checkpoints save_step writes (and prunes, and load_latest reads)
 
 if sys.byteorder != "little":  # pragma: no cover - files are little-endian, arrays are written as-is
     raise ImportError("mpifsdp checkpoints are written from little-endian machines only")
@@ -93,36 +108,55 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     """Write a checkpoint of `model` (and `optimizer`) to `directory`, atomically. Collective.
 
     Every rank writes only its own slices; `extra` (JSON-serializable: step, data position, RNG seeds)
-    goes into the manifest. An existing `directory` is replaced only once the new one is complete.
+    goes into the manifest. An existing `directory` is replaced only once the new one is complete. A
+    failed save (disk full, no permission, ...) raises CheckpointError on every rank and leaves
+    nothing behind but what was there before.
     """
     group = group_of(model)
     comm = group.comm
     final = Path(directory)
+    collective(comm, lambda: _prepare(final), f"saving to {final}", root=0)
     staging = collective(comm, lambda: _staging_dir(final, comm), f"creating a directory next to {final}")
-    moments = _moments_by_unit(optimizer, group)
-    record = collective(comm, lambda: _write_rank_file(staging, group, moments), "writing checkpoint files")
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "world_size": comm.size,
-        "units": [unit_record(u) for u in group.units],
-        "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
-        "optimizer": _optimizer_record(optimizer),
-        "extra": extra or {},
-    }
+    try:
+        moments = _moments_by_unit(optimizer, group)
+        record = collective(comm, lambda: _write_rank_file(staging, group, moments), f"writing {staging}")
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": comm.size,
+            "units": [unit_record(u) for u in group.units],
+            "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
+            "optimizer": _optimizer_record(optimizer),
+            "extra": extra or {},
+        }
 
-    def publish():
-        _write_manifest(staging, manifest)
-        _move_into_place(staging, final)
+        def publish():
+            _write_manifest(staging, manifest)
+            _move_into_place(staging, final)
 
-    collective(comm, publish, "publishing the checkpoint", root=0)
+        collective(comm, publish, f"publishing {final}", root=0)
+    except CheckpointError:
+        collective(comm, lambda: shutil.rmtree(staging, ignore_errors=True), "cleaning up", root=0)
+        raise
     return final
+
+
+def _prepare(final: Path):
+    """Refuse a destination that cannot hold a checkpoint; finish an interrupted overwrite first."""
+    if final.exists() and not final.is_dir():
+        raise CheckpointError(f"cannot save to {final}: it exists and is not a directory")
+    if final.is_dir() and any(final.iterdir()) and not (final / MANIFEST).is_file():
+        raise CheckpointError(
+            f"cannot save to {final}: it is a directory with files but no checkpoint in it; "
+            "choose an empty or new directory (nothing there was changed)"
+        )
+    recover(final)
 
 
 def _staging_dir(final: Path, comm) -> Path:
     """A new, empty directory next to `final` (same file system, so the publishing rename is atomic),
     named by rank 0 and created by it. Collective."""
-    staging = final.parent / comm.broadcast_object(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging = final.parent / comm.broadcast_object(f"{final.name}{STAGING}{uuid.uuid4().hex[:8]}")
     if comm.rank == 0:
         staging.mkdir(parents=True)
     return staging
@@ -131,22 +165,54 @@ def _staging_dir(final: Path, comm) -> Path:
 def _write_manifest(directory: Path, manifest: dict):
     """Written last, and fsynced with its directory: its presence marks the checkpoint complete."""
     with open(directory / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump(with_digest(manifest), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(directory)
 
 
 def _move_into_place(staging: Path, final: Path):
-    """Rename the complete checkpoint to its name; an existing one is replaced only now."""
+    """Rename the complete checkpoint to its name; an existing one is replaced only now.
+
+    Replacing takes two renames (final -> final.old-*, staging -> final); a job killed between them
+    leaves both complete copies beside an empty name, which `recover` puts back."""
     if final.exists():
-        old = final.parent / f"{final.name}.old-{uuid.uuid4().hex[:8]}"
+        old = final.parent / f"{final.name}{REPLACED}{uuid.uuid4().hex[:8]}"
         os.replace(final, old)
         os.replace(staging, final)
         shutil.rmtree(old)
     else:
         os.replace(staging, final)
     _fsync_dir(final.parent)
+
+
+def recover(final) -> Path | None:
+    """Put a complete checkpoint back at `final` after a save was interrupted; returns what it restored.
+
+    Only ever renames; deletes nothing but a replaced copy (`.old-*`) proven superseded by a complete
+    checkpoint at `final` (the newer one: the old copy is moved aside only once the new one is whole).
+    If `final` is missing, the complete new copy (`.tmp-*` with a manifest) is preferred over the
+    replaced old one. Not collective: rank 0 calls it before saving or loading."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return None
+    leftovers = sorted(final.parent.glob(f"{glob_escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
+    complete = [p for p in leftovers if p.is_dir() and (p / MANIFEST).is_file()]
+    if (final / MANIFEST).is_file():
+        for old in complete:
+            if REPLACED in old.name:
+                shutil.rmtree(old, ignore_errors=True)
+        return None
+    if final.exists() or not complete:
+        return None
+    newest = [p for p in complete if STAGING in p.name] or [p for p in complete if REPLACED in p.name]
+    os.replace(newest[-1], final)
+    log.warning("recovered %s from %s, left by an interrupted save", final, newest[-1].name)
+    return final
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _moments_by_unit(optimizer, group) -> dict:
@@ -190,106 +256,29 @@ def _write_rank_file(tmp: Path, group, moments: dict) -> dict:
             for kind, array in arrays.items():
                 data = np.ascontiguousarray(to_numpy(array[: stop - start]))  # no copy on the CPU
                 f.write(data)
-                digest = hashlib.sha256(data).hexdigest()
-                segments.append(
-                    {
-                        "unit": index,
-                        "kind": kind,
-                        "start": start,
-                        "stop": stop,
-                        "offset": offset,
-                        "sha256": digest,
-                    }
-                )
+                segment = {"unit": index, "kind": kind, "start": start, "stop": stop, "offset": offset}
+                segments.append({**segment, "sha256": slice_digest(segment, data)})
                 offset += data.nbytes
         f.flush()
         os.fsync(f.fileno())
     return {"name": name, "bytes": offset, "segments": segments}
 
 
-# -- find and verify --------------------------------------------------------------------------------
-
-
-def read_manifest(directory) -> dict:
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is unreadable or corrupted: {exc}") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
-            f"expected {FORMAT!r} version {VERSION}"
-        )
-    for record in manifest["files"]:
-        file = Path(directory) / record["name"]
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint file {file} is missing")
-        if file.stat().st_size != record["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {file} is truncated or overwritten: {file.stat().st_size} bytes, "
-                f"the manifest says {record['bytes']}"
-            )
-    return manifest
-
-
-def _checksum_matches(raw: bytes, segment: dict) -> bool:
-    return hashlib.sha256(raw).hexdigest() == segment["sha256"]
-
-
-def read_segment(directory: Path, record: dict, segment: dict, dtype: np.dtype) -> np.ndarray:
-    file = directory / record["name"]
-    count = segment["stop"] - segment["start"]
-    with open(file, "rb") as f:
-        f.seek(segment["offset"])
-        raw = f.read(count * dtype.itemsize)
-    if len(raw) != count * dtype.itemsize or not _checksum_matches(raw, segment):
-        raise CheckpointError(
-            f"checkpoint file {file} is corrupted: the {segment['kind']} bytes of unit #{segment['unit']} "
-            "do not match their checksum"
-        )
-    return np.frombuffer(raw, dtype=dtype)
-
-
-def read_slices(directory, manifest: dict, unit_index: int, kind: str, start: int, stop: int):
-    """(start, values) of each saved `kind` slice of unit #unit_index overlapping [start, stop),
-    read and checksum-checked one at a time (so at most one slice is in memory)."""
-    dtype = np.dtype(manifest["units"][unit_index]["dtype"])
-    for record in manifest["files"]:
-        for seg in record["segments"]:
-            if (
-                seg["unit"] == unit_index
-                and seg["kind"] == kind
-                and seg["start"] < stop
-                and seg["stop"] > start
-            ):
-                yield seg["start"], read_segment(Path(directory), record, seg, dtype)
-
-
-def verify(directory) -> dict:
-    """Read every segment and check its checksum; returns the manifest or raises CheckpointError."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    for record in manifest["files"]:
-        for segment in record["segments"]:
-            read_segment(directory, record, segment, np.dtype(manifest["units"][segment["unit"]]["dtype"]))
-    return manifest
+# -- find -----------------------------------------------------------------------------------------
 
 
 def checkpoints(root) -> list[Path]:
-    """Complete checkpoint directories under `root` (those with a manifest), newest step first.
+    """The complete `step-N` checkpoints under `root` (written by save_step), newest step first.
 
-    Directories of a save in progress (`*.tmp-*`) or of one being replaced (`*.old-*`) are never listed.
-    """
+    Other directories (a user's `best`, a save in progress, a copy being replaced) are never listed,
+    so neither load_latest nor save_step's pruning ever touches them."""
     root = Path(root)
     found = [
         p
         for p in (root.iterdir() if root.is_dir() else [])
-        if p.is_dir() and (p / MANIFEST).is_file() and ".tmp-" not in p.name and ".old-" not in p.name
+        if STEP.fullmatch(p.name) and p.is_dir() and (p / MANIFEST).is_file()
     ]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    return sorted(found, key=lambda p: int(STEP.fullmatch(p.name)[1]), reverse=True)
 
 
 # -- load -------------------------------------------------------------------------------------------
@@ -304,6 +293,7 @@ def load(directory, model, optimizer=None) -> dict:
     """
     group = group_of(model)
     directory = Path(directory)
+    collective(group.comm, lambda: recover(directory), f"loading {directory}", root=0)
     manifest = collective(
         group.comm, lambda: _check_fits(read_manifest(directory), group), f"loading {directory}"
     )
@@ -356,28 +346,62 @@ def _fill(directory: Path, manifest: dict, group, optimizer):
 
 
 def save_step(root, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 3) -> Path:
-    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` complete checkpoints."""
+    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` step-N checkpoints.
+
+    Pruning sees only step-N directories; it also removes incomplete staging directories of older
+    steps (saves that died: never complete checkpoints)."""
+    if not _is_count(step) or not _is_count(keep):
+        raise ValueError(
+            f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
+        )
     path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
     comm = group_of(model).comm
-    if comm.rank == 0 and keep > 0:
-        for old in checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in Path(root).glob("*.tmp-*"):  # left by a save that died: never complete
-            shutil.rmtree(stale, ignore_errors=True)
-    comm.barrier()
+    collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
     return path
 
 
-def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
-    """Load the newest checkpoint under `root` that is intact; older ones are tried when newer fail.
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    Returns (path, extra), or (None, None) when there is no complete checkpoint. Collective.
-    """
+
+def _prune(root: Path, step: int, keep: int):
+    if keep > 0:
+        for old in checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(f"step-*{STAGING}*"):
+        saved = STEP.fullmatch(stale.name.split(STAGING)[0])
+        if saved and int(saved[1]) < step and not (stale / MANIFEST).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
+    """Load the newest step-N checkpoint under `root` that is intact; older ones are tried when newer fail.
+
+    Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. When it holds
+    some but none loads (corrupted, or made for another model), raises CheckpointError listing why
+    each failed: starting from scratch would silently discard a run. Collective."""
     comm = group_of(model).comm
-    candidates = comm.broadcast_object([str(p) for p in checkpoints(root)] if comm.rank == 0 else None)
+    candidates = collective(
+        comm, lambda: [str(p) for p in _recovered_checkpoints(Path(root))], f"listing {root}", root=0
+    )
+    candidates = comm.broadcast_object(candidates)
+    failures = []
     for path in candidates:
         try:
             return Path(path), load(path, model, optimizer)
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", path, exc)
+            failures.append(f"{Path(path).name}: {exc}")
+    if failures:
+        raise CheckpointError(f"no checkpoint under {root} could be loaded:\n  " + "\n  ".join(failures))
     return None, None
+
+
+def _recovered_checkpoints(root: Path) -> list[Path]:
+    """checkpoints(root), after putting back any step-N left nameless by an interrupted overwrite."""
+    if root.is_dir():
+        for leftover in root.glob(f"step-*{STAGING}*"):
+            recover(root / leftover.name.split(STAGING)[0])
+        for leftover in root.glob(f"step-*{REPLACED}*"):
+            recover(root / leftover.name.split(REPLACED)[0])
+    return checkpoints(root)

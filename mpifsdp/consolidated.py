@@ -18,18 +18,23 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import (
-    CheckpointError,
-    collective,
-    flat_range,
-    group_of,
-    read_manifest,
-    read_slices,
-    unit_record,
-)
+from .checkpoint import collective, flat_range, group_of, unit_record
 from .fsdp import fsdp_group
+from .manifest import CheckpointError, read_manifest, read_slices
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
+_ST_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def _safetensors_header(entries) -> bytes:
@@ -94,17 +99,72 @@ def export_safetensors(path, model) -> Path:
     return path
 
 
+MAX_HEADER = 100 * 2**20  # the safetensors package refuses larger headers too
+
+
 def read_safetensors_header(path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where the data starts)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
+    """(header without __metadata__, byte offset where the data starts), for a file proven valid.
+
+    Checked as the `safetensors` package checks it, before anything is allocated from the file's
+    numbers: the header length fits the file, the header is a JSON object of known dtypes and
+    non-negative shapes, each tensor's byte range matches its shape and the ranges tile the data
+    section exactly. Otherwise: CheckpointError "not a valid safetensors file: PATH (why)"."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            _need(size >= 8, f"{size} bytes, shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", f.read(8))
+            _need(length <= min(size - 8, MAX_HEADER), f"a header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        _need(isinstance(header, dict), "the header is not a JSON object")
+        metadata = header.pop("__metadata__", {})
+        _need(isinstance(metadata, dict), "__metadata__ is not an object")
+        ranges = []
+        for name, entry in header.items():
+            _need(isinstance(entry, dict) and entry.get("dtype") in _ST_ITEMSIZE, f"{name}: unknown dtype")
+            shape, offsets = entry.get("shape"), entry.get("data_offsets")
+            _need(
+                isinstance(shape, list) and all(_is_count(d) for d in shape), f"{name}: bad shape {shape!r}"
+            )
+            _need(
+                isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets),
+                f"{name}: bad data_offsets {offsets!r}",
+            )
+            nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[entry["dtype"]]
+            _need(offsets[1] - offsets[0] == nbytes, f"{name}: data_offsets {offsets} do not hold {shape}")
+            ranges.append(tuple(offsets))
+        end = 0
+        for start, stop in sorted(ranges):
+            _need(start == end, "tensor byte ranges overlap or leave a gap")
+            end = stop
+        _need(8 + length + end == size, f"the tensors end at byte {8 + length + end}, the file at {size}")
+    except (OSError, ValueError, struct.error) as exc:  # ValueError: bad JSON, bad UTF-8, checks above
+        raise CheckpointError(f"not a valid safetensors file: {path} ({exc})") from None
     return header, 8 + length
 
 
-def load_safetensors(path, model):
-    """Initialise `model` (sharded or not) from a .safetensors file; each rank reads only its slices."""
+def _need(ok: bool, why: str):
+    if not ok:
+        raise ValueError(why)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def load_safetensors(path, model, strict: bool = True):
+    """Initialise `model` (sharded or not) from a .safetensors file; each rank reads only its slices.
+
+    Every parameter must be in the file with its shape and dtype; with strict (the default) the file
+    may hold nothing else. Errors are CheckpointError, on every rank of a sharded model."""
+    group = fsdp_group(model)
+    if group is None:
+        return _load_safetensors(path, model, strict)
+    return collective(group.comm, lambda: _load_safetensors(path, model, strict), f"loading {path}")
+
+
+def _load_safetensors(path, model, strict: bool):
     header, data_start = read_safetensors_header(path)
     names = {v: k for k, v in _ST_DTYPES.items()}
     group = fsdp_group(model)
@@ -114,6 +174,8 @@ def load_safetensors(path, model):
         else {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     )
     problems = [f"missing {n}" for n in expected if n not in header]
+    if strict:
+        problems += [f"unexpected {n} (strict=False ignores it)" for n in header if n not in expected]
     problems += [
         f"{n}: file has {header[n]['shape']} {header[n]['dtype']}, model wants {list(s)} {_ST_DTYPES[d.name]}"
         for n, (s, d) in expected.items()

@@ -56,9 +56,9 @@ def _no_tied_weight_check():
 
 
 def _no_checksum():
-    import mpifsdp.checkpoint
+    import mpifsdp.manifest
 
-    _replace(mpifsdp.checkpoint, "_checksum_matches", lambda raw, segment: True)
+    _replace(mpifsdp.manifest, "_checksum_matches", lambda raw, segment, version: True)
 
 
 def _no_atomic_publish():
@@ -154,7 +154,7 @@ MUTANTS = {
     ),
     "checksum": Mutant(
         _no_checksum,
-        "checkpoint checksums (checkpoint._checksum_matches)",
+        "checkpoint slice checksums (manifest._checksum_matches)",
         [
             "tests/test_checkpoint.py::test_truncated_missing_and_corrupted_files_are_refused_by_name",
             "tests/test_checkpoint.py::test_keep_last_k_and_latest_falls_back_past_a_corrupted_one",
