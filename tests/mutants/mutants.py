@@ -61,6 +61,24 @@ def _no_checksum():
     _replace(mpifsdp.manifest, "_checksum_matches", lambda raw, segment, version: True)
 
 
+def _no_manifest_checksum():
+    import mpifsdp.manifest
+
+    _replace(mpifsdp.manifest, "manifest_digest", lambda manifest: "0" * 64)
+
+
+def _no_coverage_check():
+    import mpifsdp.manifest
+
+    _replace(mpifsdp.manifest, "_tiles", lambda ranges, numel: True)
+
+
+def _no_recovery():
+    import mpifsdp.checkpoint
+
+    _replace(mpifsdp.checkpoint, "recover", lambda final: None)
+
+
 def _no_atomic_publish():
     """Write the checkpoint in place: no staging directory, no rename."""
     import mpifsdp.checkpoint as ck
@@ -159,6 +177,21 @@ MUTANTS = {
             "tests/test_checkpoint.py::test_truncated_missing_and_corrupted_files_are_refused_by_name",
             "tests/test_checkpoint.py::test_keep_last_k_and_latest_falls_back_past_a_corrupted_one",
         ],
+    ),
+    "manifest_checksum": Mutant(
+        _no_manifest_checksum,
+        "the manifest's own checksum (manifest.manifest_digest)",
+        ["tests/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
+    ),
+    "slice_coverage": Mutant(
+        _no_coverage_check,
+        "each unit's slices tile it exactly once (manifest._tiles)",
+        ["tests/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
+    ),
+    "overwrite_recovery": Mutant(
+        _no_recovery,
+        "recovery of a checkpoint left nameless by an interrupted overwrite (checkpoint.recover)",
+        ["tests/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,

@@ -1,0 +1,255 @@
+"""Checkpoints never lose data: what pruning and "latest" may touch, interrupted overwrites, edited or
+malformed manifests and safetensors files, failed saves, and the command line's errors."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from conftest import agree
+from test_checkpoint import CFG, sharded, shared_dir, train
+
+from mpifsdp import full_state_dict
+from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step
+from mpifsdp.consolidated import export_safetensors, load_safetensors
+from mpifsdp.manifest import with_digest
+from mpifsdp.models import GPT
+
+
+def on_rank_0(comm, action):
+    """Change files on rank 0 only (all ranks share this disk), then let every rank see the change."""
+    if comm.rank == 0:
+        action()
+    comm.barrier()
+
+
+def test_pruning_and_latest_see_only_step_checkpoints(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded(comm)
+    save(f"{root}/best", model, opt, {"step": 0})
+    save(f"{root}/warm-start", model, opt, {"step": 0})
+    for step in (1, 2, 3, 4):
+        train(model, opt, comm, 1, first=step)
+        save_step(root, step, model, opt, keep=2)
+    assert [p.name for p in checkpoints(root)] == ["step-00000004", "step-00000003"]
+    assert os.path.isdir(f"{root}/best") and os.path.isdir(f"{root}/warm-start")  # a user's, untouched
+    path, extra = load_latest(root, *sharded(comm, seed=5))
+    assert path.name == "step-00000004" and extra["step"] == 4
+
+
+def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded(comm)
+    save_step(root, 1, model, opt, extra={"copy": "old"})
+    save(f"{root}/new", model, opt, {"step": 1, "copy": "new"})
+
+    def killed_between_renames():  # the state a job killed inside _move_into_place leaves
+        os.replace(f"{root}/step-00000001", f"{root}/step-00000001.old-aaaa0000")
+        os.replace(f"{root}/new", f"{root}/step-00000001.tmp-bbbb0000")
+
+    on_rank_0(comm, killed_between_renames)
+    assert checkpoints(root) == []  # nameless for now: neither copy is lost
+    path, extra = load_latest(root, *sharded(comm, seed=5))
+    assert path.name == "step-00000001" and extra["copy"] == "new"  # the complete newer copy
+    save_step(root, 2, model, opt, keep=3)  # the next save deletes nothing it cannot prove superseded
+    assert [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"]
+
+    def only_the_old_copy_left():  # killed after moving the old one aside, before the new was whole
+        os.replace(f"{root}/step-00000002", f"{root}/step-00000002.old-cccc0000")
+        os.makedirs(f"{root}/step-00000002.tmp-dddd0000")
+
+    on_rank_0(comm, only_the_old_copy_left)
+    assert load(f"{root}/step-00000002", *sharded(comm, seed=5))["step"] == 2
+
+
+def test_an_edited_manifest_is_refused(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded(comm)
+    train(model, opt, comm, 1)
+    path = save(f"{root}/ck", model, opt)
+    original = (path / "manifest.json").read_text()
+
+    def refused(edit, expect, redo_checksum):
+        def change():
+            manifest = json.loads(original)
+            edit(manifest)
+            (path / "manifest.json").write_text(
+                json.dumps(with_digest(manifest) if redo_checksum else manifest)
+            )
+
+        on_rank_0(comm, change)
+        with pytest.raises(CheckpointError, match=expect):
+            load(path, *sharded(comm, seed=3))
+        comm.barrier()
+
+    def drop_a_slice(m):
+        m["files"][0]["segments"].pop(0)
+
+    def swap_two_slices(m):  # unit 0's parameters and first moments, same size, same file
+        segments = {s["kind"]: s for s in m["files"][0]["segments"] if s["unit"] == 0}
+        a, b = segments["param"], segments["exp_avg"]
+        a["offset"], b["offset"] = b["offset"], a["offset"]
+
+    refused(drop_a_slice, "the manifest's checksum does not match", redo_checksum=False)
+    refused(drop_a_slice, "slices do not cover it once", redo_checksum=True)
+    refused(swap_two_slices, "do not match their checksum", redo_checksum=True)
+    refused(lambda m: m.update(world_size=0), "world_size must be a positive integer", redo_checksum=True)
+    on_rank_0(comm, lambda: (path / "manifest.json").write_text(original))
+    load(path, *sharded(comm, seed=3))  # restored: loads again
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"", "manifest is unreadable"),
+        (os.urandom(64), "manifest is unreadable"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"format": "mpifsdp-checkpoint", "version": 1}', "missing field 'world_size'"),
+        (b'{"format": "other", "version": 1}', "format 'other'"),
+    ],
+    ids=["empty", "random", "list", "missing-fields", "other-format"],
+)
+def test_a_malformed_manifest_is_not_a_valid_checkpoint(comm, tmp_path, content, why):
+    root = shared_dir(comm, tmp_path)
+    on_rank_0(
+        comm, lambda: (os.makedirs(f"{root}/bad"), open(f"{root}/bad/manifest.json", "wb").write(content))
+    )
+    with pytest.raises(CheckpointError, match=f"not a valid checkpoint: {root}/bad .*{why}"):
+        load(f"{root}/bad", *sharded(comm))
+
+
+def _safetensors_file(header: dict, data: bytes, length=None) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+MALFORMED = {
+    "empty": b"",
+    "random": os.urandom(100),
+    "huge-header-length": _safetensors_file({}, b"", length=2**62),
+    "not-json": struct.pack("<Q", 3) + b"abc",
+    "offsets-past-the-end": _safetensors_file(
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8
+    ),
+    "offsets-disagree-with-shape": _safetensors_file(
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8
+    ),
+    "gap-between-tensors": _safetensors_file(
+        {
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+        },
+        b"\0" * 12,
+    ),
+    "unknown-dtype": _safetensors_file(
+        {"w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_safetensors_file_is_named_and_the_reference_reader_agrees(comm, tmp_path, name):
+    path = tmp_path / f"{name}.safetensors"
+    path.write_bytes(MALFORMED[name])
+    with pytest.raises(Exception):  # noqa: B017 - the safetensors package refuses it too, in its own words
+        safetensors.numpy.load_file(path)
+    with pytest.raises(CheckpointError, match=f"not a valid safetensors file: {path}"):
+        load_safetensors(path, GPT(CFG, seed=0))
+
+
+def test_a_safetensors_file_with_extra_tensors_is_refused_unless_not_strict(comm, tmp_path):
+    model = GPT(CFG, seed=0)
+    path = tmp_path / "extra.safetensors"
+    safetensors.numpy.save_file({**model.state_dict(), "extra.weight": np.ones(3, np.float32)}, path)
+    with pytest.raises(CheckpointError, match=r"unexpected extra.weight \(strict=False ignores it\)"):
+        load_safetensors(path, GPT(CFG, seed=1))
+    other = GPT(CFG, seed=1)
+    load_safetensors(path, other, strict=False)
+    assert all(np.array_equal(other.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_failed_save_leaves_nothing_behind_and_fails_on_every_rank(comm, tmp_path, monkeypatch):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded(comm)
+    on_rank_0(comm, lambda: open(f"{root}/a-file", "w").write("mine"))
+    with pytest.raises(CheckpointError, match="it exists and is not a directory"):
+        save(f"{root}/a-file", model, opt)
+    with pytest.raises(CheckpointError, match="Not a directory"):
+        save(f"{root}/a-file/ck", model, opt)
+    save(f"{root}/ck", model, opt, {"step": 1})
+
+    import mpifsdp.checkpoint as ck
+
+    writer = ck._write_rank_file
+
+    def disk_full_on_the_last_rank(*args):
+        if comm.rank == comm.size - 1:
+            raise OSError(28, "No space left on device")
+        return writer(*args)
+
+    monkeypatch.setattr(ck, "_write_rank_file", disk_full_on_the_last_rank)
+    with pytest.raises(CheckpointError, match=rf"rank {comm.size - 1}: \[Errno 28\] No space left on device"):
+        save(f"{root}/ck", model, opt, {"step": 2})
+    comm.barrier()
+    left = sorted(os.listdir(root))
+    agree(comm, left == ["a-file", "ck"], f"left behind: {left}")
+    assert open(f"{root}/a-file").read() == "mine"
+    assert load(f"{root}/ck", *sharded(comm, seed=3))["step"] == 1  # the earlier checkpoint is intact
+
+
+def test_saving_into_a_directory_of_other_files_is_refused(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    on_rank_0(comm, lambda: (os.makedirs(f"{root}/notes"), open(f"{root}/notes/todo.txt", "w").write("x")))
+    with pytest.raises(CheckpointError, match="a directory with files but no checkpoint in it"):
+        save(f"{root}/notes", *sharded(comm))
+    assert os.listdir(f"{root}/notes") == ["todo.txt"]
+
+
+def test_the_command_line_names_every_problem_without_a_traceback(comm, tmp_path):
+    if comm.size > 1:
+        pytest.skip("runs single-process commands: the plain-pytest pass covers it")
+    model, opt = sharded(comm)
+    save_step(tmp_path / "run", 1, model, opt)
+    save_step(tmp_path / "run", 2, model, opt)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "manifest.json").write_bytes(os.urandom(50))
+
+    def cli(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "mpifsdp", *map(str, args)], capture_output=True, text=True
+        )
+        assert "Traceback" not in done.stderr, done.stderr
+        return done.returncode, done.stdout + done.stderr
+
+    rc, out = cli("inspect", tmp_path / "run")  # a root: its newest step-N checkpoint
+    assert rc == 0 and "step-00000002: mpifsdp-checkpoint v2" in out and "integrity: OK" in out
+    for target, why in [
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "empty", "holds no checkpoint"),
+        (tmp_path / "garbage", "not a valid checkpoint"),
+    ]:
+        rc, out = cli("inspect", target)
+        assert rc == 1 and why in out, out
+    for out_path, why in [
+        (tmp_path / "nowhere" / "m.safetensors", "does not exist: create it first"),
+        (tmp_path / "empty", "is a directory"),
+    ]:
+        rc, out = cli("export", tmp_path / "run", out_path)
+        assert rc == 1 and why in out, out
+    assert cli("export", tmp_path / "run", tmp_path / "m.safetensors")[0] == 0
+    rc, out = cli("export", tmp_path / "run", tmp_path / "m.safetensors")
+    assert rc == 1 and "pass --force to replace it" in out
+    assert cli("export", tmp_path / "run", tmp_path / "m.safetensors", "--force")[0] == 0
+    safetensors.numpy.load_file(tmp_path / "m.safetensors")
+
+
+def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, _ = sharded(comm)
+    export_safetensors(f"{root}/m.safetensors", model)
+    assert set(safetensors.numpy.load_file(f"{root}/m.safetensors")) == set(full_state_dict(model))
