@@ -53,6 +53,7 @@ class TrainConfig(GPTConfig):
     save_dir: str = "out/checkpoints"
     keep: int = 3  # complete checkpoints kept
     resume: str = ""  # a checkpoint directory, or "latest" (the newest intact one in save_dir)
+    fresh: bool = False  # start over although save_dir holds checkpoints (they will be replaced)
     # system
     seed: int = 1337
     device: str = "cpu"
@@ -78,6 +79,36 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
+
+
+def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str | None, int]:
+    """(checkpoint, step) to start from: a checkpoint's (--resume), or (None, 0).
+
+    Never discards an earlier run silently: checkpoints that exist but do not load, or a fresh start
+    into a save_dir holding checkpoints (its saves would replace them), are errors unless --fresh
+    says to start over."""
+    if not cfg.resume:
+        earlier = comm.broadcast_object([p.name for p in checkpoint.checkpoints(cfg.save_dir)][:3])
+        if cfg.save_every and earlier and not cfg.fresh:
+            raise checkpoint.CheckpointError(
+                f"{cfg.save_dir} holds checkpoints of an earlier run ({', '.join(earlier)}, ...): pass "
+                "--resume latest to continue it, --save_dir to keep both, or --fresh true to start over "
+                "(its checkpoints will then be replaced)"
+            )
+        return None, 0
+    if cfg.resume == "latest":
+        path, extra = checkpoint.load_latest(cfg.save_dir, model, opt)  # raises if none of them loads
+        if path is None:
+            return None, 0  # a first run: nothing saved yet
+    else:
+        path, extra = cfg.resume, checkpoint.load(cfg.resume, model, opt)
+    saved = extra.get("config", model_config)
+    changed = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
+    if changed:
+        raise checkpoint.CheckpointError(
+            f"{path} was saved by a model with another configuration (saved, now): {changed}"
+        )
+    return path, extra["step"]
 
 
 def main():
@@ -115,22 +146,19 @@ def main():
             local = sum(model(*batch("val", i)).item() for i in range(cfg.eval_batches))
         return comm.all_reduce_scalar(local) / (world * cfg.eval_batches)
 
-    first_step = 0
-    if cfg.resume:
-        if cfg.resume == "latest":
-            path, extra = checkpoint.load_latest(cfg.save_dir, model, opt)
-        else:
-            path, extra = cfg.resume, checkpoint.load(cfg.resume, model, opt)
-        first_step = extra["step"] if path is not None else 0
-        say(
-            f"resumed from {path} at step {first_step}"
-            if path
-            else f"no checkpoint in {cfg.save_dir}: from scratch"
-        )
+    try:
+        path, first_step = resume(cfg, comm, model, opt, dataclasses.asdict(model_config))
+    except checkpoint.CheckpointError as exc:  # raised on every rank alike: every rank stops
+        say(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if first_step >= cfg.max_steps:
+        say(f"nothing to do: the checkpoint is at step {first_step}, and max_steps is {cfg.max_steps}")
+        return
+    say(f"resumed from {path} at step {first_step}" if path else "starting at step 0")
 
     tokens_per_step = cfg.batch_size * cfg.block_size
     val_loss, train_loss = float("nan"), float("nan")
-    comm.mpi.Barrier()
+    comm.barrier()
     t_start = time.perf_counter()
     for step in range(first_step, cfg.max_steps):
         last = step == cfg.max_steps - 1
@@ -161,7 +189,8 @@ def main():
             say(f"{chr(10) if tty else ''}step {step + 1}: val loss {val_loss:.4f}", flush=True)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
             # the data position is the step: batches are a pure function of (seed, step)
-            path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, keep=cfg.keep)
+            extra = {"config": dataclasses.asdict(model_config)}
+            path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, extra, keep=cfg.keep)
             say(f"saved {path}", flush=True)
     elapsed = time.perf_counter() - t_start
 

@@ -12,14 +12,14 @@ from test_abort import mpiexec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_example(comm, ranks, *args, timeout=300):
+def run_example(comm, ranks, *args, timeout=300, returncode=0):
     if comm.size > 1:
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    assert result.returncode == returncode, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout + (result.stderr if returncode else "")
 
 
 def test_sharded_numpy_example_fits_the_oscillators(comm):
@@ -50,3 +50,27 @@ def test_train_gpt_saves_and_resumes_at_another_world_size(comm, tmp_path):
     assert f"resumed from {tmp_path / 'ck' / 'step-00000020'} at step 20" in out
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 30
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"step-000000{n}0" for n in (1, 2, 3)]
+
+
+def test_train_gpt_never_discards_an_earlier_run(comm, tmp_path):
+    small = ["--n_layer", 2, "--n_embd", 32, "--block_size", 32, "--batch_size", 4, "--sample_tokens", 5]
+    script = ROOT / "examples" / "train_gpt.py"
+    ckpt = ["--save-every", 5, "--save-dir", tmp_path / "ck", "--eval_every", 100, *small]
+    run_example(comm, 2, script, "--max-steps", 10, *ckpt)
+    saved = sorted(p.name for p in (tmp_path / "ck").iterdir())
+
+    out = run_example(comm, 2, script, "--max-steps", 10, "--resume", "latest", *ckpt)
+    assert "nothing to do: the checkpoint is at step 10, and max_steps is 10" in out
+    out = run_example(comm, 2, script, "--max-steps", 20, *ckpt, returncode=2)  # a fresh start into it
+    assert "holds checkpoints of an earlier run" in out and "--resume latest" in out
+    resume = ["--max-steps", 20, "--resume", "latest", *ckpt]
+    out = run_example(comm, 2, script, *resume, "--n_head", 2, returncode=2)
+    assert "saved by a model with another configuration" in out and "'n_head': (4, 2)" in out
+    out = run_example(comm, 2, script, *resume, "--n_embd", 16, returncode=2)
+    assert "no checkpoint under" in out and "does not fit this model" in out
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == saved  # nothing replaced or deleted
+    for path in (tmp_path / "ck").glob("*/rank-00000.bin"):
+        path.write_bytes(b"corrupt")
+    out = run_example(comm, 2, script, *resume, returncode=2)
+    assert "no checkpoint under" in out and "rank-00000.bin is truncated" in out
+    run_example(comm, 2, script, "--max-steps", 5, *ckpt, "--fresh", "true")  # asked for: starts over
