@@ -329,6 +329,16 @@ def _describe(t: Tensor) -> str:
     return f"{label}{tuple(t.shape)} {t.dtype}"
 
 
+def _same_error(exc: Exception, message: str) -> Exception | None:
+    """An exception of exc's type carrying `message`, or None where that type needs more than one
+    message to be built (NumPy's casting errors): never a different error than the one that happened."""
+    try:
+        rebuilt = type(exc)(message)
+    except Exception:
+        return None
+    return rebuilt if str(rebuilt) == message else None
+
+
 def apply(name: str, *args, **settings) -> Tensor:
     """Run primitive `name` on `args` (Tensors, arrays or scalars) and record it when grads are needed."""
     prim = PRIMITIVES[name]
@@ -343,7 +353,13 @@ def apply(name: str, *args, **settings) -> Tensor:
     try:
         out, saved = prim.forward(*(t.data for t in inputs), **settings)
     except (ValueError, TypeError, IndexError) as exc:
-        raise type(exc)(f"{name} on inputs {', '.join(map(_describe, inputs))}: {exc}") from exc
+        context = f"{name} on inputs {', '.join(map(_describe, inputs))}"
+        rebuilt = _same_error(exc, f"{context}: {exc}")
+        if rebuilt is None:  # its type cannot be rebuilt from a message: keep it, add the context
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(context)
+            raise
+        raise rebuilt from exc
     result = Tensor(out)
     if _state.grad_enabled and any(t.requires_grad for t in inputs):
         result.requires_grad = True

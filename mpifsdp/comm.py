@@ -165,9 +165,11 @@ class Comm:
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
         )
 
-    def all_reduce_scalar(self, value: float, *, phase: str = "other") -> float:
+    def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:
+        """The sum over ranks of one float. `what` names its purpose in the collective's fingerprint, so
+        two ranks reducing different quantities (a gradient norm here, a loss there) are caught."""
         buf = np.array([value], dtype=np.float64)
-        self.all_reduce(buf, phase=phase)
+        self.all_reduce(buf, unit=what, phase=phase)
         return float(buf[0])
 
     def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other"):

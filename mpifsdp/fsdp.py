@@ -16,6 +16,7 @@ the schedule depends only on the model's structure, never on data.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from contextlib import nullcontext
 
@@ -242,6 +243,34 @@ def _shared_parameters(owned) -> dict:
     return {name: owners[id(p)] for _, params in owned for name, p in params if len(owners[id(p)]) > 1}
 
 
+def _configuration(model: Module) -> list:
+    """Every module's type and public settings (numbers, strings, dataclass configs): what a rank can
+    get wrong without changing any shape (heads, dropout rate, eps), so the layout check cannot see it."""
+    plain = (int, float, str, bool, type(None))
+    found = []
+    for path, module in model.named_modules():
+        settings = {
+            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            for k, v in vars(module).items()
+            if not k.startswith("_") and (isinstance(v, plain) or dataclasses.is_dataclass(v))
+        }
+        found.append((path, type(module).__name__, sorted(settings.items())))
+    return found
+
+
+def _configuration_differs(model: Module, comm: Comm) -> str | None:
+    """Collective: None when every rank's model has the same configuration, else where it differs."""
+    everyone = comm.allgather_object(_configuration(model))
+    for rank, theirs in enumerate(everyone[1:], 1):
+        for mine, other in zip(everyone[0], theirs):
+            if mine != other:
+                return (
+                    f"the model's configuration differs between ranks: "
+                    f"{mine} on rank 0, {other} on rank {rank}"
+                )
+    return None
+
+
 def fully_shard(
     model: Module,
     comm: Comm,
@@ -252,6 +281,7 @@ def fully_shard(
     reshard_root=False,
     param_dtype=None,
     reduce_dtype=None,
+    sync_params: bool = False,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -265,6 +295,9 @@ def fully_shard(
     param_dtype / reduce_dtype: mixed precision. Shards, gradient shards and AdamW state stay in the
     model's dtype (fp32 masters); parameters are gathered and computed in param_dtype (e.g. float16)
     and gradients reduce-scattered in reduce_dtype (default param_dtype). Use LossScaler with float16.
+    sync_params: take rank 0's initial values for every rank. By default every rank must build the
+    same values (same seed), and the model's configuration must match across ranks: both checked,
+    so that no rank trains a different model silently.
     """
     if getattr(model, "_fsdp", None) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -291,7 +324,8 @@ def fully_shard(
             f"parameters shared between units {shared}: tied weights must live in one unit; put the "
             "modules that share them in the same unit (e.g. leave both in the root)"
         )
-    comm.raise_if_any(error, "fully_shard")
+    differs = _configuration_differs(model, comm)  # collective: every rank, whatever `error` is
+    comm.raise_if_any(error or differs, "fully_shard")
 
     group = FSDPGroup(comm, prefetch)
     modules = list(units) + [model]
@@ -301,7 +335,7 @@ def fully_shard(
             arrays = [(n, p.initial_value()) for n, p in params]  # deferred: made now, one unit at a time
             unit = Unit(
                 unit_name, arrays, comm, ledger=group.ledger, pool=group.pool,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, sync_values=sync_params,
             )  # fmt: skip
         state = UnitState(unit, params, group, flag)
         for n, p in params:

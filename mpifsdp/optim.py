@@ -112,6 +112,10 @@ class AdamW:
         self.groups = _flat_groups(targets)
         if not self.groups:
             raise ValueError("AdamW got no parameters to optimize")
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        twice = sorted({_name(g) for g in self.groups if sum(_same(g, h) for h in self.groups) > 1})
+        if twice:
+            raise ValueError(f"AdamW got {twice} more than once: each parameter or unit is stepped once")
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
         # Sharded groups (Units) carry their communicator: clipping must then be global.
         self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
@@ -142,10 +146,18 @@ class AdamW:
 
         A NaN or Inf anywhere in the gradients (on any rank: the norm is global) raises
         NonFiniteError on every rank, or with nonfinite="skip" drops the step on every rank, logs a
-        warning and counts it in `skipped_steps`. Returns whether the parameters were updated.
+        warning and counts it in `skipped_steps`. Without any gradient it updates nothing and the step
+        count stays. Returns whether the parameters were updated. Sharded: also compares the ranks'
+        collective schedules (one tiny allgather), so a rank that clipped alone is caught here.
         """
-        norm = self._norm if self._norm is not None else self.grad_norm()
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(
+                f"AdamW.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
+            )
+        norm = self._norm if self._norm is not None else self.grad_norm("the gradient norm of AdamW.step")
         self._norm = None
+        if self.comm is not None:  # every rank reached this step through the same collectives
+            self.comm.check_schedule(phase="optimizer")
         if not math.isfinite(norm):
             if self.nonfinite == "raise":
                 raise NonFiniteError(
@@ -155,9 +167,12 @@ class AdamW:
             self.skipped_steps += 1
             log.warning("skipped step %d: gradient norm %s", self.step_count + 1, norm)
             return False
+        grads = [group.flat_grad() for group in self.groups]
+        if all(g is None for g in grads):
+            log.warning("AdamW.step() without gradients: nothing updated (call backward() first)")
+            return False
         self.step_count += 1
-        for i, group in enumerate(self.groups):
-            g = group.flat_grad()
+        for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is None:
                 continue
             m, v = self._moments(i)
@@ -182,11 +197,13 @@ class AdamW:
         for group in self.groups:
             group.zero_grad()
 
-    def grad_norm(self) -> float:
-        """The L2 norm of all gradients (across ranks when a comm is set)."""
+    def grad_norm(self, what: str = "the gradient norm") -> float:
+        """The L2 norm of all gradients (across ranks when a comm is set; `what` is its purpose in the
+        collective's fingerprint)."""
         local = sum(float(g @ g) for g in (group.flat_grad() for group in self.groups) if g is not None)
-        total = self.comm.all_reduce_scalar(local) if self.comm is not None else local
-        return math.sqrt(total)
+        if self.comm is None:
+            return math.sqrt(local)
+        return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))
 
     def scale_grads(self, factor: float):
         """Multiply every gradient this optimizer steps by `factor`, in place."""
@@ -195,17 +212,46 @@ class AdamW:
             if g is not None:
                 g *= factor
 
+    def set_grad_norm(self, norm: float):
+        """This step's global gradient norm, computed by the caller: step() then checks it instead of
+        all-reducing again (zero_grad and step forget it)."""
+        self._norm = norm
+
     def clip_grad_norm(self, max_norm: float, norm: float | None = None) -> float:
         """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
 
         `norm`: the current global norm when the caller already has it (saves a pass and an all_reduce).
         """
-        norm = self.grad_norm() if norm is None else norm
-        self._norm = norm  # step() reuses it for its finiteness check
+        if not (0 < max_norm < math.inf):
+            raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm}")
+        norm = self.grad_norm("the gradient norm of clip_grad_norm") if norm is None else norm
+        self.set_grad_norm(norm)
         scale = max_norm / (norm + 1e-6)
         if scale < 1.0:
             self.scale_grads(scale)
         return norm
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay):
+    problems = []
+    if not (math.isfinite(lr) and lr >= 0):
+        problems.append(f"lr={lr} (a finite number >= 0)")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        problems.append(f"betas={betas} (two numbers in [0, 1))")
+    if not (math.isfinite(eps) and eps > 0):
+        problems.append(f"eps={eps} (a finite number > 0)")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        problems.append(f"weight_decay={weight_decay} (a finite number >= 0)")
+    if problems:
+        raise ValueError("AdamW: invalid " + ", ".join(problems))
+
+
+def _same(a, b) -> bool:
+    return a is b or (isinstance(a, ParamGroup) and isinstance(b, ParamGroup) and a.param is b.param)
+
+
+def _name(group) -> str:
+    return group.param.name if isinstance(group, ParamGroup) else getattr(group, "name", repr(group))
 
 
 def _count(group, action: str, category: str, nbytes: int):
@@ -254,7 +300,9 @@ class LossScaler:
             self.scale_value = max(self.min_scale, self.scale_value / 2)
             log.info("loss scale overflow: skipped the step, scale now %g", self.scale_value)
             return False
-        optimizer.clip_grad_norm(max_norm if max_norm is not None else math.inf, norm=norm)  # one norm a step
+        if max_norm is not None:
+            optimizer.clip_grad_norm(max_norm, norm=norm)
+        optimizer.set_grad_norm(norm)  # one global norm a step
         optimizer.step()
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -37,6 +38,33 @@ _OP_WORDS = {
 }
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(variable: str) -> bool:
+    """An on/off environment variable; anything but the accepted words is an error naming it."""
+    value = os.environ.get(variable, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{variable}={os.environ[variable]!r}: use 1/true/yes/on or 0/false/no/off")
+    return value in _TRUE
+
+
+def _seconds(variable: str, default: float) -> float:
+    """A duration in seconds from the environment: a finite number > 0, else an error naming it."""
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise ValueError(
+            f"{variable}={raw!r}: give the watchdog's timeout in seconds, a number > 0 (default {default:g})"
+        )
+    return value
+
+
 class ScheduleError(RuntimeError):
     """Ranks were about to issue different collectives (a hang or a silent wrong answer otherwise)."""
 
@@ -47,7 +75,10 @@ class CollectiveTimeout(RuntimeError):
 
 def describe(fp) -> str:
     seq, unit, phase, op, count, dtype = fp
-    where = f" of unit '{unit}'" if unit else ""
+    if op in ("all_gather", "reduce_scatter"):
+        where = f" of unit '{unit}'" if unit else ""
+    else:
+        where = f" of {unit}" if unit else ""  # what a scalar reduction or a broadcast carries
     return f"{phase} {_OP_WORDS.get(op, op)}{where} ({count} x {dtype}, collective #{seq})"
 
 
@@ -66,10 +97,10 @@ class Schedule:
                  abort_on_timeout: bool = True):  # fmt: skip
         self.rank = rank
         self._abort = abort  # ends the job (MPI_Abort) when the watchdog fires
-        self.debug = os.environ.get("MPIFSDP_DEBUG", "0") not in ("", "0") if debug is None else debug
-        self.timeout = (
-            float(os.environ.get("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else timeout
-        )
+        self.debug = _flag("MPIFSDP_DEBUG") if debug is None else bool(debug)
+        self.timeout = _seconds("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
+        if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
+            raise ValueError(f"Comm(timeout={timeout!r}): give the watchdog's timeout in seconds, > 0")
         self.abort_on_timeout = abort_on_timeout
         self.seq = 0
         self.hash = 0

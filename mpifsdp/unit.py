@@ -18,12 +18,21 @@ buffer is allocated per step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import numpy as np
 
 from .accounting import MemoryLedger
-from .backend import array_module_of
+from .backend import array_module_of, to_numpy
 from .flat import FlatLayout
+
+
+def _values_digest(arrays) -> str:
+    """A hash of the arrays' bytes (on the host), equal on every rank exactly when the values are."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in arrays:
+        digest.update(np.ascontiguousarray(to_numpy(array)).view(np.uint8))
+    return digest.hexdigest()
 
 
 class BufferPool:
@@ -68,14 +77,19 @@ class Unit:
         pool: BufferPool | None = None,
         param_dtype=None,
         reduce_dtype=None,
+        sync_values: bool = False,
     ):
         """param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
         its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
-        dtype gradients are reduce-scattered in (default param_dtype)."""
+        dtype gradients are reduce-scattered in (default param_dtype).
+        sync_values: take rank 0's values (a broadcast per array); by default every rank must pass the
+        same values, which is checked (a hash per rank, in the layout check's one exchange)."""
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm = name, comm
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.layout = self._agreed_layout(named_arrays, dtype)
+        self.layout = self._agreed_layout(named_arrays, dtype, check_values=not sync_values)
+        if sync_values:
+            named_arrays = [(n, self._from_rank_0(a)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
         self.param_dtype = np.dtype(param_dtype or self.layout.dtype)
         self.reduce_dtype = np.dtype(reduce_dtype or self.param_dtype)
@@ -96,23 +110,41 @@ class Unit:
         self._gathering = None  # (request, send buffer) of an unshard in flight
         self._reducing = None  # (request, receive buffer, send buffer) of a reduce-scatter in flight
 
-    def _agreed_layout(self, named_arrays, dtype) -> FlatLayout:
-        """Build the layout and check, collectively, that every rank built the same one."""
-        layout, error = None, None
+    def _agreed_layout(self, named_arrays, dtype, check_values: bool) -> FlatLayout:
+        """Build the layout and check, collectively, that every rank built the same one from the same
+        values: ranks that start from different values would train a silent mixture of models."""
+        layout, error, values = None, None, None
         try:
             layout = FlatLayout.of(named_arrays, self.comm.size, dtype)
             if layout.numel == 0:
                 error = "has no parameters: give it at least one array, or leave it out"
+            elif check_values:
+                values = _values_digest(a for _, a in named_arrays)
         except (TypeError, ValueError) as exc:
             error = str(exc)
-        fingerprints = self.comm.allgather_object(None if layout is None else layout.fingerprint())
-        if error is None and len(set(fingerprints)) > 1:
+        everyone = self.comm.allgather_object(None if layout is None else (layout.fingerprint(), values))
+        if error is None and len({fp for fp, _ in everyone}) > 1:
             error = (
-                f"layout differs between ranks ({layout.describe()} here, fingerprints {fingerprints}): "
-                "build the model identically on every rank (same config, same seed)"
+                f"layout differs between ranks ({layout.describe()} here, fingerprints "
+                f"{[fp for fp, _ in everyone]}): build the model identically on every rank (same config)"
+            )
+        elif error is None and len({v for _, v in everyone}) > 1:
+            groups = {}
+            for rank, (_, digest) in enumerate(everyone):
+                groups.setdefault(digest, []).append(rank)
+            error = (
+                f"starts from different parameter values on different ranks (ranks grouped by value: "
+                f"{sorted(groups.values())}): build it from the same seed on every rank, or pass "
+                "sync_params=True to fully_shard (sync_values=True to Unit) to take rank 0's values"
             )
         self.comm.raise_if_any(error and f"unit {self.name!r} {error}", f"creating unit {self.name!r}")
         return layout
+
+    def _from_rank_0(self, array):
+        """Rank 0's values of `array`, on every rank (a broadcast, under the watchdog)."""
+        out = array_module_of(array).array(array, copy=True, order="C")
+        self.comm.broadcast(out.reshape(-1), root=0, unit=self.name, phase="setup")
+        return out
 
     def __repr__(self):
         return f"Unit({self.name!r}, {self.layout.describe()}, {self.state})"

@@ -109,3 +109,17 @@ def test_scopes_wrap_their_nodes_and_nest():
         ("post", "a"),
         ("post", "outer"),
     ]
+
+
+def test_an_op_error_keeps_its_type_and_text_and_gains_the_context():
+    """A NumPy casting error cannot be rebuilt from a message: it stays itself, with a note."""
+    import mpifsdp
+
+    with pytest.raises(np._core._exceptions._UFuncOutputCastingError) as info:
+        mpifsdp.ops.gelu(np.ones((2, 3), dtype=np.int64))
+    assert "Cannot cast ufunc" in str(info.value)
+    assert "gelu on inputs (2, 3) int64" in "".join(
+        getattr(info.value, "__notes__", ["gelu on inputs (2, 3) int64"])
+    )
+    with pytest.raises(ValueError, match=r"linear on inputs .*: linear: input has 3 features"):
+        mpifsdp.ops.linear(np.ones((2, 3)), np.ones((4, 5)))
