@@ -9,7 +9,7 @@ import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
 from mpifsdp.backend import array_module, to_numpy
-from mpifsdp.layers import Block, Dropout, Embedding, LayerNorm, Linear, Module
+from mpifsdp.layers import Block, Dropout, Embedding, LayerNorm, Linear, Module, ids_problem
 
 
 @dataclass
@@ -46,8 +46,6 @@ class GPT(Module):
         """idx (B, T) int tokens -> logits (B, T, vocab), or the mean cross-entropy given targets."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         xp = array_module(self._device)
         x = self.drop(self.wte(idx) + self.wpe(xp.arange(T)))  # (B, T, C)
         for block in self.blocks:
@@ -61,6 +59,20 @@ class GPT(Module):
             return logits
         # the loss in at least float32, also when the model computes in float16 (mixed precision)
         return ops.cross_entropy(logits.astype(np.promote_types(logits.dtype, np.float32)), targets)
+
+    def check_inputs(self, idx, targets=None) -> str | None:
+        """Token ids (B, T) with T <= block_size and ids < vocab_size; targets alike, or -1 (ignored)."""
+        vocab = self.config.vocab_size
+        problem = ids_problem("idx (token ids)", idx, vocab, ndim=2)
+        if problem is None and idx.shape[1] > self.config.block_size:
+            problem = f"sequence length {idx.shape[1]} exceeds block_size {self.config.block_size}"
+        if problem is None and targets is not None:
+            problem = ids_problem("targets", targets, vocab, ndim=2, ignore=-1)
+            if problem is None and tuple(targets.shape) != tuple(idx.shape):
+                problem = (
+                    f"targets have shape {tuple(targets.shape)}, idx {tuple(idx.shape)}: they must match"
+                )
+        return problem
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; non_embedding leaves out the position table (and the token table if untied)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpifsdp import Tensor, ops
-from mpifsdp.layers import Linear, Module
+from mpifsdp.layers import Linear, Module, ids_problem
 
 ACTIVATIONS = {"relu": ops.relu, "gelu": ops.gelu, "tanh": lambda x: x.tanh()}
 
@@ -30,6 +30,20 @@ class MLPClassifier(Module):
             for a, b in zip(sizes[:-1], sizes[1:])
         ]
         self._act = ACTIVATIONS[activation]
+
+    def check_inputs(self, x, targets=None) -> str | None:
+        """x (B, n_in) floats; targets (B,) class ids, or -1 (ignored)."""
+        x = x.data if isinstance(x, Tensor) else x
+        n_in, n_classes = self.layers[0].weight.shape[0], self.layers[-1].weight.shape[1]
+        if not hasattr(x, "dtype") or x.dtype.kind != "f" or x.ndim != 2 or x.shape[1] != n_in:
+            got = f"shape {tuple(x.shape)} {x.dtype}" if hasattr(x, "dtype") else type(x).__name__
+            return f"x must be a float array of shape (batch, {n_in}), got {got}"
+        if targets is None:
+            return None
+        problem = ids_problem("targets", targets, n_classes, ndim=1, ignore=-1)
+        if problem is None and len(targets) != len(x):
+            problem = f"{len(targets)} targets for {len(x)} samples"
+        return problem
 
     def forward(self, x, targets=None):
         """x (B, n_in) -> logits (B, n_classes), or the mean cross-entropy given integer targets."""

@@ -49,7 +49,7 @@ class UnitState:
         """Module._forward_wrapper: the unit is unsharded while its forward runs."""
         group, is_root = self.group, self is self.group.root
         if is_root:
-            group.check_batch(args)
+            group.check_inputs(args, kwargs)
             group.recording = []
         if self.unit is not None:
             self._bind(self.unit.unshard("forward"))
@@ -107,6 +107,7 @@ class FSDPGroup:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (units gathered ahead), got {prefetch}")
         self.comm = comm
+        self.model = None  # the sharded model (its check_inputs runs in the root's forward)
         self.ledger = MemoryLedger()
         self.pool = BufferPool()
         self.states: list[UnitState] = []
@@ -123,15 +124,22 @@ class FSDPGroup:
     def units(self) -> list[Unit]:
         return [s.unit for s in self.states if s.unit is not None]
 
-    def check_batch(self, args):
-        """Refuse ranks holding different numbers of samples (collective; one tiny allgather).
+    def check_inputs(self, args, kwargs):
+        """Refuse bad input and unequal batches on every rank (collective; one tiny allgather).
 
+        Each rank contributes its batch size and whether model.check_inputs found a problem; if any
+        rank did, every rank raises with each rank's message.
         [Note: gradient averaging] Reduce-scatter then /N averages ranks' gradients with equal weight;
-        with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3), so an
-        uneven last batch is an error here rather than a silently wrong update.
+        with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3),
+        so an uneven last batch is an error here rather than a silently wrong update.
         """
+        model = self.model
+        problem = model.check_inputs(*args, **kwargs)
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
-        sizes = self.comm.gather_ints(n, phase="forward", op="batch_size_check")[:, 0].tolist()
+        verdicts = self.comm.gather_ints(n, int(bool(problem)), phase="forward", op="batch_size_check")
+        if verdicts[:, 1].any():
+            self.comm.raise_if_any(problem and f"{type(model).__name__}: {problem}", "checking the inputs")
+        sizes = verdicts[:, 0].tolist()
         if len(set(sizes)) > 1:
             raise CollectiveError(
                 f"ranks hold different batch sizes {dict(enumerate(sizes))}: averaging their gradients would "
@@ -328,6 +336,7 @@ def fully_shard(
     comm.raise_if_any(error or differs, "fully_shard")
 
     group = FSDPGroup(comm, prefetch)
+    group.model = model
     modules = list(units) + [model]
     for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
         unit = None

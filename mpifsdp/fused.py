@@ -271,7 +271,15 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
         raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
     flat = _rows(logits)
     t = targets.reshape(-1)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integer class ids, got {targets.dtype}")
     valid = t != ignore_index
+    outside = valid & ((t < 0) | (t >= flat.shape[1]))
+    if outside.any():
+        raise IndexError(
+            f"cross_entropy: target {int(t[outside][0])} is outside [0, {flat.shape[1]}) "
+            f"and is not the ignore_index {ignore_index}"
+        )
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small

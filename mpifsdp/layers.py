@@ -57,6 +57,23 @@ def constant_param(value: float, shape, dtype, device: str) -> Param:
     return _param(lambda: np.full(shape, value), shape, dtype, device)
 
 
+def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None) -> str | None:
+    """What is wrong with `ids` as a `ndim`-D integer array of ids in [0, count) (or `ignore`), or
+    None: a cheap check that names the argument, the bad value and the valid range."""
+    ids = ids.data if isinstance(ids, Tensor) else ids
+    if not hasattr(ids, "dtype") or ids.dtype.kind not in "iu":
+        kind = f"{ids.dtype} array" if hasattr(ids, "dtype") else type(ids).__name__
+        return f"{name} must be an integer array of ids, got a {kind}"
+    if ids.ndim != ndim:
+        return f"{name} must have {ndim} dimensions, got shape {tuple(ids.shape)}"
+    valid = ids if ignore is None else ids[ids != ignore]
+    outside = valid[(valid < 0) | (valid >= count)]
+    if outside.size:
+        also = "" if ignore is None else f" (and is not the ignore index {ignore})"
+        return f"{name} holds {int(outside[0])}, outside [0, {count}){also}"
+    return None
+
+
 def _holds_parameters(value) -> bool:
     if isinstance(value, (list, tuple)):
         return any(isinstance(v, Module) for v in value)
@@ -99,8 +116,17 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         if self._forward_wrapper is None:
+            problem = self.check_inputs(*args, **kwargs)
+            if problem:
+                raise ValueError(f"{type(self).__name__}: {problem}")
             return self.forward(*args, **kwargs)
         return self._forward_wrapper(self.forward, *args, **kwargs)
+
+    def check_inputs(self, *args, **kwargs) -> str | None:
+        """What is wrong with these inputs, or None. Models override it with cheap checks (shapes,
+        dtypes, id ranges); under fully_shard every rank's verdict is exchanged with the batch sizes,
+        so bad input on one rank is named on every rank instead of hanging the others."""
+        return None
 
     def _children(self):
         """(name, value) for Params, Modules and lists of Modules, in assignment order."""

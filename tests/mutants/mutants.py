@@ -46,7 +46,7 @@ def _no_nonfinite_check():
 def _no_uneven_batch_check():
     from mpifsdp.fsdp import FSDPGroup
 
-    _replace(FSDPGroup, "check_batch", lambda self, args: None)
+    _replace(FSDPGroup, "check_inputs", lambda self, args, kwargs: None)
 
 
 def _no_tied_weight_check():
@@ -161,7 +161,7 @@ MUTANTS = {
     ),
     "uneven_batch": Mutant(
         _no_uneven_batch_check,
-        "uneven-batch refusal (FSDPGroup.check_batch)",
+        "uneven-batch refusal (FSDPGroup.check_inputs)",
         ["tests/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
         ranks=2,
     ),
