@@ -69,9 +69,7 @@ class GPT(Module):
         if problem is None and targets is not None:
             problem = ids_problem("targets", targets, vocab, ndim=2, ignore=-1)
             if problem is None and tuple(targets.shape) != tuple(idx.shape):
-                problem = (
-                    f"targets have shape {tuple(targets.shape)}, idx {tuple(idx.shape)}: they must match"
-                )
+                problem = f"targets {tuple(targets.shape)} and idx {tuple(idx.shape)} must have one shape"
         return problem
 
     def num_params(self, non_embedding: bool = False) -> int:

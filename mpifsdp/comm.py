@@ -93,10 +93,15 @@ class Comm:
 
     def _compare(self, value: int, when: str):
         seq = self.schedule.position()[0]
-        if len(set(map(tuple, self._exchange_ints(seq, value).tolist()))) == 1:
+        everyone = self._exchange_ints(seq, value)
+        if len(set(map(tuple, everyone.tolist()))) == 1:
             return
-        # every rank saw the same mismatch, so every rank joins this exchange of details
-        raise self.schedule.mismatch(self._exchange_objects(self.schedule.recent_steps())[0], when)
+        # every rank saw the same mismatch, so every rank joins this exchange of details, and then
+        # every rank continues from rank 0's position: a caught ScheduleError does not fail every
+        # later check of this Comm
+        reports = self._exchange_objects(self.schedule.recent_steps())[0]
+        self.schedule.resume_from(*everyone[0].tolist())
+        raise self.schedule.mismatch(reports, when)
 
     # -- the raw exchanges (watched, not announced: they carry the schedule's own checks) ----------
     def _exchange_ints(self, *values: int) -> np.ndarray:

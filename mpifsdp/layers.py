@@ -65,7 +65,7 @@ def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None
         kind = f"{ids.dtype} array" if hasattr(ids, "dtype") else type(ids).__name__
         return f"{name} must be an integer array of ids, got a {kind}"
     if ids.ndim != ndim:
-        return f"{name} must have {ndim} dimensions, got shape {tuple(ids.shape)}"
+        return f"{name} must have {ndim} dimensions, got {tuple(ids.shape)}"
     valid = ids if ignore is None else ids[ids != ignore]
     outside = valid[(valid < 0) | (valid >= count)]
     if outside.size:

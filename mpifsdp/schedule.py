@@ -120,6 +120,10 @@ class Schedule:
         """(collectives issued so far, rolling hash of their fingerprints): equal on every rank."""
         return self.seq, self.hash
 
+    def resume_from(self, seq: int, hash_: int):
+        """Continue counting from another rank's position (after a mismatch every rank has reported)."""
+        self.seq, self.hash = seq, hash_
+
     def recent_steps(self) -> list[str]:
         return [describe(fp) for fp in self.recent]
 

@@ -165,7 +165,8 @@ class Unit:
         if array.dtype == dtype:
             return array
         copy = self._take(category, dtype, numel=array.size)
-        copy[...] = array
+        with np.errstate(over="ignore"):  # an overflow is named once gathered: _check_representable
+            copy[...] = array
         return copy
 
     def _give(self, category: str, buf):
@@ -193,6 +194,18 @@ class Unit:
             self.comm.wait(request)
             if send is not self.shard:
                 self._give("gathered_params", send)
+                self._check_representable()
+
+    def _check_representable(self):
+        """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it. Every rank sees
+        the same gathered values, so every rank raises here alike (no collective needed)."""
+        if not bool(self.xp.isfinite(self.full).all()):
+            raise FloatingPointError(
+                f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
+                f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
+                f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
+                "a wider param_dtype"
+            )
 
     def reshard(self):
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""

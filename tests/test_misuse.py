@@ -1,0 +1,169 @@
+"""Misuse is named, on every rank: bad inputs, ranks that would silently diverge, invalid settings.
+
+Runs at every N: where a case needs several ranks to exist (a rank that differs from the others) it
+is checked under mpiexec, and at N = 1 the single-rank half of it is.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from mpifsdp import AdamW, CollectiveError, Comm, LossScaler, NonFiniteError, full_state_dict, fully_shard
+from mpifsdp.fsdp import fsdp_group
+from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+from mpifsdp.schedule import ScheduleError
+
+CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8)
+GOOD = np.zeros((2, 4), dtype=np.int64)
+BAD_INPUTS = {
+    "negative-target": (
+        GOOD,
+        np.full((2, 4), -2),
+        r"targets holds -2, outside \[0, 16\) \(and is not the ignore",
+    ),
+    "id-past-vocab": (np.full((2, 4), 16), GOOD, r"idx \(token ids\) holds 16, outside \[0, 16\)"),
+    "float-targets": (GOOD, np.zeros((2, 4)), "targets must be an integer array of ids, got a float64 array"),
+    "one-dimensional-tokens": (
+        np.zeros(4, dtype=np.int64),
+        None,
+        r"must have 2 dimensions, got \(4,\)",
+    ),
+    "a-list": ([[0, 1, 2, 3], [0, 1, 2, 3]], None, "must be an integer array of ids, got a list"),
+    "too-long": (np.zeros((2, 5), dtype=np.int64), None, "sequence length 5 exceeds block_size 4"),
+    "shapes-differ": (GOOD, np.zeros((2, 3), dtype=np.int64), r"targets \(2, 3\) and idx \(2, 4\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_on_one_rank_is_named_on_every_rank(comm, case):
+    idx, targets, why = BAD_INPUTS[case]
+    model = GPT(CFG, seed=0)
+    with pytest.raises(ValueError, match=why):  # unsharded: the model says what is wrong
+        model(idx, targets)
+    fully_shard(model, comm, units=model.blocks)
+    last = comm.rank == comm.size - 1
+    with pytest.raises(CollectiveError, match=f"rank {comm.size - 1}: GPT: .*{why}"):
+        model(idx if last else GOOD, targets if last else GOOD)
+    model(GOOD, GOOD).backward()  # still usable
+
+
+def test_the_mlp_checks_its_inputs_too():
+    model = MLPClassifier([3, 4, 2])
+    with pytest.raises(
+        ValueError, match=r"x must be a float array of shape \(batch, 3\), got shape \(2, 5\)"
+    ):
+        model(np.ones((2, 5)), np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"targets holds 2, outside \[0, 2\)"):
+        model(np.ones((2, 3), np.float32), np.array([0, 2]))
+
+
+def test_ranks_built_from_different_seeds_are_refused_or_synced(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks: runs under mpiexec in make test")
+    with pytest.raises(CollectiveError, match="starts from different parameter values on different ranks"):
+        fully_shard(GPT(CFG, seed=comm.rank), comm, units=[])
+    model = fully_shard(GPT(CFG, seed=comm.rank), comm, units=[], sync_params=True)
+    want = GPT(CFG, seed=0).state_dict()
+    got = full_state_dict(model)
+    assert all(np.array_equal(got[k], want[k]) for k in want)  # everyone has rank 0's values
+
+
+def test_a_configuration_that_differs_without_changing_shapes_is_refused(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks: runs under mpiexec in make test")
+    heads = 4 if comm.rank == 0 else 2  # n_embd 8 divides either way: no shape changes
+    config = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=heads, n_embd=8)
+    with pytest.raises(CollectiveError, match="configuration differs between ranks.*n_head"):
+        fully_shard(GPT(config, seed=0), comm, units=[])
+
+
+def test_clipping_on_one_rank_only_is_caught_at_the_step(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks: runs under mpiexec in make test")
+    model = fully_shard(GPT(CFG, seed=0), comm, units=[])
+    opt = AdamW(model, lr=1e-3)
+    model(GOOD, GOOD).backward()
+    if comm.rank == 0:
+        opt.clip_grad_norm(1.0)  # a scalar all-reduce the other ranks do not make for this purpose
+    with pytest.raises(ScheduleError, match="the gradient norm of clip_grad_norm"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "variable, value, why",
+    [
+        ("MPIFSDP_TIMEOUT", "nan", "MPIFSDP_TIMEOUT='nan': give"),
+        ("MPIFSDP_TIMEOUT", "0", "MPIFSDP_TIMEOUT='0': give"),
+        ("MPIFSDP_TIMEOUT", "-5", "MPIFSDP_TIMEOUT='-5': give"),
+        ("MPIFSDP_TIMEOUT", "abc", "MPIFSDP_TIMEOUT='abc': give"),
+        ("MPIFSDP_DEBUG", "maybe", "MPIFSDP_DEBUG='maybe': use 1/true/yes/on or 0/false/no/off"),
+    ],
+)
+def test_environment_variables_are_validated_by_name(comm, monkeypatch, variable, value, why):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=why):
+        Comm(threads=None)
+
+
+def test_debug_false_means_off(comm, monkeypatch):
+    monkeypatch.setenv("MPIFSDP_DEBUG", "false")
+    assert Comm(threads=None).schedule.debug is False
+    monkeypatch.setenv("MPIFSDP_DEBUG", "On")
+    assert Comm(threads=None).schedule.debug is True
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        (dict(lr=math.nan), r"lr=nan \(a finite number >= 0\)"),
+        (dict(lr=-1e-3), r"lr=-0.001"),
+        (dict(betas=(1.0, 0.9)), r"betas=\(1.0, 0.9\) \(two numbers in \[0, 1\)\)"),
+        (dict(eps=0.0), r"eps=0.0 \(a finite number > 0\)"),
+        (dict(weight_decay=-0.1), r"weight_decay=-0.1"),
+    ],
+)
+def test_optimizer_settings_are_validated(comm, kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        AdamW(MLPClassifier([3, 2]), **kwargs)
+
+
+def test_optimizer_misuse(comm):
+    model = fully_shard(MLPClassifier([3, 4, 2], seed=0), comm, units=[])
+    unit = fsdp_group(model).units[0]
+    with pytest.raises(ValueError, match=r"AdamW got \['root'\] more than once"):
+        AdamW([unit, unit])
+    opt = AdamW(model, lr=1e-2)
+    assert opt.step() is False and opt.step_count == 0  # no gradients yet: nothing, not a step
+    model(np.ones((2, 3), np.float32), np.array([0, 1])).backward()
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+            opt.clip_grad_norm(bad)
+    opt.lr = math.nan  # e.g. a broken schedule: named as such, not blamed on the gradients
+    with pytest.raises(ValueError, match="AdamW.lr is nan"):
+        opt.step()
+    assert all(np.isfinite(v).all() for v in full_state_dict(model).values())
+
+
+def test_masters_outgrowing_float16_are_named(comm):
+    model = fully_shard(MLPClassifier([3, 4, 2], seed=0), comm, units=[], param_dtype=np.float16)
+    fsdp_group(model).units[0].shard[:3] = 1e5  # beyond float16's 65504
+    with pytest.raises(FloatingPointError, match="parameter values no longer fit float16"):
+        model(np.ones((2, 3), np.float16), np.array([0, 1]))
+
+
+def test_a_loss_scaler_that_keeps_skipping_says_so(comm):
+    model = fully_shard(MLPClassifier([3, 4, 2], seed=0), comm, units=[], param_dtype=np.float16)
+    opt, scaler = AdamW(model), LossScaler(init_scale=2.0**4, max_skips_in_a_row=3)
+    x, y = np.ones((2, 3), np.float16), np.array([0, 1])
+    for step in range(3):
+        scaler.scale(model(x, y)).backward()
+        fsdp_group(model).units[0].grad_shard[0] = np.inf  # every step overflows
+        if step < 2:
+            assert scaler.step(opt) is False
+        else:
+            with pytest.raises(
+                NonFiniteError, match="the gradients overflow at loss scale 4 \\(3 steps in a row"
+            ):
+                scaler.step(opt)
+        opt.zero_grad()
