@@ -93,14 +93,17 @@ class Comm:
 
     def _compare(self, value: int, when: str):
         seq = self.schedule.position()[0]
-        everyone = self._exchange_ints(seq, value)
-        if len(set(map(tuple, everyone.tolist()))) == 1:
+        self.check_positions(self._exchange_ints(seq, value), when)
+
+    def check_positions(self, positions: np.ndarray, when: str):
+        """Given every rank's (collectives issued, hash) as exchanged by all of them, raise
+        ScheduleError on every rank if they differ. Every rank saw the same mismatch, so every rank
+        joins the exchange of details, then continues from rank 0's position (so a caught
+        ScheduleError does not fail every later check of this Comm)."""
+        if len(set(map(tuple, positions.tolist()))) == 1:
             return
-        # every rank saw the same mismatch, so every rank joins this exchange of details, and then
-        # every rank continues from rank 0's position: a caught ScheduleError does not fail every
-        # later check of this Comm
         reports = self._exchange_objects(self.schedule.recent_steps())[0]
-        self.schedule.resume_from(*everyone[0].tolist())
+        self.schedule.resume_from(*positions[0].tolist())
         raise self.schedule.mismatch(reports, when)
 
     # -- the raw exchanges (watched, not announced: they carry the schedule's own checks) ----------
@@ -114,6 +117,12 @@ class Comm:
         """Every rank's pickled `obj`, and the bytes this rank received."""
         raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         sizes = self._exchange_ints(raw.size)[:, 0]
+        if (sizes <= 0).any() or int(sizes.max()) > 2**31:  # not lengths: another rank's collective
+            raise ScheduleError(
+                f"an exchange of objects received impossible lengths {sizes.tolist()}: the ranks are in "
+                "different collectives (one ran a forward, backward or reduction the others did not); "
+                "MPIFSDP_DEBUG=1 names the first collective where they differ"
+            )
         everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.schedule.wait(self.mpi.Iallgatherv(raw, (everyone, sizes)))
         bounds = np.concatenate([[0], np.cumsum(sizes)])

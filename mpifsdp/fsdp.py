@@ -127,8 +127,9 @@ class FSDPGroup:
     def check_inputs(self, args, kwargs):
         """Refuse bad input and unequal batches on every rank (collective; one tiny allgather).
 
-        Each rank contributes its batch size and whether model.check_inputs found a problem; if any
-        rank did, every rank raises with each rank's message.
+        Each rank contributes its batch size, whether model.check_inputs found a problem (if any rank
+        did, every rank raises with each rank's message) and its schedule position (collectives
+        issued and their hash: a rank that ran an extra forward or backward is caught here).
         [Note: gradient averaging] Reduce-scatter then /N averages ranks' gradients with equal weight;
         with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3),
         so an uneven last batch is an error here rather than a silently wrong update.
@@ -136,7 +137,11 @@ class FSDPGroup:
         model = self.model
         problem = model.check_inputs(*args, **kwargs)
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
-        verdicts = self.comm.gather_ints(n, int(bool(problem)), phase="forward", op="batch_size_check")
+        seq, digest = self.comm.schedule.position()  # so forward, too, starts from a checked schedule
+        verdicts = self.comm.gather_ints(
+            n, int(bool(problem)), seq, digest, phase="forward", op="batch_size_check"
+        )
+        self.comm.check_positions(verdicts[:, 2:], "at the start of a forward")
         if verdicts[:, 1].any():
             self.comm.raise_if_any(problem and f"{type(model).__name__}: {problem}", "checking the inputs")
         sizes = verdicts[:, 0].tolist()
