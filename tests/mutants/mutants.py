@@ -129,6 +129,44 @@ def _errors_raised_where_they_happen():
     _replace(Comm, "raise_if_any", local_only)
 
 
+def _no_initial_value_check():
+    import mpifsdp.unit
+
+    _replace(mpifsdp.unit, "_values_digest", lambda arrays: "the same everywhere")
+
+
+def _no_configuration_check():
+    import mpifsdp.fsdp
+
+    _replace(mpifsdp.fsdp, "_configuration_differs", lambda model, comm: None)
+
+
+def _no_schedule_check_in_the_optimizer_step():
+    from mpifsdp.comm import Comm
+
+    check = Comm.check_schedule
+    _replace(
+        Comm,
+        "check_schedule",
+        lambda self, phase="backward": None if phase == "optimizer" else check(self, phase=phase),
+    )
+
+
+def _no_input_check():
+    from mpifsdp.fsdp import FSDPGroup
+
+    original = FSDPGroup.check_inputs
+
+    def sizes_only(self, args, kwargs):
+        self.model.check_inputs = lambda *a, **k: None
+        try:
+            original(self, args, kwargs)
+        finally:
+            del self.model.check_inputs
+
+    _replace(FSDPGroup, "check_inputs", sizes_only)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -163,6 +201,30 @@ MUTANTS = {
         _no_uneven_batch_check,
         "uneven-batch refusal (FSDPGroup.check_inputs)",
         ["tests/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
+        ranks=2,
+    ),
+    "initial_value_check": Mutant(
+        _no_initial_value_check,
+        "identical initial values on every rank (unit._values_digest)",
+        ["tests/test_misuse.py::test_ranks_built_from_different_seeds_are_refused_or_synced"],
+        ranks=2,
+    ),
+    "configuration_check": Mutant(
+        _no_configuration_check,
+        "identical model configuration on every rank (fsdp._configuration_differs)",
+        ["tests/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"],
+        ranks=2,
+    ),
+    "optimizer_step_schedule_check": Mutant(
+        _no_schedule_check_in_the_optimizer_step,
+        "schedule check in AdamW.step",
+        ["tests/test_misuse.py::test_clipping_on_one_rank_only_is_caught_at_the_step"],
+        ranks=2,
+    ),
+    "input_check": Mutant(
+        _no_input_check,
+        "model input checks, exchanged with the batch sizes (Module.check_inputs in FSDPGroup.check_inputs)",
+        ["tests/test_misuse.py::test_bad_input_on_one_rank_is_named_on_every_rank"],
         ranks=2,
     ),
     "tied_weights": Mutant(
