@@ -52,7 +52,8 @@ PRELUDE = textwrap.dedent(
             opt.step()
             opt.zero_grad()
 
-    def on_rank_0(action):
+    def on_rank_0(action):  # once every rank is done reading the files, and seen by all after
+        comm.barrier()
         if rank == 0:
             action()
         comm.barrier()

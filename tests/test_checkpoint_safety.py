@@ -21,7 +21,9 @@ from mpifsdp.models import GPT
 
 
 def on_rank_0(comm, action):
-    """Change files on rank 0 only (all ranks share this disk), then let every rank see the change."""
+    """Change files on rank 0 only (all ranks share this disk) once every rank is done reading them,
+    then let every rank see the change."""
+    comm.barrier()
     if comm.rank == 0:
         action()
     comm.barrier()
