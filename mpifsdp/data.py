@@ -86,13 +86,21 @@ class TextData:
         return self.batch(split, batch_size, block_size, rng)
 
 
-def rank_slice(array, rank: int, world_size: int):
-    """Rank's contiguous share of the leading axis; the global batch must divide evenly."""
+def rank_slice(array, rank: int, world_size: int, even: bool = True):
+    """Rank's contiguous share of the leading axis.
+
+    even=True: the rows must divide evenly (what fully_shard's models need: equal batches).
+    even=False: any number of rows; the first `n % world_size` ranks get one row more. Pass
+    `weight=len(rows)` to Unit.reduce_grad so the ranks' gradients average to the global mean."""
     n = array.shape[0]
-    if n % world_size:
-        raise ValueError(f"global batch {n} does not divide over {world_size} ranks: make it a multiple")
-    per = n // world_size
-    return array[rank * per : (rank + 1) * per]
+    if even and n % world_size:
+        raise ValueError(
+            f"{n} rows do not divide over {world_size} ranks: make it a multiple, or pass even=False "
+            "and weight each rank's gradient by its row count (Unit.reduce_grad(weight=...))"
+        )
+    per, extra = divmod(n, world_size)
+    start = rank * per + min(rank, extra)
+    return array[start : start + per + (rank < extra)]
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:

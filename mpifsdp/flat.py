@@ -38,7 +38,20 @@ class FlatLayout:
     def of(cls, named_arrays, world_size: int, dtype=None) -> FlatLayout:
         """Layout of [(name, array), ...] in that order; dtype defaults to the arrays' common dtype."""
         named_arrays = list(named_arrays)
+        for name, a in named_arrays:
+            if not (hasattr(a, "dtype") and hasattr(a, "shape")):
+                raise TypeError(
+                    f"parameter {name!r} is a {type(a).__name__}, not an array: pass np.asarray(value, "
+                    "dtype=np.float64) (a scalar becomes a 0-d array)"
+                )
+            if np.dtype(a.dtype).kind != "f":
+                raise TypeError(
+                    f"parameter {name!r} is a {a.dtype} array: parameters must be floating point "
+                    "(float16, float32 or float64) to be trained"
+                )
         dtypes = {np.dtype(a.dtype) for _, a in named_arrays}
+        if dtype is not None and np.dtype(dtype).kind != "f":
+            raise TypeError(f"a unit's dtype must be floating point, got {np.dtype(dtype)}")
         if dtype is None:
             if len(dtypes) > 1:
                 raise TypeError(f"a unit needs one dtype, found {sorted(map(str, dtypes))}: cast first")

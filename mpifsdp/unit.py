@@ -108,7 +108,7 @@ class Unit:
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
-        self._reducing = None  # (request, receive buffer, send buffer) of a reduce-scatter in flight
+        self._reducing = None  # (request, receive, send buffer, divisor) of a reduce-scatter in flight
 
     def _agreed_layout(self, named_arrays, dtype, check_values: bool) -> FlatLayout:
         """Build the layout and check, collectively, that every rank built the same one from the same
@@ -229,8 +229,19 @@ class Unit:
             self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
         return self.layout.views(self.full_grad)
 
-    def start_reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
-        """Begin the reduce-scatter of `full_grad` (or of the given name -> array grads)."""
+    def start_reduce_grad(
+        self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce: str = "mean"
+    ):
+        """Begin the reduce-scatter of `full_grad` (or of the given name -> array grads).
+
+        reduce="mean": the ranks' gradients averaged with equal weights, or, given `weight` (e.g.
+        this rank's number of samples), weighted by it: sum_r weight_r * g_r / sum_r weight_r, the
+        global mean when each rank's gradient is its own samples' mean (the weights' sum is one
+        scalar all-reduce). reduce="sum": the plain sum over ranks."""
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        if weight is not None and not (np.isfinite(weight) and weight >= 0):
+            raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight}")
         if grads is not None:
             self._load_grads(grads)
         elif self.full_grad is None:
@@ -247,8 +258,13 @@ class Unit:
         receive = self.grad_shard
         if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
             receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
+        divisor = self.comm.size if reduce == "mean" else 1
+        if weight is not None:
+            source *= weight
+            if reduce == "mean":
+                divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=f"the weights of {self.name}")
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
-        self._reducing = (request, receive, source)
+        self._reducing = (request, receive, source, divisor)
 
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
@@ -259,19 +275,21 @@ class Unit:
         """
         if self._reducing is None:
             return
-        request, receive, source = self._reducing
+        request, receive, source, divisor = self._reducing
         self._reducing = None
         self.comm.wait(request)
-        receive /= self.comm.size
+        if divisor != 1:
+            receive /= divisor
         if receive is not self.grad_shard:
             self.grad_shard += receive
             self._give("gathered_grads", receive)
         self.has_grad = True
         self._give("gathered_grads", source)
 
-    def reduce_grad(self, grads: dict | None = None, phase: str = "backward"):
-        """Reduce-scatter the gradients now: grad_shard += mean over ranks of this rank's slice."""
-        self.start_reduce_grad(grads, phase)
+    def reduce_grad(self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce="mean"):
+        """Reduce-scatter the gradients now: grad_shard += the mean (or, weighted, the weighted mean;
+        or the sum) over ranks, of this rank's slice. See start_reduce_grad."""
+        self.start_reduce_grad(grads, phase, weight=weight, reduce=reduce)
         self.finish_reduce_grad()
 
     def _load_grads(self, grads: dict):

@@ -103,3 +103,41 @@ def test_layouts_that_differ_between_ranks_raise_everywhere(comm):
         pytest.skip("needs two ranks to differ: runs under mpiexec -n 2..4 in make test")
     with pytest.raises(CollectiveError, match="layout differs between ranks"):
         Unit("odd", {"w": np.zeros(shape)}, comm)
+
+
+def test_parameters_must_be_floating_arrays(comm):
+    with pytest.raises(CollectiveError, match="parameter 'a' is a float, not an array: pass np.asarray"):
+        Unit("u", {"a": 1.5}, comm)
+    with pytest.raises(CollectiveError, match="parameter 'w' is a int64 array: parameters must be floating"):
+        Unit("u", {"w": np.arange(4)}, comm)
+    unit = Unit("u", {"a": np.asarray(1.5), "w": np.ones(3)}, comm)  # a 0-d array is a scalar parameter
+    with unit.unsharded() as p:
+        assert p["a"].shape == () and p["a"] == 1.5
+
+
+def test_uneven_rows_weighted_give_the_global_mean_and_sum(comm):
+    """37 rows over N ranks (uneven for N = 2..4): each rank's mean gradient weighted by its row count
+    is the full-batch mean gradient; reduce="sum" of per-rank sums is the full-batch sum."""
+    rng = np.random.default_rng(7)
+    X, Y, W = rng.standard_normal((37, 4)), rng.standard_normal((37, 2)), rng.standard_normal((4, 2))
+    x, y = rank_slice(X, comm.rank, comm.size, even=False), rank_slice(Y, comm.rank, comm.size, even=False)
+    unit = Unit("fit", {"w": W}, comm)
+    with unit.unsharded() as p:
+        r = x @ p["w"] - y
+    unit.reduce_grad({"w": x.T @ r / len(x)}, weight=len(x))
+    mean = unit.gather(unit.grad_shard)["w"]
+    unit.zero_grad()
+    unit.reduce_grad({"w": x.T @ r}, reduce="sum")
+    total = unit.gather(unit.grad_shard)["w"]
+    R = X @ W - Y
+    # float64 sums of at most 37 terms of size O(1) in another order: a few ulps
+    agree(
+        comm,
+        np.allclose(mean, X.T @ R / 37, rtol=0, atol=1e-13),
+        f"weighted mean off by {abs(mean - X.T @ R / 37).max()}",
+    )
+    agree(comm, np.allclose(total, X.T @ R, rtol=0, atol=1e-12), "sum differs")
+    with pytest.raises(ValueError, match="do not divide over"):
+        rank_slice(X, 0, 2)  # even=True: refused, with the remedy in the message
+    sizes = [len(rank_slice(X, r, comm.size, even=False)) for r in range(comm.size)]
+    assert sum(sizes) == 37 and max(sizes) - min(sizes) <= 1

@@ -105,10 +105,10 @@ def _no_gradient_mean():
     finish = Unit.finish_reduce_grad
 
     def summed(self):
-        pending = self._reducing is not None
+        if self._reducing is not None:
+            request, receive, source, divisor = self._reducing
+            self._reducing = (request, receive, source, 1)
         finish(self)
-        if pending:
-            self.grad_shard *= self.comm.size
 
     _replace(Unit, "finish_reduce_grad", summed)
 
