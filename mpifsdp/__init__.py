@@ -7,7 +7,7 @@ from .comm import CollectiveError, Comm
 from .fsdp import full_state_dict, fully_shard
 from .layers import deferred_init
 from .optim import AdamW, LossScaler, NonFiniteError
-from .unit import Unit
+from .unit import Unit, state_dict
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "no_grad",
     "ops",
     "scope",
+    "state_dict",
     "to_device",
     "to_numpy",
 ]

@@ -23,10 +23,9 @@ from contextlib import nullcontext
 from . import ops
 from .accounting import MemoryLedger
 from .autodiff import grad_enabled, scope
-from .backend import to_numpy
 from .comm import CollectiveError, Comm
 from .layers import Module
-from .unit import BufferPool, Unit
+from .unit import BufferPool, Unit, state_dict
 
 
 class UnitState:
@@ -371,9 +370,4 @@ def fsdp_group(model) -> FSDPGroup | None:
 def full_state_dict(model: Module) -> dict:
     """Host copies of every parameter by name, gathered unit by unit (collective: call on all ranks)."""
     group = fsdp_group(model)
-    if group is None:
-        return dict(model.state_dict())
-    state = {}
-    for unit in group.units:
-        state.update({n: to_numpy(v).copy() for n, v in unit.gather(unit.shard).items()})
-    return state
+    return dict(model.state_dict()) if group is None else state_dict(group.units)

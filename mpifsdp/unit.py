@@ -19,12 +19,41 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Mapping
 
 import numpy as np
 
 from .accounting import MemoryLedger
 from .backend import array_module_of, to_numpy
 from .flat import FlatLayout
+
+
+class UnshardedParams(Mapping):
+    """name -> full parameter array, valid only inside `Unit.unsharded()`: afterwards the buffer
+    holds other values, so access is refused instead of silently reading them."""
+
+    def __init__(self, unit: str, views: dict):
+        self._unit, self._views = unit, views
+
+    def close(self):
+        self._views = None
+
+    def _open(self) -> dict:
+        if self._views is None:
+            raise RuntimeError(
+                f"unit {self._unit!r}: its parameters were used after its `unsharded()` block; the buffer "
+                "now holds other values. Use them inside the block (copy what you keep)"
+            )
+        return self._views
+
+    def __getitem__(self, name):
+        return self._open()[name]
+
+    def __iter__(self):
+        return iter(self._open())
+
+    def __len__(self):
+        return len(self._open())
 
 
 def _values_digest(arrays) -> str:
@@ -215,11 +244,26 @@ class Unit:
             self.full = None
 
     @contextlib.contextmanager
-    def unsharded(self, phase: str = "other"):
-        """`with unit.unsharded() as params:` full parameters inside, shard only after."""
+    def unsharded(self, phase: str = "other", writeback: bool = False):
+        """`with unit.unsharded() as params:` the full parameters inside the block, only the shard after.
+
+        The arrays are read-only views into a buffer that is reused once the block ends: writing to
+        them raises, and `params` refuses access after the block. writeback=True makes them writable
+        and copies this rank's slice of the edited values back into its shard at the end (e.g. a
+        projection onto constraints; every rank must make the same edit)."""
+        if writeback and self.param_dtype != self.layout.dtype:
+            raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
+        views = self.unshard(phase)
+        for v in views.values():
+            v.flags.writeable = writeback  # views of the pool's buffer; the buffer stays writable
+        params = UnshardedParams(self.name, views)
         try:
-            yield self.unshard(phase)
+            yield params
+            if writeback:
+                lo, hi = self.layout.shard_range(self.comm.rank)
+                self.shard[...] = self.full[lo:hi]
         finally:
+            params.close()
             self.reshard()
 
     # -- gradients ----------------------------------------------------------------------------------
@@ -332,3 +376,19 @@ class Unit:
         full = self.xp.empty(self.layout.padded_numel, dtype=shard_like.dtype)
         self.comm.all_gather(shard_like, full, unit=self.name, phase="other")
         return self.layout.views(full)
+
+
+def state_dict(units) -> dict:
+    """Host copies of every parameter of `units`, by tensor name (collective: call on every rank).
+
+    Full arrays of their own, not views into a buffer that is reused; tensor names must be unique
+    across the units."""
+    out, owner = {}, {}
+    for unit in units:
+        for name, value in unit.gather(unit.shard).items():
+            if name in out:
+                raise ValueError(
+                    f"tensor {name!r} is in units {owner[name]!r} and {unit.name!r}: name them uniquely"
+                )
+            out[name], owner[name] = to_numpy(value).copy(), unit.name
+    return out

@@ -167,3 +167,19 @@ def test_a_loss_scaler_that_keeps_skipping_says_so(comm):
             ):
                 scaler.step(opt)
         opt.zero_grad()
+
+
+def test_units_used_in_another_order_on_one_rank_are_caught_at_the_step(comm):
+    """The framework-free path gets the same per-step check: AdamW.step compares the schedules."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks: runs under mpiexec in make test")
+    from mpifsdp import Unit
+
+    a, b = Unit("a", {"w": np.ones(6)}, comm), Unit("b", {"w2": np.ones(6)}, comm)  # equal sizes
+    opt = AdamW([a, b], lr=1e-2)
+    for unit in (a, b) if comm.rank == 0 else (b, a):  # pairs silently with the other unit's gather
+        with unit.unsharded() as p:
+            grads = {name: np.ones_like(value) for name, value in p.items()}
+        unit.reduce_grad(grads)
+    with pytest.raises(ScheduleError, match="ranks disagree on the sequence of collectives"):
+        opt.step()

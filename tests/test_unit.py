@@ -141,3 +141,29 @@ def test_uneven_rows_weighted_give_the_global_mean_and_sum(comm):
         rank_slice(X, 0, 2)  # even=True: refused, with the remedy in the message
     sizes = [len(rank_slice(X, r, comm.size, even=False)) for r in range(comm.size)]
     assert sum(sizes) == 37 and max(sizes) - min(sizes) <= 1
+
+
+def test_unsharded_views_are_read_only_unless_written_back(comm):
+    unit = Unit("u", {"w": np.arange(6.0).reshape(2, 3), "b": np.zeros(2)}, comm)
+    with unit.unsharded() as p:
+        with pytest.raises(ValueError, match="read-only"):
+            p["w"][0, 0] = 100.0  # an edit that would be silently dropped is refused
+    with pytest.raises(RuntimeError, match="used after its `unsharded\\(\\)` block"):
+        p["w"]  # the buffer now holds other values
+    with unit.unsharded(writeback=True) as p:
+        np.clip(p["w"], 0.0, 2.0, out=p["w"])  # e.g. a projection onto constraints
+    with unit.unsharded() as p:
+        assert np.array_equal(p["w"], np.clip(np.arange(6.0), 0, 2).reshape(2, 3))
+
+
+def test_state_dict_of_units_is_full_host_copies(comm):
+    import mpifsdp
+
+    a = Unit("a", {"w": np.arange(6.0).reshape(2, 3)}, comm)
+    b = Unit("b", {"v": np.ones(5)}, comm)
+    state = mpifsdp.state_dict([a, b])
+    with a.unsharded(), b.unsharded():  # reuse every buffer: the copies must not change
+        pass
+    assert np.array_equal(state["w"], np.arange(6.0).reshape(2, 3)) and np.array_equal(state["v"], np.ones(5))
+    with pytest.raises(ValueError, match="tensor 'w' is in units 'a' and 'c'"):
+        mpifsdp.state_dict([a, Unit("c", {"w": np.zeros(2)}, comm)])
