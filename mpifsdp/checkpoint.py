@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from .manifest import (
     verify,
     with_digest,
 )
+from .unit import Unit
 
 __all__ = [
     "CheckpointError",
@@ -67,13 +69,35 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
-def group_of(model):
-    group = fsdp_group(model)
-    if group is None:
+@dataclass
+class Sharded:
+    """What checkpoints need of a sharded model, or of a user's own list of Units."""
+
+    units: list
+    comm: object
+    ledger: object
+
+
+def sharded(target) -> Sharded | None:
+    """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
+    group = fsdp_group(target)
+    if group is not None:
+        return Sharded(group.units, group.comm, group.ledger)
+    if isinstance(target, (list, tuple)) and target and all(isinstance(u, Unit) for u in target):
+        if len({id(u.comm) for u in target}) > 1:
+            raise CheckpointError("the units are sharded over different Comms: checkpoint each set apart")
+        return Sharded(list(target), target[0].comm, target[0].ledger)
+    return None
+
+
+def group_of(target) -> Sharded:
+    found = sharded(target)
+    if found is None:
         raise CheckpointError(
-            "checkpoints hold sharded models: call fully_shard(model, Comm()) first (N = 1 works too)"
+            "checkpoints hold a sharded model (call fully_shard(model, Comm()) first; N = 1 works too) "
+            f"or a list of Units, not a {type(target).__name__}"
         )
-    return group
+    return found
 
 
 def flat_range(unit, rank: int, world: int) -> tuple[int, int]:

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import collective, flat_range, group_of, unit_record
-from .fsdp import fsdp_group
+from .checkpoint import collective, flat_range, group_of, sharded, unit_record
 from .manifest import CheckpointError, read_manifest, read_slices
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
@@ -158,7 +157,7 @@ def load_safetensors(path, model, strict: bool = True):
 
     Every parameter must be in the file with its shape and dtype; with strict (the default) the file
     may hold nothing else. Errors are CheckpointError, on every rank of a sharded model."""
-    group = fsdp_group(model)
+    group = sharded(model)
     if group is None:
         return _load_safetensors(path, model, strict)
     return collective(group.comm, lambda: _load_safetensors(path, model, strict), f"loading {path}")
@@ -167,7 +166,7 @@ def load_safetensors(path, model, strict: bool = True):
 def _load_safetensors(path, model, strict: bool):
     header, data_start = read_safetensors_header(path)
     names = {v: k for k, v in _ST_DTYPES.items()}
-    group = fsdp_group(model)
+    group = sharded(model)
     expected = (
         {n: (tuple(s), u.layout.dtype) for u in group.units for n, s in zip(u.layout.names, u.layout.shapes)}
         if group

@@ -255,3 +255,42 @@ def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):
     model, _ = sharded(comm)
     export_safetensors(f"{root}/m.safetensors", model)
     assert set(safetensors.numpy.load_file(f"{root}/m.safetensors")) == set(full_state_dict(model))
+
+
+def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
+    """The framework-free path: a list of Units (and their AdamW) saves, loads at another world size,
+    and exports, with the same atomicity and checksums as a sharded model."""
+    from test_checkpoint import sub_comm
+
+    from mpifsdp import AdamW, Unit, state_dict
+
+    root = shared_dir(comm, tmp_path)
+
+    def units(c, seed):
+        rng = np.random.default_rng(seed)
+        return [Unit("a", {"w": rng.standard_normal((5, 3))}, c), Unit("b", {"v": rng.standard_normal(7)}, c)]
+
+    mine = units(comm, 0)
+    opt = AdamW(mine, lr=1e-2)
+    for unit in mine:
+        with unit.unsharded() as p:
+            grads = {name: np.cos(value) for name, value in p.items()}
+        unit.reduce_grad(grads)
+    opt.step()
+    save_step(root, 1, mine, opt)
+    export_safetensors(f"{root}/u.safetensors", mine)
+    want = state_dict(mine)
+    first_moment = mine[0].gather(opt.m[0])["w"]  # collective: before the sub-communicator part
+    small = sub_comm(1)  # world rank 0 alone: another world size
+    if small is not None:
+        other = units(small, 1)
+        other_opt = AdamW(other, lr=1e-2)
+        path, extra = load_latest(root, other, other_opt)
+        got = state_dict(other)
+        assert extra["step"] == 1 and all(np.array_equal(got[k], want[k]) for k in want)
+        assert other_opt.steps == [1, 1]
+        assert np.array_equal(other[0].gather(other_opt.m[0])["w"], first_moment)
+    again = units(comm, 2)
+    load_safetensors(f"{root}/u.safetensors", again)
+    got = state_dict(again)
+    agree(comm, all(np.array_equal(got[k], want[k]) for k in want), "safetensors round trip of units differs")
