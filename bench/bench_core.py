@@ -64,7 +64,7 @@ def main():
     cfg = CONFIGS[args.config]
     xp = array_module(args.device)
     model = GPT(gpt_config(cfg), seed=0, device=args.device)
-    opt = AdamW(model, lr=3e-4, weight_decay=0.1)
+    opt = AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
     x, y = (xp.asarray(a) for a in random_batch(cfg, cfg["batch_size"]))
     step_s = median_time(lambda: train_step(model, opt, x, y), args.steps)
     rss = peak_rss_mib()  # before the GEMM reference allocates its own arrays

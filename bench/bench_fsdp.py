@@ -58,7 +58,7 @@ def worker(args):
     if not args.unsharded:
         mpifsdp.fully_shard(model, comm, units=model.blocks, prefetch=args.prefetch)
         x, y = rank_slice(x, comm.rank, N), rank_slice(y, comm.rank, N)
-    opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)
+    opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
     times = []
     for i in range(args.steps + 1):  # the first step warms buffers and caches
         comm.mpi.Barrier()

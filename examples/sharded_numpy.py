@@ -68,7 +68,7 @@ def main():
         "readout": 0.1 * init_rng.standard_normal((K, C)),
     }
     unit = Unit("oscillators", start, comm)  # this rank keeps 1/N of the 264 numbers and their state
-    opt = AdamW([unit], lr=0.02)
+    opt = AdamW([unit], lr=0.02, betas=(0.9, 0.95), weight_decay=0.0)  # no decay: a physical fit
     for step in range(STEPS):
         with unit.unsharded() as p:  # Allgather: full parameters only inside this block
             loss, grads = loss_and_grads(p, t_mine, y_mine)

@@ -135,7 +135,9 @@ def main():
         f"{mib((1 + plan['prefetch']) * plan['largest_unit'])} MiB ({1 + plan['prefetch']} units, prefetch "
         f"{plan['prefetch']}) + {mib(plan['root_unit'])} MiB root unit, and their gradients as much"
     )
-    opt = mpifsdp.AdamW(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
+    opt = mpifsdp.AdamW(
+        model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, decay="matrices"
+    )  # nanoGPT's choices: decay on matrices only
 
     def batch(split, step):
         x, y = data.global_batch(split, step, cfg.batch_size, cfg.block_size, seed=cfg.seed)

@@ -96,10 +96,14 @@ class FlatLayout:
             if start < stop:
                 yield name, start - o, stop - o, start - lo
 
-    def decay_segments(self, rank: int) -> list[tuple[int, int]]:
-        """Shard-local [start, stop) ranges of tensors with ndim >= 2 (those that get weight decay)."""
-        ndim = {n: len(s) for n, s in zip(self.names, self.shapes)}
-        return [(s0, s0 + t1 - t0) for name, t0, t1, s0 in self.pieces_in_shard(rank) if ndim[name] >= 2]
+    def decay_segments(self, rank: int, decays=lambda name, shape: len(shape) >= 2) -> list[tuple[int, int]]:
+        """Shard-local [start, stop) ranges of the tensors for which decays(name, shape) is true."""
+        shapes = dict(zip(self.names, self.shapes))
+        return [
+            (s0, s0 + t1 - t0)
+            for name, t0, t1, s0 in self.pieces_in_shard(rank)
+            if decays(name, shapes[name])
+        ]
 
     def fingerprint(self) -> str:
         """A short hash of names, shapes and dtype: equal on every rank or the layouts differ."""

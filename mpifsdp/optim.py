@@ -26,12 +26,14 @@ class NonFiniteError(FloatingPointError):
 
 
 class ParamGroup:
-    """A whole, unsharded parameter seen as one flat group (decay when ndim >= 2, as in nanoGPT)."""
+    """A whole, unsharded parameter seen as one flat group."""
 
     def __init__(self, param: Param):
         self.param = param
         self.numel = param.size
-        self.decay_segments = [(0, param.size)] if param.ndim >= 2 else []
+
+    def decay_segments(self, decays) -> list[tuple[int, int]]:
+        return [(0, self.param.size)] if decays(self.param.name, self.param.shape) else []
 
     def _whole(self) -> Param:
         if self.param.unit_name is not None:
@@ -104,10 +106,21 @@ class AdamW:
 
     `targets` is a Module, a list of Params, or a list of flat groups. `comm`, when given, makes
     clip_grad_norm global across ranks with one all_reduce of a scalar.
+    Defaults are torch.optim.AdamW's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on every
+    tensor. `decay` chooses the tensors that decay: "all", "matrices" (ndim >= 2: nanoGPT's choice,
+    which our GPT examples pass), or a function (name, shape) -> bool.
     """
 
     def __init__(
-        self, targets, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, comm=None, nonfinite="raise"
+        self,
+        targets,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        decay="all",
+        comm=None,
+        nonfinite="raise",
     ):
         self.groups = _flat_groups(targets)
         if not self.groups:
@@ -117,6 +130,7 @@ class AdamW:
         if twice:
             raise ValueError(f"AdamW got {twice} more than once: each parameter or unit is stepped once")
         self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.decay_segments = [group.decay_segments(_decay_filter(decay)) for group in self.groups]
         # Sharded groups (Units) carry their communicator: clipping must then be global.
         self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
         if nonfinite not in ("raise", "skip"):
@@ -187,7 +201,7 @@ class AdamW:
                 beta2=self.beta2,
                 eps=self.eps,
                 step=self.steps[i],
-                decay_segments=group.decay_segments,
+                decay_segments=self.decay_segments[i],
                 weight_decay=self.weight_decay,
             )
         return True
@@ -230,6 +244,18 @@ class AdamW:
         if scale < 1.0:
             self.scale_grads(scale)
         return norm
+
+
+def _decay_filter(decay):
+    """decay="all" | "matrices" | (name, shape) -> bool, as a function."""
+    if callable(decay):
+        return decay
+    filters = {"all": lambda name, shape: True, "matrices": lambda name, shape: len(shape) >= 2}
+    if decay not in filters:
+        raise ValueError(
+            f"AdamW: decay must be 'all', 'matrices' or a function (name, shape) -> bool, got {decay!r}"
+        )
+    return filters[decay]
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):

@@ -356,9 +356,9 @@ class Unit:
     def numel(self) -> int:
         return self.layout.shard_numel
 
-    @property
-    def decay_segments(self):
-        return self.layout.decay_segments(self.comm.rank)
+    def decay_segments(self, decays) -> list[tuple[int, int]]:
+        """This shard's ranges of the tensors for which decays(name, shape) is true (AdamW's filter)."""
+        return self.layout.decay_segments(self.comm.rank, decays)
 
     def flat_param(self):
         return self.shard

@@ -7,15 +7,15 @@ from mpifsdp import Param
 from mpifsdp.optim import AdamW
 
 
-def reference_adamw(params, grads_per_step, lr, betas, eps, wd):
-    """Loshchilov & Hutter AdamW as PyTorch writes it, decay only on matrices."""
+def reference_adamw(params, grads_per_step, lr, betas, eps, wd, decays=lambda p: p.ndim >= 2):
+    """Loshchilov & Hutter AdamW as PyTorch writes it, decay on the tensors `decays` picks."""
     b1, b2 = betas
     p = [x.copy() for x in params]
     m = [np.zeros_like(x) for x in p]
     v = [np.zeros_like(x) for x in p]
     for t, grads in enumerate(grads_per_step, start=1):
         for i, g in enumerate(grads):
-            if p[i].ndim >= 2:
+            if decays(p[i]):
                 p[i] = p[i] * (1 - lr * wd)
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g**2
@@ -28,7 +28,7 @@ def test_adamw_matches_reference(rng):
     init = [rng.standard_normal((4, 3)), rng.standard_normal(3), rng.standard_normal((2, 2, 2))]
     grads = [[rng.standard_normal(x.shape) for x in init] for _ in range(5)]
     params = [Param(x.copy(), f"p{i}") for i, x in enumerate(init)]
-    opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay="matrices")
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.copy()
@@ -80,3 +80,25 @@ def test_each_group_counts_its_own_steps(rng):
         opt.zero_grad()
     np.testing.assert_allclose(b.data, b0 * (1 - lr * wd) - lr * g / (np.abs(g) + eps), rtol=1e-14)
     assert opt.steps == [3, 1] and opt.step_count == 3
+
+
+def test_defaults_are_torchs_and_decay_filters_work(rng):
+    """AdamW() = torch.optim.AdamW(): betas (0.9, 0.999), eps 1e-8, decay 0.01 on every tensor."""
+    init = [rng.standard_normal((3, 2)), rng.standard_normal(4)]
+    grads = [[rng.standard_normal(x.shape) for x in init] for _ in range(3)]
+    for decay, decays in [
+        ("all", lambda p: True),
+        ("matrices", lambda p: p.ndim >= 2),
+        (lambda name, shape: name == "bias", lambda p: p.ndim == 1),
+    ]:
+        params = [Param(init[0].copy(), "weight"), Param(init[1].copy(), "bias")]
+        opt = AdamW(params, decay=decay)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.copy()
+            opt.step()
+        want = reference_adamw(init, grads, 1e-3, (0.9, 0.999), 1e-8, 0.01, decays)[0]
+        for p, w in zip(params, want):
+            np.testing.assert_allclose(p.data, w, rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="decay must be 'all', 'matrices' or a function"):
+        AdamW(params, decay="vectors")
