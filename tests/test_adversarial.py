@@ -58,6 +58,17 @@ PRELUDE = textwrap.dedent(
             action()
         comm.barrier()
 
+    def edit_manifest(path, change, redo_checksum=False):
+        from mpifsdp.manifest import with_digest
+
+        def edit():
+            manifest = json.loads((path / "manifest.json").read_text())
+            change(manifest)
+            text = json.dumps(with_digest(manifest) if redo_checksum else manifest)
+            (path / "manifest.json").write_text(text)
+
+        on_rank_0(edit)
+
     def ok():
         comm.barrier()
         if rank == 0:
@@ -141,44 +152,30 @@ SCENARIOS = {
     ),
     "manifest-slice-removed": bad(
         """
-        model, opt = make()
-        path = ck.save(ROOT / "c", model, opt)
-        def edit():
-            m = json.loads((path / "manifest.json").read_text())
-            m["files"][0]["segments"].pop(0)
-            (path / "manifest.json").write_text(json.dumps(m))
-        on_rank_0(edit)
+        path = ck.save(ROOT / "c", *make())
+        edit_manifest(path, lambda m: m["files"][0]["segments"].pop(0))
         ck.load(path, *make())
     """,
         r"not a valid checkpoint: .*the manifest's checksum does not match",
     ),
     "manifest-slice-removed-checksum-redone": bad(
         """
-        from mpifsdp.manifest import with_digest
-        model, opt = make()
-        path = ck.save(ROOT / "c", model, opt)
-        def edit():
-            m = json.loads((path / "manifest.json").read_text())
-            m["files"][0]["segments"].pop(0)
-            (path / "manifest.json").write_text(json.dumps(with_digest(m)))
-        on_rank_0(edit)
+        path = ck.save(ROOT / "c", *make())
+        edit_manifest(path, lambda m: m["files"][0]["segments"].pop(0), redo_checksum=True)
         ck.load(path, *make())
     """,
         r"slices do not cover it once",
     ),
     "manifest-ranges-swapped-checksum-redone": bad(
         """
-        from mpifsdp.manifest import with_digest
         model, opt = make()
         train(model, opt)
         path = ck.save(ROOT / "c", model, opt)
-        def edit():
-            m = json.loads((path / "manifest.json").read_text())
+        def swap(m):  # unit 0's parameters and first moments trade places
             seg = {s["kind"]: s for s in m["files"][0]["segments"] if s["unit"] == 0}
             a, b = seg["param"], seg["exp_avg"]
             a["offset"], b["offset"] = b["offset"], a["offset"]
-            (path / "manifest.json").write_text(json.dumps(with_digest(m)))
-        on_rank_0(edit)
+        edit_manifest(path, swap, redo_checksum=True)
         ck.load(path, *make())
     """,
         r"is corrupted: the .* bytes of unit #0 do not match their checksum",
