@@ -6,13 +6,16 @@ from .backend import array_module, available_devices, to_device, to_numpy
 from .comm import CollectiveError, Comm
 from .fsdp import full_state_dict, fully_shard
 from .layers import deferred_init
-from .optim import AdamW, LossScaler, NonFiniteError
+from .optim import SGD, Adam, AdamW, NonFiniteError
+from .scaler import LossScaler
 from .unit import Unit, state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adam",
     "AdamW",
+    "SGD",
     "CollectiveError",
     "NonFiniteError",
     "Comm",

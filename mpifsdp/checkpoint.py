@@ -142,8 +142,8 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     collective(comm, lambda: _prepare(final), f"saving to {final}", root=0)
     staging = collective(comm, lambda: _staging_dir(final, comm), f"creating a directory next to {final}")
     try:
-        moments = _moments_by_unit(optimizer, group)
-        record = collective(comm, lambda: _write_rank_file(staging, group, moments), f"writing {staging}")
+        state = _optimizer_state(optimizer, group)
+        record = collective(comm, lambda: _write_rank_file(staging, group, state), f"writing {staging}")
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -239,44 +239,41 @@ def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def _moments_by_unit(optimizer, group) -> dict:
+def _optimizer_state(optimizer, group) -> dict:
+    """id(unit) -> {kind: array} of the optimizer state allocated so far (a unit never stepped has none)."""
     if optimizer is None:
         return {}
-    out = {}
-    for i, target in enumerate(optimizer.groups):
-        if optimizer.m[i] is not None:
-            out[id(target)] = (optimizer.m[i], optimizer.v[i])
     units = {id(u) for u in group.units}
     if optimizer.groups and not set(map(id, optimizer.groups)) <= units:
         raise CheckpointError(
-            "the optimizer does not step this model's units: build AdamW(model) after fully_shard"
+            "the optimizer does not step this model's units: build it after fully_shard (AdamW(model))"
         )
-    return out
+    return {
+        id(target): {kind: optimizer.state[kind][i] for kind in optimizer.STATE}
+        for i, target in enumerate(optimizer.groups)
+        if optimizer.STATE and optimizer.state[optimizer.STATE[0]][i] is not None
+    }
 
 
 def _optimizer_record(optimizer) -> dict | None:
     if optimizer is None:
         return None
     return {
+        "name": type(optimizer).__name__,
         "step": optimizer.step_count,
         "group_steps": {g.name: n for g, n in zip(optimizer.groups, optimizer.steps)},
-        "lr": optimizer.lr,
-        "betas": [optimizer.beta1, optimizer.beta2],
-        "eps": optimizer.eps,
-        "weight_decay": optimizer.weight_decay,
+        **optimizer.hyperparameters(),
     }
 
 
-def _write_rank_file(tmp: Path, group, moments: dict) -> dict:
+def _write_rank_file(tmp: Path, group, state: dict) -> dict:
     comm = group.comm
     name = f"rank-{comm.rank:05d}.bin"
     segments, offset = [], 0
     with open(tmp / name, "wb") as f:
         for index, unit in enumerate(group.units):
             start, stop = flat_range(unit, comm.rank, comm.size)
-            arrays = {"param": unit.shard}
-            if id(unit) in moments:
-                arrays["exp_avg"], arrays["exp_avg_sq"] = moments[id(unit)]
+            arrays = {"param": unit.shard, **state.get(id(unit), {})}
             for kind, array in arrays.items():
                 data = np.ascontiguousarray(to_numpy(array[: stop - start]))  # no copy on the CPU
                 f.write(data)
@@ -319,7 +316,7 @@ def load(directory, model, optimizer=None) -> dict:
     directory = Path(directory)
     collective(group.comm, lambda: recover(directory), f"loading {directory}", root=0)
     manifest = collective(
-        group.comm, lambda: _check_fits(read_manifest(directory), group), f"loading {directory}"
+        group.comm, lambda: _check_fits(read_manifest(directory), group, optimizer), f"loading {directory}"
     )
     collective(group.comm, lambda: _fill(directory, manifest, group, optimizer), f"loading {directory}")
     if optimizer is not None and manifest["optimizer"] is not None:
@@ -331,7 +328,7 @@ def load(directory, model, optimizer=None) -> dict:
     return manifest["extra"]
 
 
-def _check_fits(manifest: dict, group) -> dict:
+def _check_fits(manifest: dict, group, optimizer=None) -> dict:
     saved = [
         (u["name"], u["dtype"], [(t["name"], t["shape"]) for t in u["tensors"]]) for u in manifest["units"]
     ]
@@ -345,6 +342,11 @@ def _check_fits(manifest: dict, group) -> dict:
             f"{len(saved)} vs {len(mine)} units",
         )
         raise CheckpointError(f"the checkpoint does not fit this model (first difference: {diff})")
+    saved_by = (manifest["optimizer"] or {}).get("name", "AdamW")  # format 1: AdamW only
+    if optimizer is not None and manifest["optimizer"] is not None and saved_by != type(optimizer).__name__:
+        raise CheckpointError(
+            f"the checkpoint holds the state of {saved_by}, the optimizer given is {type(optimizer).__name__}"
+        )
     return manifest
 
 
@@ -354,8 +356,12 @@ def _fill(directory: Path, manifest: dict, group, optimizer):
     for index, unit in enumerate(group.units):
         start, stop = flat_range(unit, comm.rank, comm.size)
         targets = {"param": unit.shard}
+        saved = {seg["kind"] for f in manifest["files"] for seg in f["segments"] if seg["unit"] == index}
         if id(unit) in positions and manifest["optimizer"] is not None:
-            targets["exp_avg"], targets["exp_avg_sq"] = optimizer._moments(positions[id(unit)])
+            if saved & set(optimizer.STATE):
+                targets.update(optimizer.state_of(positions[id(unit)]))
+            else:  # never stepped when saved
+                optimizer.reset_state(positions[id(unit)])
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero
             for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):

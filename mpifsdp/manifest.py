@@ -19,7 +19,7 @@ import numpy as np
 FORMAT = "mpifsdp-checkpoint"
 VERSION = 2  # 2: the manifest carries its own checksum; 1 (no checksum) still loads
 MANIFEST = "manifest.json"
-KINDS = ("param", "exp_avg", "exp_avg_sq")
+KINDS = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # parameters, then optimizer state
 FLOAT_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
 
 

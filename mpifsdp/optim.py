@@ -1,4 +1,4 @@
-"""AdamW on flat 1-D vectors, and global gradient-norm clipping.
+"""Optimizers on flat 1-D vectors (AdamW, Adam, SGD), and global gradient-norm clipping.
 
 The optimizer sees only *flat groups*: objects with a 1-D parameter vector, a 1-D gradient vector
 and the segments of that vector that get weight decay. A plain Param is one group; an FSDP Unit's
@@ -101,58 +101,63 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
     for_row_blocks(p.size, 1, block)
 
 
-class AdamW:
-    """AdamW with decoupled weight decay, over flat groups (Params, or FSDP Units once sharded).
+class FlatOptimizer:
+    """What every optimizer here shares: flat groups (Params, or FSDP Units once sharded), the global
+    gradient norm and clipping, the NaN/Inf policy, a step count per group, the schedule check, and
+    per-group state arrays named by `STATE` (allocated at a group's first step with a gradient).
 
-    `targets` is a Module, a list of Params, or a list of flat groups. `comm`, when given, makes
-    clip_grad_norm global across ranks with one all_reduce of a scalar.
-    Defaults are torch.optim.AdamW's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on every
-    tensor. `decay` chooses the tensors that decay: "all", "matrices" (ndim >= 2: nanoGPT's choice,
-    which our GPT examples pass), or a function (name, shape) -> bool.
+    `targets` is a Module, a list of Params, or a list of flat groups. `comm`, when given (sharded
+    groups bring theirs), makes the gradient norm global with one all_reduce of a scalar. `decay`
+    chooses the tensors that get weight decay: "all", "matrices" (ndim >= 2), or a function
+    (name, shape) -> bool. Subclasses implement `_update(i, p, g, state)`.
     """
 
-    def __init__(
-        self,
-        targets,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.01,
-        decay="all",
-        comm=None,
-        nonfinite="raise",
-    ):
+    STATE: tuple = ()
+
+    def __init__(self, targets, lr, weight_decay, decay, comm, nonfinite):
+        name = type(self).__name__
         self.groups = _flat_groups(targets)
         if not self.groups:
-            raise ValueError("AdamW got no parameters to optimize")
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+            raise ValueError(f"{name} got no parameters to optimize")
         twice = sorted({_name(g) for g in self.groups if sum(_same(g, h) for h in self.groups) > 1})
         if twice:
-            raise ValueError(f"AdamW got {twice} more than once: each parameter or unit is stepped once")
-        self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.decay_segments = [group.decay_segments(_decay_filter(decay)) for group in self.groups]
-        # Sharded groups (Units) carry their communicator: clipping must then be global.
-        self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
+            raise ValueError(f"{name} got {twice} more than once: each parameter or unit is stepped once")
         if nonfinite not in ("raise", "skip"):
             raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-        self.nonfinite = nonfinite
+        self.lr, self.weight_decay, self.nonfinite = lr, weight_decay, nonfinite
+        self.decay_segments = [group.decay_segments(_decay_filter(decay)) for group in self.groups]
+        # Sharded groups (Units) carry their communicator: the gradient norm must then be global.
+        self.comm = comm if comm is not None else getattr(self.groups[0], "comm", None)
         self.skipped_steps = 0
         self._norm = None  # the global grad norm of this step, once computed
         self.step_count = 0  # steps taken (skipped ones not counted)
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
         self.steps = [0] * len(self.groups)
-        self.m = [None] * len(self.groups)
-        self.v = [None] * len(self.groups)
+        self.state = {kind: [None] * len(self.groups) for kind in self.STATE}
 
-    def _moments(self, i):
-        if self.m[i] is None:  # allocated at the first step that has a gradient for this group
+    def hyperparameters(self) -> dict:
+        """What a checkpoint records of this optimizer besides its state."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay}
+
+    def state_of(self, i) -> dict:
+        """kind -> array of group i's state, allocated (zeros) at the first call."""
+        if self.STATE and self.state[self.STATE[0]][i] is None:
             group = self.groups[i]
             p = group.flat_param()
             xp = array_module_of(p)
-            self.m[i], self.v[i] = xp.zeros_like(p), xp.zeros_like(p)
-            _count(group, "alloc", "optim_state", 2 * p.nbytes)
-        return self.m[i], self.v[i]
+            for kind in self.STATE:
+                self.state[kind][i] = xp.zeros_like(p)
+            _count(group, "alloc", "optim_state", len(self.STATE) * p.nbytes)
+        return {kind: self.state[kind][i] for kind in self.STATE}
+
+    def reset_state(self, i):
+        """Forget group i's state (as before its first step), e.g. when a checkpoint holds none for it."""
+        if self.STATE and self.state[self.STATE[0]][i] is not None:
+            nbytes = sum(self.state[kind][i].nbytes for kind in self.STATE)
+            for kind in self.STATE:
+                self.state[kind][i] = None
+            _count(self.groups[i], "free", "optim_state", nbytes)
 
     def step(self) -> bool:
         """Update every group that has a gradient; groups without one are left alone and their step
@@ -164,11 +169,12 @@ class AdamW:
         count stays. Returns whether the parameters were updated. Sharded: also compares the ranks'
         collective schedules (one tiny allgather), so a rank that clipped alone is caught here.
         """
+        name = type(self).__name__
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(
-                f"AdamW.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
+                f"{name}.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
             )
-        norm = self._norm if self._norm is not None else self.grad_norm("the gradient norm of AdamW.step")
+        norm = self._norm if self._norm is not None else self.grad_norm(f"the gradient norm of {name}.step")
         self._norm = None
         if self.comm is not None:  # every rank reached this step through the same collectives
             self.comm.check_schedule(phase="optimizer")
@@ -176,35 +182,24 @@ class AdamW:
             if self.nonfinite == "raise":
                 raise NonFiniteError(
                     f"the gradient norm is {norm} at step {self.step_count + 1}: a NaN or Inf reached the "
-                    "gradients (on at least one rank). AdamW(nonfinite='skip') drops such steps instead."
+                    f"gradients (on at least one rank). {name}(nonfinite='skip') drops such steps instead."
                 )
             self.skipped_steps += 1
             log.warning("skipped step %d: gradient norm %s", self.step_count + 1, norm)
             return False
         grads = [group.flat_grad() for group in self.groups]
         if all(g is None for g in grads):
-            log.warning("AdamW.step() without gradients: nothing updated (call backward() first)")
+            log.warning("%s.step() without gradients: nothing updated (call backward() first)", name)
             return False
         self.step_count += 1
         for i, (group, g) in enumerate(zip(self.groups, grads)):
-            if g is None:
-                continue
-            m, v = self._moments(i)
-            self.steps[i] += 1
-            adamw_update(
-                group.flat_param(),
-                g,
-                m,
-                v,
-                lr=self.lr,
-                beta1=self.beta1,
-                beta2=self.beta2,
-                eps=self.eps,
-                step=self.steps[i],
-                decay_segments=self.decay_segments[i],
-                weight_decay=self.weight_decay,
-            )
+            if g is not None:
+                self.steps[i] += 1
+                self._update(i, group.flat_param(), g, self.state_of(i))
         return True
+
+    def _update(self, i: int, p, g, state: dict):
+        raise NotImplementedError
 
     def zero_grad(self):
         self._norm = None
@@ -245,6 +240,115 @@ class AdamW:
             self.scale_grads(scale)
         return norm
 
+    def _add_l2(self, i: int, p, g):
+        """Coupled L2 (Adam, SGD): g += weight_decay * p on the decaying tensors, in place."""
+        if self.weight_decay:
+            for start, stop in self.decay_segments[i]:
+                g[start:stop] += self.weight_decay * p[start:stop]
+
+
+class AdamW(FlatOptimizer):
+    """AdamW with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+
+    Defaults are torch's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on every tensor; our GPT
+    examples pass nanoGPT's betas (0.9, 0.95) and decay="matrices" (ndim >= 2) explicitly.
+    """
+
+    STATE = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        targets,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        decay="all",
+        comm=None,
+        nonfinite="raise",
+    ):
+        _check_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
+        super().__init__(targets, lr, weight_decay, decay, comm, nonfinite)
+        (self.beta1, self.beta2), self.eps = betas, eps
+
+    @property
+    def m(self) -> list:
+        return self.state["exp_avg"]
+
+    @property
+    def v(self) -> list:
+        return self.state["exp_avg_sq"]
+
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "betas": [self.beta1, self.beta2], "eps": self.eps}
+
+    def _update(self, i, p, g, state):
+        adamw_update(
+            p, g, state["exp_avg"], state["exp_avg_sq"], lr=self.lr, beta1=self.beta1, beta2=self.beta2,
+            eps=self.eps, step=self.steps[i], decay_segments=self._decoupled(i),
+            weight_decay=self.weight_decay,
+        )  # fmt: skip
+
+    def _decoupled(self, i):
+        return self.decay_segments[i]
+
+
+class Adam(AdamW):
+    """Adam with coupled L2 regularization, as torch.optim.Adam: the decay term weight_decay * p is
+    added to the gradient (in place) before the moments see it. Defaults: no decay."""
+
+    def __init__(self, targets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decay="all", **kw):
+        super().__init__(targets, lr, betas, eps, weight_decay, decay, **kw)
+
+    def _update(self, i, p, g, state):
+        self._add_l2(i, p, g)
+        super()._update(i, p, g, state)
+
+    def _decoupled(self, i):
+        return ()
+
+
+class SGD(FlatOptimizer):
+    """SGD with momentum (and Nesterov), coupled weight decay, as torch.optim.SGD (no dampening):
+    buf = momentum * buf + g;  step = g + momentum * buf (Nesterov) or buf;  p -= lr * step."""
+
+    def __init__(
+        self, targets, lr=1e-3, momentum=0.0, nesterov=False, weight_decay=0.0, decay="all",
+        comm=None, nonfinite="raise",
+    ):  # fmt: skip
+        problems = [f"lr={lr}"] if not (math.isfinite(lr) and lr >= 0) else []
+        problems += [f"momentum={momentum}"] if not 0 <= momentum < 1 else []
+        problems += (
+            [f"weight_decay={weight_decay}"]
+            if not (math.isfinite(weight_decay) and weight_decay >= 0)
+            else []
+        )
+        if nesterov and momentum == 0:
+            problems.append("nesterov=True needs momentum > 0")
+        if problems:
+            raise ValueError(f"SGD: invalid {', '.join(problems)} (lr, weight_decay >= 0; 0 <= momentum < 1)")
+        self.STATE = ("momentum_buffer",) if momentum else ()
+        super().__init__(targets, lr, weight_decay, decay, comm, nonfinite)
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "momentum": self.momentum, "nesterov": self.nesterov}
+
+    def _update(self, i, p, g, state):
+        self._add_l2(i, p, g)
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            if self.steps[i] == 1:
+                buf[...] = g  # torch starts the buffer at the first gradient
+            else:
+                buf *= self.momentum
+                buf += g
+            if self.nesterov:
+                g += self.momentum * buf
+            else:
+                g = buf
+        p -= self.lr * g
+
 
 def _decay_filter(decay):
     """decay="all" | "matrices" | (name, shape) -> bool, as a function."""
@@ -258,7 +362,7 @@ def _decay_filter(decay):
     return filters[decay]
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay):
+def _check_hyperparameters(name, lr, betas, eps, weight_decay):
     problems = []
     if not (math.isfinite(lr) and lr >= 0):
         problems.append(f"lr={lr} (a finite number >= 0)")
@@ -269,7 +373,7 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
     if not (math.isfinite(weight_decay) and weight_decay >= 0):
         problems.append(f"weight_decay={weight_decay} (a finite number >= 0)")
     if problems:
-        raise ValueError("AdamW: invalid " + ", ".join(problems))
+        raise ValueError(f"{name}: invalid " + ", ".join(problems))
 
 
 def _same(a, b) -> bool:
@@ -294,67 +398,3 @@ def _flat_groups(targets) -> list:
     if hasattr(targets, "parameters"):
         targets = targets.parameters()
     return [ParamGroup(t) if isinstance(t, Param) else t for t in targets]
-
-
-class LossScaler:
-    """Dynamic loss scaling for float16 compute: scale the loss, unscale the gradients, skip overflows.
-
-        scaler.scale(loss).backward()
-        scaler.step(opt, max_norm=1.0)   # False when the step overflowed and was skipped
-        opt.zero_grad()
-
-    A step whose gradients overflow (a global check: every rank agrees) is skipped and the scale
-    halved; after `growth_interval` good steps in a row the scale doubles. Skipping cannot go on
-    unnoticed: `max_skips_in_a_row` overflowing steps in a row, or an overflow at `min_scale` (where
-    halving cannot help), raise NonFiniteError on every rank.
-    """
-
-    def __init__(
-        self,
-        init_scale: float = 2.0**15,
-        growth_interval: int = 1000,
-        min_scale: float = 1.0,
-        max_skips_in_a_row: int = 20,
-    ):
-        if not (0 < min_scale <= init_scale < math.inf) or growth_interval < 1 or max_skips_in_a_row < 1:
-            raise ValueError(
-                "LossScaler needs 0 < min_scale <= init_scale (finite), growth_interval >= 1 and "
-                f"max_skips_in_a_row >= 1; got min_scale={min_scale}, init_scale={init_scale}, "
-                f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
-            )
-        self.scale_value = float(init_scale)
-        self.growth_interval = growth_interval
-        self.min_scale = min_scale
-        self.max_skips_in_a_row = max_skips_in_a_row
-        self.good_steps = 0
-        self.skipped_steps = 0
-        self.skips_in_a_row = 0
-
-    def scale(self, loss):
-        return loss * self.scale_value
-
-    def step(self, optimizer: AdamW, max_norm: float | None = None) -> bool:
-        optimizer.scale_grads(1.0 / self.scale_value)
-        norm = optimizer.grad_norm()
-        if not math.isfinite(norm):
-            if self.scale_value <= self.min_scale or self.skips_in_a_row + 1 >= self.max_skips_in_a_row:
-                raise NonFiniteError(
-                    f"the gradients overflow at loss scale {self.scale_value:g} ({self.skips_in_a_row + 1} "
-                    f"steps in a row, {self.skipped_steps + 1} in all): the loss or the model itself is "
-                    "not finite in this precision; lower the lr, or compute in float32 or bfloat16"
-                )
-            self.skipped_steps += 1
-            self.skips_in_a_row += 1
-            self.good_steps = 0
-            self.scale_value = max(self.min_scale, self.scale_value / 2)
-            log.warning("loss scale overflow: skipped the step, scale now %g", self.scale_value)
-            return False
-        self.skips_in_a_row = 0
-        if max_norm is not None:
-            optimizer.clip_grad_norm(max_norm, norm=norm)
-        optimizer.set_grad_norm(norm)  # one global norm a step
-        optimizer.step()
-        self.good_steps += 1
-        if self.good_steps % self.growth_interval == 0:
-            self.scale_value *= 2
-        return True

@@ -294,3 +294,22 @@ def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
     load_safetensors(f"{root}/u.safetensors", again)
     got = state_dict(again)
     agree(comm, all(np.array_equal(got[k], want[k]) for k in want), "safetensors round trip of units differs")
+
+
+def test_sgd_momentum_is_checkpointed_and_another_optimizer_is_refused(comm, tmp_path):
+    from mpifsdp import SGD, AdamW
+
+    root = shared_dir(comm, tmp_path)
+    model, _ = sharded(comm)
+    opt = SGD(model, lr=0.1, momentum=0.9, nesterov=True)
+    train(model, opt, comm, 2)
+    path = save(f"{root}/c", model, opt, {"step": 2})
+    other, _ = sharded(comm, seed=4)
+    other_opt = SGD(other, lr=0.1, momentum=0.9, nesterov=True)
+    load(path, other, other_opt)
+    same = all(
+        np.array_equal(a, b) for a, b in zip(opt.state["momentum_buffer"], other_opt.state["momentum_buffer"])
+    )
+    agree(comm, same and other_opt.steps == opt.steps, "momentum buffers or steps differ after loading")
+    with pytest.raises(CheckpointError, match="holds the state of SGD, the optimizer given is AdamW"):
+        load(path, *sharded(comm, seed=4))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import Param
-from mpifsdp.optim import AdamW
+from mpifsdp.optim import SGD, Adam, AdamW
 
 
 def reference_adamw(params, grads_per_step, lr, betas, eps, wd, decays=lambda p: p.ndim >= 2):
@@ -102,3 +102,66 @@ def test_defaults_are_torchs_and_decay_filters_work(rng):
             np.testing.assert_allclose(p.data, w, rtol=1e-13, atol=1e-15)
     with pytest.raises(ValueError, match="decay must be 'all', 'matrices' or a function"):
         AdamW(params, decay="vectors")
+
+
+def _sgd_reference(init, grads, lr, momentum, nesterov, wd):
+    p, buf = [x.copy() for x in init], [None] * len(init)
+    for step_grads in grads:
+        for i, g in enumerate(step_grads):
+            g = g + wd * p[i]
+            buf[i] = g.copy() if buf[i] is None else momentum * buf[i] + g
+            p[i] = p[i] - lr * (g + momentum * buf[i] if nesterov else buf[i])
+    return p
+
+
+def _adam_reference(init, grads, lr, betas, eps, wd):
+    b1, b2 = betas
+    p, m, v = [x.copy() for x in init], [np.zeros_like(x) for x in init], [np.zeros_like(x) for x in init]
+    for t, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            g = g + wd * p[i]  # coupled L2
+            m[i], v[i] = b1 * m[i] + (1 - b1) * g, b2 * v[i] + (1 - b2) * g**2
+            p[i] = p[i] - lr * (m[i] / (1 - b1**t)) / (np.sqrt(v[i] / (1 - b2**t)) + eps)
+    return p
+
+
+@pytest.mark.parametrize(
+    "make, reference",
+    [
+        (lambda ps: SGD(ps, lr=0.1), lambda i, g: _sgd_reference(i, g, 0.1, 0.0, False, 0.0)),
+        (
+            lambda ps: SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+            lambda i, g: _sgd_reference(i, g, 0.1, 0.9, False, 0.01),
+        ),
+        (
+            lambda ps: SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+            lambda i, g: _sgd_reference(i, g, 0.1, 0.9, True, 0.0),
+        ),
+        (
+            lambda ps: Adam(ps, lr=0.01, weight_decay=0.1),
+            lambda i, g: _adam_reference(i, g, 0.01, (0.9, 0.999), 1e-8, 0.1),
+        ),
+    ],
+    ids=["sgd", "sgd-momentum-decay", "sgd-nesterov", "adam-l2"],
+)
+def test_sgd_and_adam_match_torchs_update_rules(rng, make, reference):
+    init = [rng.standard_normal((3, 2)), rng.standard_normal(4)]
+    grads = [[rng.standard_normal(x.shape) for x in init] for _ in range(4)]
+    params = [Param(x.copy(), f"p{i}") for i, x in enumerate(init)]
+    opt = make(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.copy()
+        opt.step()
+        opt.zero_grad()
+    for p, want in zip(params, reference(init, grads)):
+        np.testing.assert_allclose(p.data, want, rtol=1e-13, atol=1e-15)
+
+
+def test_sgd_settings_are_validated():
+    with pytest.raises(
+        ValueError, match=r"SGD: invalid momentum=1.5, nesterov=True needs momentum > 0|momentum=1.5"
+    ):
+        SGD([Param(np.ones(2), "a")], momentum=1.5)
+    with pytest.raises(ValueError, match="nesterov=True needs momentum > 0"):
+        SGD([Param(np.ones(2), "a")], nesterov=True)
