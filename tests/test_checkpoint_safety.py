@@ -297,7 +297,7 @@ def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
 
 
 def test_sgd_momentum_is_checkpointed_and_another_optimizer_is_refused(comm, tmp_path):
-    from mpifsdp import SGD, AdamW
+    from mpifsdp import SGD
 
     root = shared_dir(comm, tmp_path)
     model, _ = sharded(comm)
