@@ -85,3 +85,11 @@ def test_heat_source_example_matches_numpy_across_uneven_splits_and_a_resume(com
         difference = float(out.split("max difference from plain NumPy: ")[1].split()[0])
         assert difference < 1e-12, out  # float64, the same sums in other orders: ~1e-16 measured
     assert float(runs[1].split("misfit to the true source ")[1].split()[0]) < 0.1
+
+
+def test_heat_source_with_scipys_lbfgs_on_a_unit(comm):
+    out = run_example(comm, 3, ROOT / "examples" / "heat_source.py", "--lbfgs")
+    difference = float(out.split("max difference from plain NumPy: ")[1].split()[0])
+    # the same iterations up to rounding (measured 2e-13 to 6e-13): far from a wrong gradient's O(1)
+    assert difference < 1e-9, out
+    assert float(out.split("misfit to the true source ")[1].split()[0]) < 0.1
