@@ -247,24 +247,35 @@ class Unit:
     def unsharded(self, phase: str = "other", writeback: bool = False):
         """`with unit.unsharded() as params:` the full parameters inside the block, only the shard after.
 
-        The arrays are read-only views into a buffer that is reused once the block ends: writing to
-        them raises, and `params` refuses access after the block. writeback=True makes them writable
-        and copies this rank's slice of the edited values back into its shard at the end (e.g. a
-        projection onto constraints; every rank must make the same edit)."""
+        The arrays are read-only (an in-place edit would be lost) views of a buffer of their own, not
+        of the pool: an array kept after the block keeps the values it had, never another unit's;
+        `params` itself refuses access after the block. writeback=True makes them writable and copies
+        this rank's slice of the edited values back into its shard at the end (e.g. a projection onto
+        constraints; every rank must make the same edit). (FSDP's own path, `unshard`, uses the pool.)
+        """
         if writeback and self.param_dtype != self.layout.dtype:
             raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
-        views = self.unshard(phase)
+        full = self.xp.empty(self.layout.padded_numel, dtype=self.param_dtype)
+        send = self._cast("gathered_params", self.shard, self.param_dtype)
+        self.ledger.alloc("gathered_params", full.nbytes)
+        try:
+            self.comm.all_gather(send, full, unit=self.name, phase=phase)
+        finally:
+            if send is not self.shard:
+                self._give("gathered_params", send)
+        views = self.layout.views(full)
         for v in views.values():
-            v.flags.writeable = writeback  # views of the pool's buffer; the buffer stays writable
+            v.flags.writeable = writeback
         params = UnshardedParams(self.name, views)
         try:
             yield params
             if writeback:
                 lo, hi = self.layout.shard_range(self.comm.rank)
-                self.shard[...] = self.full[lo:hi]
+                self.shard[...] = full[lo:hi]
         finally:
             params.close()
-            self.reshard()
+            full.flags.writeable = False  # the buffer is the kept arrays' own now: read-only
+            self.ledger.free("gathered_params", full.nbytes)
 
     # -- gradients ----------------------------------------------------------------------------------
     def zero_full_grad(self) -> dict:

@@ -252,9 +252,10 @@ def test_unit_gather_of_shard_is_identity_with_zero_padding(comm, shapes, dtype)
     rng = np.random.default_rng(len(shapes))
     arrays = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(shapes)}
     unit = Unit("p", arrays, comm)
-    with unit.unsharded() as full:
-        same = all(np.array_equal(full[k], arrays[k]) for k in arrays)
-        padding = unit.full[unit.layout.numel :]
-        assert same and not padding.any()
+    full = unit.unshard()
+    same = all(np.array_equal(full[k], arrays[k]) for k in arrays)
+    padding = unit.full[unit.layout.numel :]
+    assert same and not padding.any()
+    unit.reshard()
     unit.reduce_grad({k: np.ones_like(v) for k, v in arrays.items()})
     assert np.all(unit.gather(unit.grad_shard)["t0"] == 1)

@@ -20,7 +20,9 @@ def test_unshard_returns_the_original_arrays(comm):
     assert unit.shard.size == -(-23 // comm.size) and unit.state == "sharded"
     with unit.unsharded() as full:
         ok = all(np.array_equal(full[k], arrays[k]) for k in arrays)
-        assert unit.state == "unsharded"
+    views = unit.unshard()  # FSDP's pooled path: the unit's own state machine
+    ok &= unit.state == "unsharded" and all(np.array_equal(views[k], arrays[k]) for k in arrays)
+    unit.reshard()
     agree(comm, ok and unit.state == "sharded" and unit.full is None, "unshard/reshard round trip")
 
 
@@ -148,8 +150,13 @@ def test_unsharded_views_are_read_only_unless_written_back(comm):
     with unit.unsharded() as p:
         with pytest.raises(ValueError, match="read-only"):
             p["w"][0, 0] = 100.0  # an edit that would be silently dropped is refused
+        kept = p["w"]
     with pytest.raises(RuntimeError, match="used after its `unsharded\\(\\)` block"):
-        p["w"]  # the buffer now holds other values
+        p["w"]  # params is closed after the block
+    other = Unit("other", {"w": np.full((2, 3), 9.0)}, comm)
+    with other.unsharded():
+        pass
+    assert np.array_equal(kept, np.arange(6.0).reshape(2, 3))  # kept arrays never see another unit's data
     with unit.unsharded(writeback=True) as p:
         np.clip(p["w"], 0.0, 2.0, out=p["w"])  # e.g. a projection onto constraints
     with unit.unsharded() as p:
