@@ -220,7 +220,7 @@ def recover(final) -> Path | None:
     final = Path(final)
     if not final.parent.is_dir():
         return None
-    leftovers = sorted(final.parent.glob(f"{glob_escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
+    leftovers = sorted(final.parent.glob(f"{_glob_escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
     complete = [p for p in leftovers if p.is_dir() and (p / MANIFEST).is_file()]
     if (final / MANIFEST).is_file():
         for old in complete:
@@ -235,7 +235,7 @@ def recover(final) -> Path | None:
     return final
 
 
-def glob_escape(name: str) -> str:
+def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
