@@ -134,7 +134,10 @@ class FSDPGroup:
         so an uneven last batch is an error here rather than a silently wrong update.
         """
         model = self.model
-        problem = model.check_inputs(*args, **kwargs)
+        try:  # a check that fails on one rank must still reach the exchange below
+            problem = model.check_inputs(*args, **kwargs)
+        except Exception as exc:
+            problem = f"check_inputs raised {type(exc).__name__}: {exc}"
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
         seq, digest = self.comm.schedule.position()  # so forward, too, starts from a checked schedule
         verdicts = self.comm.gather_ints(
