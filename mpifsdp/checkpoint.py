@@ -30,6 +30,7 @@ from .manifest import (
     MANIFEST,
     VERSION,
     CheckpointError,
+    is_count,
     read_manifest,
     read_slices,
     slice_digest,
@@ -121,8 +122,8 @@ def unit_record(unit) -> dict:
 def collective(comm, action, what: str, root: int | None = None):
     """Run `action()` on every rank (or on `root` only); if it failed anywhere, raise CheckpointError
     on every rank naming each rank's error (a rank failing alone would leave the others waiting)."""
-    run = comm.run_everywhere if root is None else (lambda *a, **k: comm.on_root(*a, root=root, **k))
-    return run(action, what, catch=(CheckpointError, OSError, ValueError), error_type=CheckpointError)
+    catch = (CheckpointError, OSError, ValueError)
+    return comm.run_everywhere(action, what, catch=catch, error_type=CheckpointError, root=root)
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -248,11 +249,8 @@ def _optimizer_state(optimizer, group) -> dict:
         raise CheckpointError(
             "the optimizer does not step this model's units: build it after fully_shard (AdamW(model))"
         )
-    return {
-        id(target): {kind: optimizer.state[kind][i] for kind in optimizer.STATE}
-        for i, target in enumerate(optimizer.groups)
-        if optimizer.STATE and optimizer.state[optimizer.STATE[0]][i] is not None
-    }
+    states = {id(target): optimizer.saved_state(i) for i, target in enumerate(optimizer.groups)}
+    return {key: state for key, state in states.items() if state}
 
 
 def _optimizer_record(optimizer) -> dict | None:
@@ -380,7 +378,7 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
 
     Pruning sees only step-N directories; it also removes incomplete staging directories of older
     steps (saves that died: never complete checkpoints)."""
-    if not _is_count(step) or not _is_count(keep):
+    if not is_count(step) or not is_count(keep):
         raise ValueError(
             f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
         )
@@ -388,10 +386,6 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
     comm = group_of(model).comm
     collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
     return path
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _prune(root: Path, step: int, keep: int):

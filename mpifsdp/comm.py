@@ -236,20 +236,20 @@ class Comm:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
             raise error_type(f"{what} failed on {len(failed)} of {self.size} ranks:\n{lines}")
 
-    def run_everywhere(self, action, what: str, catch=(OSError, ValueError), error_type=CollectiveError):
-        """Run `action()` on every rank and agree: if it raised one of `catch` on any rank, every rank
-        raises `error_type` naming each rank's error; else returns this rank's result."""
+    def run_everywhere(
+        self, action, what: str, catch=(OSError, ValueError), error_type=CollectiveError, root=None
+    ):
+        """Run `action()` on every rank (or on rank `root` only) and agree: if it raised one of `catch`
+        on any rank, every rank raises `error_type` naming each rank's error; else returns this rank's
+        result (None where it did not run)."""
         result, error = None, None
         try:
-            result = action()
+            if root is None or root == self.rank:
+                result = action()
         except catch as exc:
             error = str(exc) or type(exc).__name__
         self.raise_if_any(error, what, error_type)
         return result
-
-    def on_root(self, action, what: str, root: int = 0, **kwargs):
-        """run_everywhere with `action` on rank `root` only (publishing a file, writing a header)."""
-        return self.run_everywhere(action if self.rank == root else (lambda: None), what, **kwargs)
 
 
 __all__ = ["Comm", "CollectiveError", "ScheduleError"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from .backend import to_numpy
 from .checkpoint import collective, flat_range, group_of, sharded, unit_record
-from .manifest import CheckpointError, read_manifest, read_slices
+from .manifest import CheckpointError, is_count, read_manifest, read_slices, require
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _ST_ITEMSIZE = {
@@ -112,44 +112,35 @@ def read_safetensors_header(path) -> tuple[dict, int]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            _need(size >= 8, f"{size} bytes, shorter than the 8-byte header length")
+            require(size >= 8, f"{size} bytes, shorter than the 8-byte header length")
             (length,) = struct.unpack("<Q", f.read(8))
-            _need(length <= min(size - 8, MAX_HEADER), f"a header of {length} bytes in a file of {size}")
+            require(length <= min(size - 8, MAX_HEADER), f"a header of {length} bytes in a file of {size}")
             header = json.loads(f.read(length))
-        _need(isinstance(header, dict), "the header is not a JSON object")
+        require(isinstance(header, dict), "the header is not a JSON object")
         metadata = header.pop("__metadata__", {})
-        _need(isinstance(metadata, dict), "__metadata__ is not an object")
+        require(isinstance(metadata, dict), "__metadata__ is not an object")
         ranges = []
         for name, entry in header.items():
-            _need(isinstance(entry, dict) and entry.get("dtype") in _ST_ITEMSIZE, f"{name}: unknown dtype")
+            require(isinstance(entry, dict) and entry.get("dtype") in _ST_ITEMSIZE, f"{name}: unknown dtype")
             shape, offsets = entry.get("shape"), entry.get("data_offsets")
-            _need(
-                isinstance(shape, list) and all(_is_count(d) for d in shape), f"{name}: bad shape {shape!r}"
+            require(
+                isinstance(shape, list) and all(is_count(d) for d in shape), f"{name}: bad shape {shape!r}"
             )
-            _need(
-                isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets),
+            require(
+                isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets),
                 f"{name}: bad data_offsets {offsets!r}",
             )
             nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[entry["dtype"]]
-            _need(offsets[1] - offsets[0] == nbytes, f"{name}: data_offsets {offsets} do not hold {shape}")
+            require(offsets[1] - offsets[0] == nbytes, f"{name}: data_offsets {offsets} do not hold {shape}")
             ranges.append(tuple(offsets))
         end = 0
         for start, stop in sorted(ranges):
-            _need(start == end, "tensor byte ranges overlap or leave a gap")
+            require(start == end, "tensor byte ranges overlap or leave a gap")
             end = stop
-        _need(8 + length + end == size, f"the tensors end at byte {8 + length + end}, the file at {size}")
+        require(8 + length + end == size, f"the tensors end at byte {8 + length + end}, the file at {size}")
     except (OSError, ValueError, struct.error) as exc:  # ValueError: bad JSON, bad UTF-8, checks above
         raise CheckpointError(f"not a valid safetensors file: {path} ({exc})") from None
     return header, 8 + length
-
-
-def _need(ok: bool, why: str):
-    if not ok:
-        raise ValueError(why)
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def load_safetensors(path, model, strict: bool = True):

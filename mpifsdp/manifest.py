@@ -66,68 +66,70 @@ def read_manifest(directory) -> dict:
     return manifest
 
 
-def _need(ok: bool, why: str):
+def require(ok: bool, why: str):
+    """Validation of a file's content: a ValueError saying why, turned into "not a valid ... (why)"."""
     if not ok:
         raise ValueError(why)
 
 
-def _is_int(value, low: int = 0) -> bool:
+def is_count(value, low: int = 0) -> bool:
+    """An integer >= low, and not a bool (JSON's true would pass isinstance(value, int))."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _validate(manifest):
-    _need(isinstance(manifest, dict), "the manifest is not a JSON object")
-    _need(manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    require(isinstance(manifest, dict), "the manifest is not a JSON object")
+    require(manifest.get("format") == FORMAT, f"format {manifest.get('format')!r}, expected {FORMAT!r}")
     version = manifest.get("version")
-    _need(version in (1, 2), f"format version {version!r}; this mpifsdp reads versions 1 and 2")
+    require(version in (1, 2), f"format version {version!r}; this mpifsdp reads versions 1 and 2")
     if version >= 2:
-        _need(manifest.get("sha256") == manifest_digest(manifest), "the manifest's checksum does not match")
-    _need(_is_int(manifest["world_size"], 1), "world_size must be a positive integer")
+        require(manifest.get("sha256") == manifest_digest(manifest), "the manifest's checksum does not match")
+    require(is_count(manifest["world_size"], 1), "world_size must be a positive integer")
     units = manifest["units"]
-    _need(isinstance(units, list), "units must be a list")
+    require(isinstance(units, list), "units must be a list")
     for u in units:
-        _need(isinstance(u["name"], str), "a unit's name must be a string")
-        _need(u["dtype"] in FLOAT_DTYPES, f"unit {u['name']!r}: dtype {u['dtype']!r} is not a float dtype")
-        _need(_is_int(u["numel"]), f"unit {u['name']!r}: numel must be a non-negative integer")
+        require(isinstance(u["name"], str), "a unit's name must be a string")
+        require(u["dtype"] in FLOAT_DTYPES, f"unit {u['name']!r}: dtype {u['dtype']!r} is not a float dtype")
+        require(is_count(u["numel"]), f"unit {u['name']!r}: numel must be a non-negative integer")
         end = 0
         for t in u["tensors"]:
-            _need(isinstance(t["name"], str), f"unit {u['name']!r}: a tensor's name must be a string")
-            _need(
-                isinstance(t["shape"], list) and all(_is_int(d) for d in t["shape"]),
+            require(isinstance(t["name"], str), f"unit {u['name']!r}: a tensor's name must be a string")
+            require(
+                isinstance(t["shape"], list) and all(is_count(d) for d in t["shape"]),
                 f"{t['name']}: bad shape",
             )
-            _need(t["offset"] == end, f"{t['name']}: offset {t['offset']!r}, expected {end}")
+            require(t["offset"] == end, f"{t['name']}: offset {t['offset']!r}, expected {end}")
             end += int(np.prod(t["shape"], dtype=np.int64))
-        _need(
+        require(
             end == u["numel"], f"unit {u['name']!r}: its tensors hold {end} elements, numel says {u['numel']}"
         )
     coverage: dict = {}
     for record in manifest["files"]:
-        _need(isinstance(record["name"], str), "a file's name must be a string")
-        _need(_is_int(record["bytes"]), f"{record['name']}: bytes must be a non-negative integer")
+        require(isinstance(record["name"], str), "a file's name must be a string")
+        require(is_count(record["bytes"]), f"{record['name']}: bytes must be a non-negative integer")
         for s in record["segments"]:
-            _need(
-                _is_int(s["unit"]) and s["unit"] < len(units), f"{record['name']}: unit index {s['unit']!r}"
+            require(
+                is_count(s["unit"]) and s["unit"] < len(units), f"{record['name']}: unit index {s['unit']!r}"
             )
-            _need(s["kind"] in KINDS, f"{record['name']}: kind {s['kind']!r} is none of {KINDS}")
+            require(s["kind"] in KINDS, f"{record['name']}: kind {s['kind']!r} is none of {KINDS}")
             unit = units[s["unit"]]
-            _need(
-                _is_int(s["start"]) and _is_int(s["stop"]) and s["start"] <= s["stop"] <= unit["numel"],
+            require(
+                is_count(s["start"]) and is_count(s["stop"]) and s["start"] <= s["stop"] <= unit["numel"],
                 f"{record['name']}: slice [{s['start']!r}, {s['stop']!r}) outside unit {unit['name']!r}",
             )
             nbytes = (s["stop"] - s["start"]) * np.dtype(unit["dtype"]).itemsize
-            _need(
-                _is_int(s["offset"]) and s["offset"] + nbytes <= record["bytes"],
+            require(
+                is_count(s["offset"]) and s["offset"] + nbytes <= record["bytes"],
                 f"{record['name']}: a slice at offset {s['offset']!r} runs past the file's end",
             )
-            _need(isinstance(s["sha256"], str) and len(s["sha256"]) == 64, f"{record['name']}: bad sha256")
+            require(isinstance(s["sha256"], str) and len(s["sha256"]) == 64, f"{record['name']}: bad sha256")
             coverage.setdefault((s["unit"], s["kind"]), []).append((s["start"], s["stop"]))
     for index, unit in enumerate(units):
         for kind in KINDS:
             ranges = sorted(r for r in coverage.get((index, kind), []) if r[0] < r[1])
             if kind != "param" and not ranges:
                 continue  # no moments saved for this unit (never stepped)
-            _need(
+            require(
                 _tiles(ranges, unit["numel"]),
                 f"unit {unit['name']!r}: its {kind} slices do not cover it once",
             )

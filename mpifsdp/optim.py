@@ -140,24 +140,29 @@ class FlatOptimizer:
         """What a checkpoint records of this optimizer besides its state."""
         return {"lr": self.lr, "weight_decay": self.weight_decay}
 
+    def saved_state(self, i) -> dict:
+        """kind -> array of group i's state, or {} before its first step (what a checkpoint saves)."""
+        allocated = self.STATE and self.state[self.STATE[0]][i] is not None
+        return {kind: self.state[kind][i] for kind in self.STATE} if allocated else {}
+
     def state_of(self, i) -> dict:
         """kind -> array of group i's state, allocated (zeros) at the first call."""
-        if self.STATE and self.state[self.STATE[0]][i] is None:
+        if self.STATE and not self.saved_state(i):
             group = self.groups[i]
             p = group.flat_param()
             xp = array_module_of(p)
             for kind in self.STATE:
                 self.state[kind][i] = xp.zeros_like(p)
             _count(group, "alloc", "optim_state", len(self.STATE) * p.nbytes)
-        return {kind: self.state[kind][i] for kind in self.STATE}
+        return self.saved_state(i)
 
     def reset_state(self, i):
         """Forget group i's state (as before its first step), e.g. when a checkpoint holds none for it."""
-        if self.STATE and self.state[self.STATE[0]][i] is not None:
-            nbytes = sum(self.state[kind][i].nbytes for kind in self.STATE)
-            for kind in self.STATE:
-                self.state[kind][i] = None
-            _count(self.groups[i], "free", "optim_state", nbytes)
+        state = self.saved_state(i)
+        for kind in state:
+            self.state[kind][i] = None
+        if state:
+            _count(self.groups[i], "free", "optim_state", sum(a.nbytes for a in state.values()))
 
     def step(self) -> bool:
         """Update every group that has a gradient; groups without one are left alone and their step

@@ -29,8 +29,8 @@ from .flat import FlatLayout
 
 
 class UnshardedParams(Mapping):
-    """name -> full parameter array, valid only inside `Unit.unsharded()`: afterwards the buffer
-    holds other values, so access is refused instead of silently reading them."""
+    """name -> full parameter array, valid only inside `Unit.unsharded()`: after the block the
+    parameters may have changed (an optimizer step), so access is refused rather than stale."""
 
     def __init__(self, unit: str, views: dict):
         self._unit, self._views = unit, views
@@ -41,8 +41,8 @@ class UnshardedParams(Mapping):
     def _open(self) -> dict:
         if self._views is None:
             raise RuntimeError(
-                f"unit {self._unit!r}: its parameters were used after its `unsharded()` block; the buffer "
-                "now holds other values. Use them inside the block (copy what you keep)"
+                f"unit {self._unit!r}: its parameters were used after its `unsharded()` block, where "
+                "they may be stale; use them inside the block (keep the arrays you need from it)"
             )
         return self._views
 
@@ -223,12 +223,23 @@ class Unit:
             self.comm.wait(request)
             if send is not self.shard:
                 self._give("gathered_params", send)
-                self._check_representable()
+                self._check_representable(self.full)
 
-    def _check_representable(self):
+    def _gather_into(self, full, phase: str):
+        """Blocking: `full` = every rank's shard, in param_dtype (a buffer of the caller's)."""
+        send = self._cast("gathered_params", self.shard, self.param_dtype)
+        try:
+            self.comm.all_gather(send, full, unit=self.name, phase=phase)
+        finally:
+            if send is not self.shard:
+                self._give("gathered_params", send)
+        if send is not self.shard:
+            self._check_representable(full)
+
+    def _check_representable(self, full):
         """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it. Every rank sees
         the same gathered values, so every rank raises here alike (no collective needed)."""
-        if not bool(self.xp.isfinite(self.full).all()):
+        if not bool(self.xp.isfinite(full).all()):
             raise FloatingPointError(
                 f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
                 f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
@@ -256,24 +267,21 @@ class Unit:
         if writeback and self.param_dtype != self.layout.dtype:
             raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
         full = self.xp.empty(self.layout.padded_numel, dtype=self.param_dtype)
-        send = self._cast("gathered_params", self.shard, self.param_dtype)
         self.ledger.alloc("gathered_params", full.nbytes)
+        params = None
         try:
-            self.comm.all_gather(send, full, unit=self.name, phase=phase)
-        finally:
-            if send is not self.shard:
-                self._give("gathered_params", send)
-        views = self.layout.views(full)
-        for v in views.values():
-            v.flags.writeable = writeback
-        params = UnshardedParams(self.name, views)
-        try:
+            self._gather_into(full, phase)
+            views = self.layout.views(full)
+            for v in views.values():
+                v.flags.writeable = writeback
+            params = UnshardedParams(self.name, views)
             yield params
             if writeback:
                 lo, hi = self.layout.shard_range(self.comm.rank)
                 self.shard[...] = full[lo:hi]
         finally:
-            params.close()
+            if params is not None:
+                params.close()
             full.flags.writeable = False  # the buffer is the kept arrays' own now: read-only
             self.ledger.free("gathered_params", full.nbytes)
 
