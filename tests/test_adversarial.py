@@ -96,6 +96,14 @@ def bad(body, expect, **kw):
     return Scenario(body, expect, **kw)
 
 
+CLIP_ON_ONE_RANK = """
+    model, opt = make()
+    model(*batch()).backward()
+    if rank == 0:
+        opt.clip_grad_norm(1.0)  # a scalar all-reduce the other ranks do not make for this purpose
+    opt.step()
+"""
+
 SCENARIOS = {
     # -- checkpoints never lose data ------------------------------------------------------------------
     "prune-spares-a-users-checkpoint": good("""
@@ -303,23 +311,10 @@ SCENARIOS = {
         r"configuration differs between ranks.*dropout",
     ),
     "clip-on-one-rank": bad(
-        """
-        model, opt = make()
-        model(*batch()).backward()
-        if rank == 0:
-            opt.clip_grad_norm(1.0)
-        opt.step()
-    """,
-        r"ScheduleError: ranks disagree .*the gradient norm of clip_grad_norm",
+        CLIP_ON_ONE_RANK, r"ScheduleError: ranks disagree .*the gradient norm of clip_grad_norm"
     ),
     "clip-on-one-rank-debug": bad(
-        """
-        model, opt = make()
-        model(*batch()).backward()
-        if rank == 0:
-            opt.clip_grad_norm(1.0)
-        opt.step()
-    """,
+        CLIP_ON_ONE_RANK,
         r"ScheduleError: ranks disagree on the sequence of collectives \(before",
         env={"MPIFSDP_DEBUG": "1"},
     ),
