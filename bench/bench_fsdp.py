@@ -74,8 +74,8 @@ def worker(args):
     loss = model(x, y)  # one more forward, to weigh what the tape keeps
     activations = graph_nbytes(loss) / 2**20
     loss.backward()
-    group = mpifsdp.fsdp.fsdp_group(model)
-    runtime = (group.ledger.peak_total if group else 16 * model.num_params()) / 2**20
+    sharded = mpifsdp.sharded_model(model)
+    runtime = (sharded.ledger.peak_total if sharded else 16 * model.num_params()) / 2**20
     if comm.rank == 0:
         tokens = global_batch * cfg["block_size"]
         step_s = float(np.median(times))

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import CONFIGS, gpt_config, random_batch, train_step  # noqa: E402
 
 import mpifsdp  # noqa: E402
+from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
-from mpifsdp.fsdp import fsdp_group  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
@@ -119,8 +119,8 @@ def speed(args):
     step_s = float(np.median(times))
     tokens = cfg["batch_size"] * cfg["block_size"]
     tflops = model.flops_per_token(cfg["block_size"]) * tokens / step_s / 1e12
-    group = fsdp_group(model)
-    plan = group.plan()
+    sharded = sharded_model(model)
+    plan = sharded.plan()
     formula = plan["persistent"] + 2 * plan["largest_unit"] + plan["root_unit"]
     result = {
         "check": "speed",

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
-from mpifsdp import checkpoint
+from mpifsdp import checkpoint, sharded_model
 from mpifsdp.accounting import mib, peak_rss_bytes
 from mpifsdp.data import TextData, rank_slice
-from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig
 
 
@@ -127,8 +126,8 @@ def main():
         model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=comm.device)
     n_params = model.num_params()
     mpifsdp.fully_shard(model, comm, units=model.blocks)
-    group = fsdp_group(model)
-    plan = group.plan()
+    sharded = sharded_model(model)
+    plan = sharded.plan()
     say(
         f"model: {n_params / 1e6:.2f} M parameters in {plan['units']} units; plan per rank: "
         f"{mib(plan['persistent'])} MiB persistent (16 B x shard) + gathered at most "
@@ -202,7 +201,7 @@ def main():
     )
     say("sample:\n" + bytes(sample[0].astype(np.uint8)).decode("utf-8", errors="replace"))
 
-    memory = group.report()  # every rank's ledgers, gathered
+    memory = sharded.report()  # every rank's ledgers, gathered
     peak_rss = max(comm.allgather_object(peak_rss_bytes()))
     if rank == 0:
         mem = memory[0]["memory"]

@@ -1,4 +1,4 @@
-"""A small reverse-mode autodiff: Tensors, a registry of primitives with their VJPs, a tape, scopes.
+"""A small reverse-mode autodiff: Tensors, Params, a registry of primitives with their VJPs.
 
 Each primitive is a pair of plain array functions (see ops.py):
     forward(*arrays, **settings) -> (out, saved)
@@ -9,23 +9,19 @@ Arrays are positional, settings are keyword (as in JAX's Autodidax).
 VJP never reads), never their arrays; `backward` reads `tensor.data` only when the VJP runs, and
 `saved` may hold activations but never a parameter's array.
 That is what lets FSDP free a unit's gathered parameters after forward and gather them again before
-backward (docs/design.md, invariant 1). A Param whose data is absent raises, naming its owner.
-
-Scopes: while `with scope(obj):` is active, every recorded node remembers obj (scopes nest). During
-backward, obj.pre_backward() runs before the first of its nodes and obj.post_backward() after the last
-one; an outer scope's post_backward therefore runs after everything recorded inside it.
+backward (docs/design.md, invariant 1). A Param whose data is absent raises, saying why (whoever took
+its data gave the reason). The tape itself (nodes, no_grad, scopes, backward) is tape.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .backend import array_module_of, to_numpy
+from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order
 
 
 @dataclass(frozen=True)
@@ -62,57 +58,6 @@ class ArrayMeta:
 
     def __init__(self, array):
         self.shape, self.dtype, self.ndim, self.size = array.shape, array.dtype, array.ndim, array.size
-
-
-class _State(threading.local):
-    def __init__(self):
-        self.grad_enabled = True
-        self.scopes: tuple = ()
-
-
-_state = _State()
-
-
-@contextlib.contextmanager
-def no_grad():
-    """Run ops without recording them: no graph, no memory held for backward."""
-    previous, _state.grad_enabled = _state.grad_enabled, False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = previous
-
-
-def grad_enabled() -> bool:
-    return _state.grad_enabled
-
-
-@contextlib.contextmanager
-def scope(owner):
-    """Record nodes created inside under `owner` (an object with pre_backward/post_backward)."""
-    previous = _state.scopes
-    _state.scopes = previous + (owner,)
-    try:
-        yield
-    finally:
-        _state.scopes = previous
-
-
-class Node:
-    """One recorded primitive application: what backward needs to run its VJP.
-
-    `inputs` are the input Tensors, or shape-only stand-ins (see Primitive.reads_inputs) that share
-    the producer's node. Backward empties `inputs` and `saved` once the VJP has run.
-    """
-
-    __slots__ = ("prim", "inputs", "saved", "settings", "scopes")
-
-    def __init__(self, prim, inputs, saved, settings, scopes):
-        self.prim, self.inputs, self.saved, self.settings, self.scopes = prim, inputs, saved, settings, scopes
-
-    @property
-    def freed(self) -> bool:
-        return self.inputs is None
 
 
 class Tensor:
@@ -254,22 +199,25 @@ class Tensor:
         return apply("sqrt", self)
 
 
-class ShardedParameterError(RuntimeError):
-    """A parameter was used while the FSDP unit that owns it held only its shard."""
+class AbsentDataError(RuntimeError):
+    """A parameter was used while its data was absent (its FSDP unit sharded, or not yet built)."""
 
 
 class Param(Tensor):
-    """A trainable leaf. Its data may be absent: while its FSDP unit is sharded, or before a deferred
-    parameter is materialized (layers.deferred_init); reading it then raises. Its shape and dtype are
-    fixed at creation and always known."""
+    """A trainable leaf: data, grad and name. Its data may be absent (`release`): while its FSDP unit
+    is sharded, or before a deferred parameter is built (layers.deferred_init); reading it then
+    raises with the reason the releaser gave. Its shape and dtype are fixed at creation."""
 
-    def __init__(self, data, name: str = "", shape=None, dtype=None, initial=None):
+    def __init__(self, data, name: str = "", shape=None, dtype=None, absent: str | None = None):
         super().__init__(data, requires_grad=True)
         self.name = name
-        self.unit_name: str | None = None  # set by the FSDP unit that owns this parameter
         self._shape = tuple(data.shape) if data is not None else tuple(shape)
         self._dtype = np.dtype(data.dtype if data is not None else dtype)
-        self._initial = initial  # deferred: a function returning the initial array
+        self.absent = absent if data is None else None  # why there is no data, while there is none
+
+    def release(self, reason: str):
+        """Drop the data; until it is set again, reading it raises AbsentDataError with `reason`."""
+        self._data, self.absent = None, reason
 
     @property
     def shape(self):
@@ -288,28 +236,16 @@ class Param(Tensor):
     def size(self):
         return int(np.prod(self._shape, dtype=np.int64))
 
-    def initial_value(self):
-        """The array this parameter starts from: its data, or (deferred) freshly made from its seed."""
-        return self._initial() if self._data is None and self._initial is not None else self.data
-
     @property
     def data(self):
-        if self._data is None and self.unit_name is None and self._initial is not None:
-            raise ShardedParameterError(
-                f"parameter {self.name!r} was built under deferred_init() and has no values yet: "
-                "fully_shard() the model first (it materializes one unit at a time)"
-            )
         if self._data is None:
-            raise ShardedParameterError(
-                f"parameter {self.name!r} was used while its unit {self.unit_name!r} is sharded "
-                "(its full values exist only inside that unit's forward and backward). Call it "
-                "through the module that owns it, or wrap the code in `with unit.unsharded():`."
-            )
+            raise AbsentDataError(f"parameter {self.name!r} has no data: {self.absent or 'none was given'}")
         return self._data
 
     @data.setter
     def data(self, value):
         self._data = value
+        self.absent = None
 
     def __repr__(self):
         return f"Param({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -361,10 +297,10 @@ def apply(name: str, *args, **settings) -> Tensor:
             raise
         raise rebuilt from exc
     result = Tensor(out)
-    if _state.grad_enabled and any(t.requires_grad for t in inputs):
+    if grad_enabled() and any(t.requires_grad for t in inputs):
         result.requires_grad = True
         kept = inputs if prim.reads_inputs else tuple(map(_shape_only, inputs))
-        result._node = Node(prim, kept, saved, settings, _state.scopes)
+        result._node = Node(prim, kept, saved, settings, active_scopes())
     return result
 
 
@@ -377,33 +313,10 @@ def _shape_only(t: Tensor) -> Tensor:
     return stub
 
 
-def _nodes_in_reverse_order(root: Node) -> list[Node]:
-    """Nodes reachable from `root`, each after every node that consumes its output.
-
-    Iterative depth-first post-order (no recursion limit on deep models), then reversed.
-    """
-    order, visited = [], set()
-    stack = [(root, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        stack.append((node, True))
-        for t in node.inputs:
-            if t._node is not None and id(t._node) not in visited:
-                stack.append((t._node, False))
-    order.reverse()
-    return order
-
-
 def graph_nbytes(root: Tensor) -> int:
     """Bytes of the distinct arrays the graph behind `root` keeps for backward (activations)."""
     seen_arrays, total = set(), 0
-    for node in _nodes_in_reverse_order(root._node):
+    for node in nodes_in_reverse_order(root._node):
         held = [t._data for t in node.inputs if not isinstance(t, Param) and hasattr(t._data, "base")]
         stack = held + [node.saved]
         while stack:
@@ -416,54 +329,3 @@ def graph_nbytes(root: Tensor) -> int:
                     seen_arrays.add(id(base))
                     total += base.nbytes
     return total
-
-
-def backward(root: Tensor, grad=None):
-    """Accumulate d(root)/d(leaf) into every leaf's .grad, freeing the graph as it goes."""
-    if root._node is None:
-        raise RuntimeError(
-            "this tensor does not require grad: its forward ran under no_grad() or used no "
-            "trainable parameters, so there is nothing to differentiate"
-        )
-    if root._node.freed:
-        raise RuntimeError(
-            "backward() through a graph that was already freed: run the forward again before "
-            "calling backward() a second time"
-        )
-    if grad is None:
-        if root.size != 1:
-            raise ValueError(f"backward() without a gradient needs a scalar, got shape {root.shape}")
-        grad = root.xp.ones_like(root.data)
-
-    order = _nodes_in_reverse_order(root._node)
-    remaining: dict[int, int] = {}  # per scope: nodes still to run
-    for node in order:
-        for s in node.scopes:
-            remaining[id(s)] = remaining.get(id(s), 0) + 1
-    started: set[int] = set()
-
-    grads = {id(root._node): grad}  # keyed by node: one output per node
-    for node in order:
-        for s in node.scopes:
-            if id(s) not in started:
-                started.add(id(s))
-                s.pre_backward()
-        g = grads.pop(id(node), None)
-        if g is not None:
-            arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
-            input_grads = node.prim.vjp(g, node.saved, *arrays, **node.settings)
-            for t, gi in zip(node.inputs, input_grads):
-                if gi is None or not t.requires_grad:
-                    continue
-                if t._node is None:
-                    t._accumulate_grad(gi)
-                elif id(t._node) in grads:
-                    key = id(t._node)
-                    grads[key] = grads[key] + gi  # not in place: a VJP may return shared arrays
-                else:
-                    grads[id(t._node)] = gi
-        node.inputs = node.saved = None  # free the graph as we go
-        for s in reversed(node.scopes):
-            remaining[id(s)] -= 1
-            if remaining[id(s)] == 0:
-                s.post_backward()

@@ -79,11 +79,6 @@ def gpu_available() -> bool:
         return False
 
 
-def available_devices() -> list[str]:
-    """Devices the tests should run on: 'cpu' always, 'cuda' when a GPU is present."""
-    return [CPU, "cuda"] if gpu_available() else [CPU]
-
-
 # -- the node and its GPUs (threads.py, transport.py); every cupy access stays in this file -----------
 
 

@@ -24,16 +24,18 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .fsdp import fsdp_group
+from .fsdp import sharded_model
 from .manifest import (
     FORMAT,
     MANIFEST,
     VERSION,
     CheckpointError,
+    flat_range,
     is_count,
     read_manifest,
     read_slices,
     slice_digest,
+    unit_record,
     verify,
     with_digest,
 )
@@ -81,9 +83,9 @@ class Sharded:
 
 def sharded(target) -> Sharded | None:
     """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
-    group = fsdp_group(target)
-    if group is not None:
-        return Sharded(group.units, group.comm, group.ledger)
+    model = sharded_model(target)
+    if model is not None:
+        return Sharded(model.units, model.comm, model.ledger)
     if isinstance(target, (list, tuple)) and target and all(isinstance(u, Unit) for u in target):
         if len({id(u.comm) for u in target}) > 1:
             raise CheckpointError("the units are sharded over different Comms: checkpoint each set apart")
@@ -99,24 +101,6 @@ def group_of(target) -> Sharded:
             f"or a list of Units, not a {type(target).__name__}"
         )
     return found
-
-
-def flat_range(unit, rank: int, world: int) -> tuple[int, int]:
-    """The unpadded part [start, stop) of the flat vector that `rank` of `world` owns."""
-    shard = -(-unit.layout.numel // world)
-    return min(rank * shard, unit.layout.numel), min((rank + 1) * shard, unit.layout.numel)
-
-
-def unit_record(unit) -> dict:
-    lay = unit.layout
-    return {
-        "name": unit.name,
-        "dtype": lay.dtype.str,
-        "numel": lay.numel,
-        "tensors": [
-            {"name": n, "shape": list(s), "offset": o} for n, s, o in zip(lay.names, lay.shapes, lay.offsets)
-        ],
-    }
 
 
 def collective(comm, action, what: str, root: int | None = None):
@@ -151,7 +135,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             "world_size": comm.size,
             "units": [unit_record(u) for u in group.units],
             "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
-            "optimizer": _optimizer_record(optimizer),
+            "optimizer": None if optimizer is None else optimizer.summary(),
             "extra": extra or {},
         }
 
@@ -249,19 +233,8 @@ def _optimizer_state(optimizer, group) -> dict:
         raise CheckpointError(
             "the optimizer does not step this model's units: build it after fully_shard (AdamW(model))"
         )
-    states = {id(target): optimizer.saved_state(i) for i, target in enumerate(optimizer.groups)}
+    states = {id(target): optimizer.state_of(target) for target in optimizer.groups}
     return {key: state for key, state in states.items() if state}
-
-
-def _optimizer_record(optimizer) -> dict | None:
-    if optimizer is None:
-        return None
-    return {
-        "name": type(optimizer).__name__,
-        "step": optimizer.step_count,
-        "group_steps": {g.name: n for g, n in zip(optimizer.groups, optimizer.steps)},
-        **optimizer.hyperparameters(),
-    }
 
 
 def _write_rank_file(tmp: Path, group, state: dict) -> dict:
@@ -318,11 +291,7 @@ def load(directory, model, optimizer=None) -> dict:
     )
     collective(group.comm, lambda: _fill(directory, manifest, group, optimizer), f"loading {directory}")
     if optimizer is not None and manifest["optimizer"] is not None:
-        record = manifest["optimizer"]
-        optimizer.step_count = record["step"]
-        # checkpoints written before per-group steps: every group was at the global step
-        per_group = record.get("group_steps", {})
-        optimizer.steps = [per_group.get(g.name, record["step"]) for g in optimizer.groups]
+        optimizer.restore(manifest["optimizer"])
     return manifest["extra"]
 
 
@@ -350,16 +319,16 @@ def _check_fits(manifest: dict, group, optimizer=None) -> dict:
 
 def _fill(directory: Path, manifest: dict, group, optimizer):
     comm = group.comm
-    positions = {id(u): i for i, u in enumerate(optimizer.groups)} if optimizer is not None else {}
+    stepped = {id(u) for u in optimizer.groups} if optimizer is not None else set()
     for index, unit in enumerate(group.units):
         start, stop = flat_range(unit, comm.rank, comm.size)
         targets = {"param": unit.shard}
         saved = {seg["kind"] for f in manifest["files"] for seg in f["segments"] if seg["unit"] == index}
-        if id(unit) in positions and manifest["optimizer"] is not None:
-            if saved & set(optimizer.STATE):
-                targets.update(optimizer.state_of(positions[id(unit)]))
+        if id(unit) in stepped and manifest["optimizer"] is not None:
+            if saved & set(optimizer.state_kinds):
+                targets.update(optimizer.state_of(unit, allocate=True))
             else:  # never stepped when saved
-                optimizer.reset_state(positions[id(unit)])
+                optimizer.forget_state(unit)
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero
             for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):

@@ -20,7 +20,7 @@ import numpy as np
 from .accounting import CommLedger
 from .backend import parse_device, select_gpu
 from .schedule import Schedule, ScheduleError, describe, digest
-from .threads import configure_threads
+from .threads import set_threads
 from .transport import choose_transport
 
 
@@ -49,8 +49,10 @@ class Comm:
         device: str = "cpu",
         transport: str | None = None,
     ):
-        """threads: BLAS threads per rank: "auto" (the node's cores shared by its ranks, unless
-        OMP_NUM_THREADS or similar is set), an int, or None to leave BLAS alone (see threads.py).
+        """threads: passed to mpifsdp.set_threads with this node's rank count: "auto" (the node's
+        cores shared by its ranks, unless OMP_NUM_THREADS or similar is set), an int, or None to leave
+        the process's threads alone (an embedding code that sets its own; set_threads may be called
+        at any time).
         debug / timeout / abort_on_timeout: the schedule checks and the watchdog (schedule.py);
         None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment.
         device: "cpu" or "cuda" (this rank takes GPU local_rank mod GPUs); transport: how device
@@ -63,7 +65,7 @@ class Comm:
         self.ledger = CommLedger()
         self.schedule = Schedule(self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout)
         self.node_rank, self.node_size = self._node_ranks()
-        self.threads = configure_threads(self.node_size, threads)
+        self.threads = set_threads(threads, self.node_size)
         on_gpu = parse_device(device)[0] != "cpu"
         self.device = select_gpu(self.node_rank) if on_gpu else "cpu"
         self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import collective, flat_range, group_of, sharded, unit_record
-from .manifest import CheckpointError, is_count, read_manifest, read_slices, require
+from .checkpoint import collective, group_of, sharded
+from .manifest import CheckpointError, flat_range, is_count, read_manifest, read_slices, require, unit_record
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _ST_ITEMSIZE = {

@@ -1,127 +1,96 @@
-"""fully_shard(): bind Units to Modules, and the per-unit forward/backward schedule.
+"""fully_shard(): turn a Module into units, and the per-step schedule across them (ShardedModel).
 
-Each unit module's forward runs as: unshard (Allgather) -> bind parameter views -> forward (its
-nodes recorded under the unit's autodiff scope) -> reshard (free). Backward, through the scope:
-pre_backward gathers again and points every parameter's .grad at a view of one flat full_grad;
-the VJPs accumulate into it; post_backward reduce-scatters it into the grad shard and frees both.
-The rest of the model is the root unit, whose scope encloses everything, so its post_backward is
-the end of backward.
+Each unit module's forward runs inside its UnitLifecycle (lifecycle.py): unshard (Allgather) -> bind
+parameter views -> forward (its nodes recorded under the unit's autodiff scope) -> reshard (free).
+Backward, through the scope: pre_backward gathers again and points every parameter's .grad at a view
+of one flat full_grad; the VJPs accumulate into it; post_backward reduce-scatters it into the grad
+shard and frees both. Parameters no unit module owns form the root unit.
 
-Overlap (as FSDP2): while unit k computes, the gathers of the next `prefetch` units are in flight
-(forward: the order units ran in the previous forward, registration order at first; backward: the
-reverse of this forward's order), and each unit's reduce-scatter runs while the next unit's
-backward computes. Every rank issues the same collectives in the same order (docs/design.md, invariant 5):
-the schedule depends only on the model's structure, never on data.
+The ShardedModel is the outermost scope of every step: it checks the inputs and ends the forward; at
+the end of backward it sweeps units backward never reached, finishes the reduce-scatters and compares
+the ranks' schedules. Overlap (as FSDP2): while unit k computes, the gathers of the next `prefetch`
+units are in flight (forward: the order units ran in the previous forward, registration order at
+first; backward: the reverse of this forward's order), and each unit's reduce-scatter runs while the
+next unit's backward computes. Every rank issues the same collectives in the same order
+(docs/design.md, invariant 5): the schedule depends only on the model's structure, never on data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import deque
-from contextlib import nullcontext
 
 from . import ops
 from .accounting import MemoryLedger
-from .autodiff import grad_enabled, scope
 from .comm import CollectiveError, Comm
-from .layers import Module
-from .unit import BufferPool, Unit, state_dict
+from .layers import Module, initial_value
+from .lifecycle import Stage, UnitLifecycle
+from .pool import BufferPool
+from .tape import grad_enabled, scope
+from .unit import Unit, state_dict
+
+_SHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ShardedModel
 
 
-class UnitState:
-    """The FSDP state of one unit: its Params, and the transitions around forward and backward."""
+class ShardedModel:
+    """All units of one sharded model, and what a step does across them (see the module docstring).
 
-    def __init__(self, unit: Unit | None, params, group: FSDPGroup, reshard_after_forward: bool):
-        self.unit, self.params, self.group = unit, params, group  # params: [(name in unit, Param)]
-        self.reshard_after_forward = reshard_after_forward
+    Its collections change only through its own methods: `ran` (a unit's forward finished),
+    `prefetch_after` (a unit asks for the gathers after it), `reducing` (a reduce-scatter started).
+    """
 
-    def _bind(self, views):
-        for name, p in self.params:
-            p.data = views[name]
-
-    def _unbind(self):
-        for _, p in self.params:
-            p.data = None
-
-    # -- forward ----------------------------------------------------------------------------------
-    def run_forward(self, forward, *args, **kwargs):
-        """Module._forward_wrapper: the unit is unsharded while its forward runs."""
-        group, is_root = self.group, self is self.group.root
-        if is_root:
-            group.check_inputs(args, kwargs)
-            group.recording = []
-        if self.unit is not None:
-            self._bind(self.unit.unshard("forward"))
-        group.prefetch(self, "forward")
-        global_mean = ops.mean_over_ranks(group.count_share) if is_root else nullcontext()
-        try:
-            with global_mean:
-                if not grad_enabled():
-                    return forward(*args, **kwargs)
-                group.pending.add(self)
-                with scope(self):
-                    return forward(*args, **kwargs)
-        finally:
-            if not is_root:
-                group.recording.append(self)
-            if self.unit is not None:
-                self._unbind()
-                if self.reshard_after_forward or not grad_enabled():
-                    self.unit.reshard()
-            if is_root:
-                group.end_forward()
-
-    # -- backward (called by the autodiff engine through the scope) -------------------------------
-    def pre_backward(self):
-        if self.unit is not None:
-            self._bind(self.unit.unshard("backward"))
-            grads = self.unit.zero_full_grad()
-            for name, p in self.params:
-                p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
-        self.group.prefetch(self, "backward")
-
-    def post_backward(self):
-        group = self.group
-        if self is group.root:
-            group.finalize_pending()
-        group.pending.discard(self)
-        if self.unit is not None:
-            for _, p in self.params:
-                p.grad = None
-            self._unbind()
-            self.unit.start_reduce_grad(phase="backward")
-            self.unit.reshard()
-            group.reducing.append(self.unit)
-        while len(group.reducing) > (0 if self is group.root else group.max_reducing):
-            group.reducing.popleft().finish_reduce_grad()
-        if self is group.root:
-            group.release_prefetched()
-            group.comm.check_schedule()  # every rank issued the same collectives this step
-
-
-class FSDPGroup:
-    """All units of one sharded model: the shared ledger and pool, the root, and the schedule."""
-
-    def __init__(self, comm: Comm, prefetch: int, max_reducing: int = 1):
+    def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (units gathered ahead), got {prefetch}")
         self.comm = comm
-        self.model = None  # the sharded model (its check_inputs runs in the root's forward)
         self.ledger = MemoryLedger()
         self.pool = BufferPool()
-        self.states: list[UnitState] = []
-        self.root: UnitState | None = None
         self.prefetch_depth = prefetch
-        self.max_reducing = max_reducing  # reduce-scatters left in flight while backward goes on
-        self.pending: set = set()  # units whose forward ran with grad and await post_backward
-        self.recording: list = []  # non-root units in the order this forward ran them
-        self.forward_order: list = []  # ... as the previous forward ran them (drives prefetch)
-        self.backward_order: list = []  # the reverse of the last forward with grad
-        self.reducing: deque = deque()  # units whose reduce-scatter is in flight
+        self._model = weakref.ref(model)  # its check_inputs runs at each forward's start
+        self._units: list[UnitLifecycle] = []  # the unit modules', in registration order
+        self._root: UnitLifecycle | None = None  # the parameters no unit module owns, if any
+        self._max_reducing = max_reducing  # reduce-scatters left in flight while backward goes on
+        self._ran: list = []  # units (not the root) in the order this forward ran them
+        self._forward_order: list = []  # ... as the previous forward ran them (drives prefetch)
+        self._backward_order: list = []  # the reverse of the last forward with grad
+        self._reduces: deque = deque()  # units whose reduce-scatter is in flight
+
+    def add(self, lifecycle: UnitLifecycle, root: bool = False):
+        if root:
+            self._root = lifecycle
+        else:
+            self._units.append(lifecycle)
+
+    @property
+    def lifecycles(self) -> tuple:
+        """Every unit's lifecycle, the root's last."""
+        return (*self._units, *([self._root] if self._root else []))
 
     @property
     def units(self) -> list[Unit]:
-        return [s.unit for s in self.states if s.unit is not None]
+        return [lc.unit for lc in self.lifecycles]
+
+    # -- forward: the model's forward wrapper -------------------------------------------------------
+    def run_model(self, forward, *args, **kwargs):
+        self.check_inputs(args, kwargs)
+        self._ran = []
+        self._start_gathers(self._order("forward")[: self.prefetch_depth], "forward")
+        with_grad = grad_enabled()
+        try:
+            with ops.mean_over_ranks(self.count_share), scope(self):
+                if self._root is None:
+                    return forward(*args, **kwargs)
+                return self._root.run_forward(forward, *args, **kwargs)
+        finally:
+            self._forward_order = self._ran
+            if with_grad:
+                self._backward_order = list(reversed(self._ran))
+            self._release_gathered()
+
+    def ran(self, lifecycle: UnitLifecycle):
+        if lifecycle is not self._root:
+            self._ran.append(lifecycle)
 
     def check_inputs(self, args, kwargs):
         """Refuse bad input and unequal batches on every rank (collective; one tiny allgather).
@@ -133,7 +102,7 @@ class FSDPGroup:
         with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3),
         so an uneven last batch is an error here rather than a silently wrong update.
         """
-        model = self.model
+        model = self._model()
         try:  # a check that fails on one rank must still reach the exchange below
             problem = model.check_inputs(*args, **kwargs)
         except Exception as exc:
@@ -164,42 +133,67 @@ class FSDPGroup:
         counts = self.comm.gather_ints(local, phase="forward", op="valid_target_count")[:, 0]
         return int(counts.sum()) / self.comm.size
 
-    def prefetch(self, state: UnitState, direction: str):
-        """Start the gathers of the next `prefetch` units after `state` in this pass's order."""
-        if direction == "forward":
-            order = self.forward_order or [s for s in self.states if s is not self.root]
-        else:
-            order = self.backward_order
-        if state is self.root:
-            ahead = order[: self.prefetch_depth]
-        elif state in order:
-            i = order.index(state)
-            ahead = order[i + 1 : i + 1 + self.prefetch_depth]
-        else:
-            ahead = []
-        for nxt in ahead:
-            if nxt.unit is not None:
-                nxt.unit.start_unshard(direction)
+    # -- prefetch ---------------------------------------------------------------------------------
+    def prefetch_after(self, lifecycle: UnitLifecycle, direction: str):
+        """Start the gathers of the `prefetch` units after `lifecycle` in this pass's order."""
+        order = self._order(direction)
+        if lifecycle in order:
+            i = order.index(lifecycle) + 1
+            self._start_gathers(order[i : i + self.prefetch_depth], direction)
 
-    def end_forward(self):
-        self.forward_order = self.recording
-        if grad_enabled():
-            self.backward_order = list(reversed(self.recording))
-        self.release_prefetched()
+    def _order(self, direction: str) -> list:
+        if direction == "backward":
+            return self._backward_order
+        return self._forward_order or self._units
 
-    def release_prefetched(self):
-        """Reshard units gathered ahead that will not run now (a changed order, or the pass ended)."""
-        for s in self.states:
-            keep = s in self.pending and not s.reshard_after_forward
-            if s is not self.root and s.unit is not None and not keep:
-                s.unit.reshard()
+    def _start_gathers(self, lifecycles, direction: str):
+        for lc in lifecycles:
+            lc.unit.start_unshard(direction)
 
+    def _release_gathered(self):
+        """Reshard units gathered ahead that will not run now (a changed order, or the pass ended);
+        units kept from forward to backward (reshard_after_forward=False) stay until their backward."""
+        for lc in self.lifecycles:
+            if not (lc.stage is Stage.AWAITING_BACKWARD and not lc.reshard_after_forward):
+                lc.unit.reshard()
+
+    # -- backward: the outermost scope ------------------------------------------------------------
+    def pre_backward(self):
+        self._start_gathers(self._backward_order[: self.prefetch_depth], "backward")
+
+    def reducing(self, unit: Unit):
+        """A unit started its reduce-scatter: finish older ones beyond the number left in flight."""
+        self._reduces.append(unit)
+        self._finish_reduces(keep=self._max_reducing)
+
+    def _finish_reduces(self, keep: int):
+        while len(self._reduces) > keep:
+            self._reduces.popleft().finish_reduce_grad()
+
+    def post_backward(self):
+        """The end of backward: every unit reduced, nothing gathered, the ranks' schedules compared."""
+        self._sweep_unreached()
+        self._finish_reduces(keep=0)
+        self._release_gathered()
+        self.comm.check_schedule()  # every rank issued the same collectives this step
+
+    def _sweep_unreached(self):
+        """[Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
+        not reach the loss has no node in the graph, so the engine never calls its hooks. Without
+        this sweep it would skip its reduce-scatter, and ranks would disagree on the collective
+        sequence whenever the skip is data-dependent (docs/design.md, invariant 6)."""
+        for lc in self.lifecycles:
+            if lc.stage is Stage.AWAITING_BACKWARD:
+                lc.pre_backward()
+                lc.post_backward()
+
+    # -- what it holds ----------------------------------------------------------------------------
     def plan(self) -> dict:
         """Expected bytes per rank: persistent 16 * shard (fp32 AdamW) plus what is gathered at once."""
         units = self.units
         itemsize = units[0].layout.dtype.itemsize
-        root = self.root.unit.layout.padded_numel * itemsize if self.root.unit else 0
-        others = [u.layout.padded_numel * itemsize for u in units if u is not self.root.unit]
+        root = self._root.unit.layout.padded_numel * itemsize if self._root else 0
+        others = [lc.unit.layout.padded_numel * itemsize for lc in self._units]
         return {
             "units": len(units),
             "params": sum(u.layout.numel for u in units),
@@ -214,18 +208,6 @@ class FSDPGroup:
         memory = {**self.ledger.report(), "pool_bytes": self.pool.nbytes}
         mine = {"rank": self.comm.rank, "memory": memory, "comm": self.comm.ledger.report()}
         return self.comm.allgather_object(mine)
-
-    def finalize_pending(self):
-        """End-of-backward sweep: reduce-scatter (zero) grads of units that backward never reached.
-
-        [Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
-        not reach the loss has no node in the graph, so the engine never calls its hooks. Without
-        this sweep it would skip its reduce-scatter, and ranks would disagree on the collective
-        sequence whenever the skip is data-dependent (docs/design.md, invariant 6).
-        """
-        for state in [s for s in self.states if s in self.pending and s is not self.root]:
-            state.pre_backward()
-            state.post_backward()
 
 
 def _owned_params(module: Module, prefix: str, unit_ids: set) -> list:
@@ -314,7 +296,7 @@ def fully_shard(
     same values (same seed), and the model's configuration must match across ranks: both checked,
     so that no rank trains a different model silently.
     """
-    if getattr(model, "_fsdp", None) is not None:
+    if model in _SHARDED:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
     units = list(units)
     names = {id(m): n for n, m in model.named_modules()}
@@ -342,35 +324,42 @@ def fully_shard(
     differs = _configuration_differs(model, comm)  # collective: every rank, whatever `error` is
     comm.raise_if_any(error or differs, "fully_shard")
 
-    group = FSDPGroup(comm, prefetch)
-    group.model = model
+    sharded = ShardedModel(model, comm, prefetch)
     modules = list(units) + [model]
     for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
-        unit = None
-        if params or module is not model:
-            arrays = [(n, p.initial_value()) for n, p in params]  # deferred: made now, one unit at a time
-            unit = Unit(
-                unit_name, arrays, comm, ledger=group.ledger, pool=group.pool,
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, sync_values=sync_params,
-            )  # fmt: skip
-        state = UnitState(unit, params, group, flag)
-        for n, p in params:
-            p.name, p.unit_name = n, unit_name
-        group.states.append(state)
-        module._forward_wrapper = state.run_forward
-    group.root = group.states[-1]
-    group.pool.size = max(u.layout.padded_numel for u in group.units)
-    for state in group.states:
-        state._unbind()  # from here on, parameters exist only as shards
-    model._fsdp = group
+        if module is model and not params:
+            continue  # no root unit: every parameter lives in a unit module
+        arrays = [(n, initial_value(p)) for n, p in params]  # deferred: made now, one unit at a time
+        unit = Unit(
+            unit_name, arrays, comm, ledger=sharded.ledger, pool=sharded.pool,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, sync_values=sync_params,
+        )  # fmt: skip
+        lifecycle = UnitLifecycle(unit, params, sharded, flag)
+        sharded.add(lifecycle, root=module is model)
+        if module is not model:
+            module._forward_wrapper = lifecycle.run_forward
+    model._forward_wrapper = sharded.run_model
+    sharded.pool.size = max(u.layout.padded_numel for u in sharded.units)
+    for lifecycle in sharded.lifecycles:
+        lifecycle.release()  # from here on, parameters exist only as shards
+    _SHARDED[model] = sharded
     return model
 
 
-def fsdp_group(model) -> FSDPGroup | None:
-    return getattr(model, "_fsdp", None)
+def sharded_model(model) -> ShardedModel | None:
+    """The ShardedModel of a model fully_shard() was called on (its units, ledgers, plan), else None."""
+    return _SHARDED.get(model) if isinstance(model, Module) else None
+
+
+def report(model) -> list[dict]:
+    """Every rank's memory and communication ledgers of a sharded model (collective: all ranks call it)."""
+    sharded = sharded_model(model)
+    if sharded is None:
+        raise ValueError(f"report() needs a model fully_shard() was called on, got a {type(model).__name__}")
+    return sharded.report()
 
 
 def full_state_dict(model: Module) -> dict:
     """Host copies of every parameter by name, gathered unit by unit (collective: call on all ranks)."""
-    group = fsdp_group(model)
-    return dict(model.state_dict()) if group is None else state_dict(group.units)
+    sharded = sharded_model(model)
+    return dict(model.state_dict()) if sharded is None else state_dict(sharded.units)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .autodiff import PRIMITIVES, ArrayMeta, backward
+from .autodiff import PRIMITIVES, ArrayMeta
 from .backend import array_module_of, to_numpy
+from .tape import backward
 
 
 def _inner(a, b) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -37,13 +38,28 @@ def deferred_init():
         _deferring.on = previous
 
 
+_initializers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # deferred Param -> its maker
+DEFERRED = (
+    "it was built under deferred_init() and has no values yet: fully_shard() the model first "
+    "(it materializes one unit at a time)"
+)
+
+
 def _param(make, shape, dtype, device: str) -> Param:
     def initial():
         return to_device(make(), device, dtype=dtype)
 
     if getattr(_deferring, "on", False):
-        return Param(None, shape=shape, dtype=dtype, initial=initial)
+        param = Param(None, shape=shape, dtype=dtype, absent=DEFERRED)
+        _initializers[param] = initial
+        return param
     return Param(initial())
+
+
+def initial_value(param: Param):
+    """The array `param` starts from: its data, or (deferred) freshly made from its own seed."""
+    make = _initializers.get(param)
+    return make() if make is not None and param.absent == DEFERRED else param.data
 
 
 def normal_param(rng: np.random.Generator, shape, std: float, dtype, device: str) -> Param:
@@ -83,8 +99,9 @@ def _holds_parameters(value) -> bool:
 class Module:
     """Base class. Parameters are found by walking attributes in assignment order.
 
-    `_forward_wrapper`, when set (by fully_shard), receives the bound forward and its arguments and
-    runs it inside whatever setup the wrapper needs: the hook point that keeps layers free of FSDP.
+    `_forward_wrapper`, when set (fully_shard sets it on each unit module and the model), receives the
+    bound forward and its arguments and runs it inside whatever it needs (gathered parameters, a
+    scope): the one hook point that keeps layers free of FSDP.
     """
 
     _forward_wrapper = None

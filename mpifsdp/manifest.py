@@ -191,3 +191,21 @@ def verify(directory) -> dict:
         for segment in record["segments"]:
             read_segment(directory, manifest, record, segment)
     return manifest
+
+
+def flat_range(unit, rank: int, world: int) -> tuple[int, int]:
+    """The unpadded part [start, stop) of the flat vector that `rank` of `world` owns."""
+    shard = -(-unit.layout.numel // world)
+    return min(rank * shard, unit.layout.numel), min((rank + 1) * shard, unit.layout.numel)
+
+
+def unit_record(unit) -> dict:
+    lay = unit.layout
+    return {
+        "name": unit.name,
+        "dtype": lay.dtype.str,
+        "numel": lay.numel,
+        "tensors": [
+            {"name": n, "shape": list(s), "offset": o} for n, s, o in zip(lay.names, lay.shapes, lay.offsets)
+        ],
+    }

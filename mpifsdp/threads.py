@@ -30,11 +30,13 @@ def threads_per_rank(ranks_on_node: int) -> int:
     return max(1, cores // max(1, ranks_on_node))
 
 
-def configure_threads(ranks_on_node: int, threads: int | str | None = "auto") -> int | None:
-    """Set BLAS threads for this rank and log the choice; returns the count (None: left alone).
+def set_threads(threads: int | str | None = "auto", ranks_on_node: int = 1) -> int | None:
+    """Set this process's BLAS (and elementwise) threads and log the choice; returns the count, or None
+    when left alone. Comm() calls it with threads="auto" unless given threads=None.
 
-    threads: "auto" (this rank's share, unless a *_NUM_THREADS variable is set), an int, or None.
-    ranks_on_node: how many ranks share this node's cores (Comm counts them).
+    threads: "auto" (this rank's share of the node's cores, unless a *_NUM_THREADS variable is set),
+    an int, or None (leave them). ranks_on_node: how many ranks share this node's cores
+    (Comm.node_size counts them).
     """
     if threads is None:
         return None

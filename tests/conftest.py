@@ -7,7 +7,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from mpifsdp.backend import array_module, available_devices  # noqa: E402
+from mpifsdp.backend import array_module, gpu_available  # noqa: E402
 
 
 def pytest_configure(config):
@@ -22,7 +22,7 @@ def pytest_configure(config):
         config.option.basetemp = f"{parent}/rank{world.Get_rank()}"
 
 
-@pytest.fixture(params=available_devices())
+@pytest.fixture(params=["cpu", "cuda"] if gpu_available() else ["cpu"])
 def device(request):
     """Every test taking `device` runs on numpy, and on cupy when a GPU is present."""
     return request.param

@@ -28,7 +28,7 @@ PRELUDE = textwrap.dedent(
     from mpifsdp import AdamW, Comm, LossScaler, fully_shard, full_state_dict, ops
     from mpifsdp import checkpoint as ck
     from mpifsdp.consolidated import export_safetensors, load_safetensors
-    from mpifsdp.fsdp import fsdp_group
+    from mpifsdp import sharded_model
     from mpifsdp.models import GPT, GPTConfig
 
     ROOT = Path(sys.argv[1])  # this scenario's directory, shared by its ranks
@@ -398,7 +398,7 @@ SCENARIOS = {
         model, opt = make()
         model(*batch()).backward()
         if rank == 1:
-            fsdp_group(model).units[0].grad_shard[0] = np.nan
+            sharded_model(model).units[0].grad_shard[0] = np.nan
         opt.step()
     """,
         r"NonFiniteError: the gradient norm is nan",
@@ -413,7 +413,7 @@ SCENARIOS = {
         r"max_norm must be a finite number > 0",
     ),
     "same-unit-twice": bad(
-        "u = fsdp_group(make()[0]).units[0]; AdamW([u, u])", r"AdamW got \['blocks.0'\] more than once"
+        "u = sharded_model(make()[0]).units[0]; AdamW([u, u])", r"AdamW got \['blocks.0'\] more than once"
     ),
     "step-without-gradients": good(
         "model, opt = make(); assert opt.step() is False and opt.step_count == 0\nok()"
@@ -421,7 +421,7 @@ SCENARIOS = {
     "float16-masters-overflow": bad(
         """
         model, opt = make(param_dtype=np.float16)
-        fsdp_group(model).units[0].shard[0] = 1e6
+        sharded_model(model).units[0].shard[0] = 1e6
         model(*batch())
     """,
         r"parameter values no longer fit float16",
@@ -432,7 +432,7 @@ SCENARIOS = {
         scaler = LossScaler(init_scale=8.0, max_skips_in_a_row=3)
         for step in range(5):
             scaler.scale(model(*batch(step))).backward()
-            fsdp_group(model).units[0].grad_shard[0] = np.inf
+            sharded_model(model).units[0].grad_shard[0] = np.inf
             scaler.step(opt)
             opt.zero_grad()
     """,

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from mpifsdp import Param, ShardedParameterError, Tensor, no_grad, ops, scope
+from mpifsdp import AbsentDataError, Param, Tensor, no_grad, ops
+from mpifsdp.extend import scope
 
 
 def test_gradients_accumulate_until_zeroed(xp):
@@ -69,13 +70,14 @@ def test_vjp_reads_parameter_data_when_it_runs():
     assert x.grad[0] == 49.0
 
 
-def test_sharded_parameter_raises_naming_the_unit():
+def test_released_parameter_raises_with_the_releasers_reason():
     w = Param(np.ones(2), "blocks.0.w")
-    w.unit_name = "blocks.0"
     loss = (w * 2.0).sum()
-    w.data = None
-    with pytest.raises(ShardedParameterError, match="'blocks.0.w'.*unit 'blocks.0' is sharded"):
+    w.release("its unit 'blocks.0' is sharded")
+    with pytest.raises(AbsentDataError, match="'blocks.0.w' has no data: its unit 'blocks.0' is sharded"):
         loss.backward()
+    w.data = np.ones(2)  # setting data again makes it usable: the reason is gone
+    assert w.absent is None and (w * 1.0).sum().item() == 2.0
 
 
 class Recorder:

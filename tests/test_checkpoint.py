@@ -14,10 +14,9 @@ from conftest import agree
 from mpi4py import MPI
 from test_abort import mpiexec
 
-from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, no_grad
+from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, no_grad, sharded_model
 from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step, verify
 from mpifsdp.consolidated import export_safetensors, load_safetensors
-from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)  # units of 470 and 1330
@@ -62,8 +61,9 @@ def sharded(comm, seed=0, dtype=np.float32):
 
 def full_moments(model, opt):
     out = {}
-    for unit, m, v in zip(opt.groups, opt.m, opt.v):
-        for kind, arr in (("m", m), ("v", v)):
+    for unit in opt.groups:
+        state = opt.state_of(unit)
+        for kind, arr in (("m", state["exp_avg"]), ("v", state["exp_avg_sq"])):
             out.update({f"{kind}:{n}": a.copy() for n, a in unit.gather(arr).items()})
     return out
 
@@ -174,9 +174,9 @@ def test_loading_holds_at_most_one_unit_beyond_the_shards(comm, tmp_path):
     train(model, opt, comm, 1)
     save(f"{root}/ck", model, opt)
     fresh, fresh_opt = sharded(comm, seed=1)
-    ledger = fsdp_group(fresh).ledger
+    ledger = sharded_model(fresh).ledger
     load(f"{root}/ck", fresh, fresh_opt)
-    largest = max(u.layout.numel for u in fsdp_group(fresh).units) * 4
+    largest = max(u.layout.numel for u in sharded_model(fresh).units) * 4
     assert 0 < ledger.peak["checkpoint_io"] <= largest and ledger.current["checkpoint_io"] == 0
 
 
@@ -314,14 +314,17 @@ def as_version_1(path):
 def test_each_units_adamw_step_is_saved_and_old_checkpoints_load(comm, tmp_path):
     model, opt = sharded(comm)
     train(model, opt, comm, 2)
-    opt.steps = [2, 1, 5][: len(opt.steps)]  # as if the units had first been stepped at other times
+    steps = dict(zip(opt.summary()["group_steps"], [2, 1, 5]))  # as if first stepped at other times
+    opt.restore({**opt.summary(), "group_steps": steps})
     path = save(f"{shared_dir(comm, tmp_path)}/ck", model, opt)
     other, other_opt = sharded(comm, seed=1)
     load(path, other, other_opt)
-    agree(comm, other_opt.steps == opt.steps and other_opt.step_count == 2, f"steps {other_opt.steps}")
+    got = other_opt.summary()
+    agree(comm, got["group_steps"] == steps and got["step"] == 2, f"steps {got}")
 
     if comm.rank == 0:  # a checkpoint of the first format version: one step for all units
         as_version_1(path)
     comm.barrier()
     load(path, other, other_opt)
-    agree(comm, other_opt.steps == [2] * len(opt.steps), f"old format gave steps {other_opt.steps}")
+    got = other_opt.summary()["group_steps"]
+    agree(comm, list(got.values()) == [2] * len(steps), f"old format gave steps {got}")

@@ -4,9 +4,18 @@ import numpy as np
 import pytest
 from conftest import agree
 
-from mpifsdp import AdamW, CollectiveError, ShardedParameterError, Tensor, full_state_dict, fully_shard, ops
-from mpifsdp.fsdp import fsdp_group
+from mpifsdp import (
+    AbsentDataError,
+    AdamW,
+    CollectiveError,
+    Tensor,
+    full_state_dict,
+    fully_shard,
+    ops,
+    sharded_model,
+)
 from mpifsdp.layers import Linear, Module
+from mpifsdp.lifecycle import Stage
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10)
@@ -31,7 +40,7 @@ def test_communication_per_step_is_exact(comm):
     opt = AdamW(model, lr=1e-3)
     comm.ledger.reset()
     _step(model, opt, *_batch(comm))
-    N, ledger, units = comm.size, comm.ledger, fsdp_group(model).units
+    N, ledger, units = comm.size, comm.ledger, sharded_model(model).units
     for unit in units:
         for phase, op in (
             ("forward", "all_gather"),
@@ -62,7 +71,7 @@ def test_units_kept_after_forward_skip_the_backward_gather(comm, keep):
     _step(model, opt, *_batch(comm))  # the first step also builds the prefetch order
     comm.ledger.reset()
     _step(model, opt, *_batch(comm))
-    for unit in fsdp_group(model).units:
+    for unit in sharded_model(model).units:
         kept = keep == "all" or unit.name == "root"
         assert comm.ledger.total("calls", unit=unit.name, phase="backward", op="all_gather") == (
             0 if kept else 1
@@ -77,18 +86,18 @@ def test_memory_is_exact_and_nothing_stays_gathered(comm, prefetch):
     model = MLPClassifier([8] * 6, seed=0)  # 5 equal units of 72 elements; the root holds nothing
     fully_shard(model, comm, units=model.layers, prefetch=prefetch)
     opt = AdamW(model, lr=1e-3)
-    group = fsdp_group(model)
+    sharded = sharded_model(model)
     x, y = np.random.default_rng(comm.rank).standard_normal((4, 8), dtype=np.float32), np.arange(4) % 3
     for _ in range(3):
         _step(model, opt, x, y)
-    unit_bytes = group.units[0].layout.padded_numel * 4
-    report = group.ledger.report()
-    assert report["persistent"] == 16 * sum(u.numel for u in group.units)  # fp32 params, grads, m, v
+    unit_bytes = sharded.units[0].layout.padded_numel * 4
+    report = sharded.ledger.report()
+    assert report["persistent"] == 16 * sum(u.numel for u in sharded.units)  # fp32 params, grads, m, v
     assert report["current"]["gathered_params"] == 0 and report["current"]["gathered_grads"] == 0
     assert report["peak"]["gathered_params"] == (1 + prefetch) * unit_bytes
     assert report["peak"]["gathered_grads"] <= 2 * unit_bytes  # one reduce-scatter left in flight
-    assert group.pool.nbytes <= (1 + prefetch + 2) * unit_bytes  # buffers are reused, not re-allocated
-    assert all(u.full is None and u.full_grad is None for u in group.units)
+    assert sharded.pool.nbytes <= (1 + prefetch + 2) * unit_bytes  # buffers are reused, not re-allocated
+    assert all(u.full is None and u.full_grad is None for u in sharded.units)
     assert all(p._data is None for p in model.parameters())
 
 
@@ -97,9 +106,9 @@ def test_root_stays_gathered_next_to_one_block(comm):
     model = GPT(CFG, seed=0)
     fully_shard(model, comm, units=model.blocks)
     _step(model, AdamW(model, lr=1e-3), *_batch(comm))
-    group = fsdp_group(model)
-    root, blocks = group.root.unit, [u for u in group.units if u is not group.root.unit]
-    peak = group.ledger.report()["peak"]["gathered_params"]
+    sharded = sharded_model(model)
+    root, blocks = sharded.units[-1], sharded.units[:-1]  # the root unit is the last
+    peak = sharded.ledger.report()["peak"]["gathered_params"]
     assert peak == 4 * (
         root.layout.padded_numel + 2 * max(b.layout.padded_numel for b in blocks)
     )  # prefetch 1
@@ -118,9 +127,9 @@ def test_tape_holds_no_view_of_gathered_parameters(comm):
     model = GPT(CFG, seed=0)
     fully_shard(model, comm, units=model.blocks, reshard_root=True)
     loss = model(*_batch(comm))
-    group = fsdp_group(model)
-    assert all(u.full is None for u in group.units)
-    buffers = [b for free in group.pool._free.values() for b in free]
+    sharded = sharded_model(model)
+    assert all(u.full is None for u in sharded.units)
+    buffers = [b for free in sharded.pool._free.values() for b in free]
     assert buffers, "the forward gathered through the pool"
     held, stack, seen = [], [loss], set()
     while stack:  # every array the graph keeps: saved values and non-parameter inputs
@@ -157,7 +166,7 @@ def test_units_backward_never_reached_are_still_reduced(comm):
     comm.ledger.reset()
     loss = model(np.ones((2, 4), np.float32), np.array([0, 2]))
     loss.backward()
-    unused = next(u for u in fsdp_group(model).units if u.name == "unused")
+    unused = next(u for u in sharded_model(model).units if u.name == "unused")
     assert comm.ledger.total("calls", unit="unused", op="reduce_scatter") == 1
     assert unused.has_grad and not unused.grad_shard.any() and unused.full is None
 
@@ -165,7 +174,7 @@ def test_units_backward_never_reached_are_still_reduced(comm):
 def test_parameter_used_outside_its_unit_names_it(comm):
     model = GPT(CFG, seed=0)
     fully_shard(model, comm, units=model.blocks)
-    with pytest.raises(ShardedParameterError, match=r"'blocks.1.ln_1.weight'.*unit 'blocks.1' is sharded"):
+    with pytest.raises(AbsentDataError, match=r"'blocks.1.ln_1.weight'.*unit 'blocks.1' is sharded"):
         model.blocks[1].ln_1(Tensor(np.ones((1, 2, 10), np.float32)))
 
 
@@ -205,9 +214,10 @@ def test_eval_under_no_grad_leaves_nothing_behind(comm):
     fully_shard(model, comm, units=model.blocks)
     with no_grad():
         logits = model(_batch(comm)[0])
-    group = fsdp_group(model)
-    agree(comm, logits.shape == (2, 8, 37) and not group.pending, "eval left pending units")
-    assert all(u.full is None for u in group.units)
+    sharded = sharded_model(model)
+    idle = all(lc.stage is Stage.IDLE for lc in sharded.lifecycles)
+    agree(comm, logits.shape == (2, 8, 37) and idle, "eval left units awaiting backward")
+    assert all(u.full is None for u in sharded.units)
 
 
 def test_deferred_init_materializes_one_unit_at_a_time(comm):
@@ -223,15 +233,15 @@ def test_deferred_init_materializes_one_unit_at_a_time(comm):
     with deferred_init():
         lazy = GPT(cfg, seed=0)
     assert all(p._data is None for p in lazy.parameters()) and lazy.num_params() == eager.num_params()
-    with pytest.raises(ShardedParameterError, match="built under deferred_init"):
+    with pytest.raises(AbsentDataError, match="built under deferred_init"):
         lazy(np.zeros((1, 4), dtype=np.int64))
     tracemalloc.start()
     fully_shard(lazy, comm, units=lazy.blocks)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    group = fsdp_group(lazy)
-    unit_bytes = max(u.layout.padded_numel for u in group.units) * 4
+    sharded = sharded_model(lazy)
+    unit_bytes = max(u.layout.padded_numel for u in sharded.units) * 4
     # beyond the shards it keeps: one unit's float32 arrays and one parameter's float64 draw at most
-    assert peak - group.ledger.persistent() <= 4 * unit_bytes < 4 * lazy.num_params() / 2
+    assert peak - sharded.ledger.persistent() <= 4 * unit_bytes < 4 * lazy.num_params() / 2
     want, got = full_state_dict(eager), full_state_dict(lazy)
     agree(comm, all(np.array_equal(want[k], got[k]) for k in want), "deferred init differs from eager")

@@ -5,7 +5,7 @@ import pytest
 
 from mpifsdp import no_grad
 from mpifsdp.data import TextData, unigram_entropy
-from mpifsdp.gradcheck import check_grad
+from mpifsdp.extend import check_grad
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 from mpifsdp.optim import AdamW
 

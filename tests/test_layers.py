@@ -5,7 +5,7 @@ import pytest
 
 import mpifsdp
 from mpifsdp import Tensor
-from mpifsdp.gradcheck import check_grad
+from mpifsdp.extend import check_grad
 from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear
 
 F64 = dict(dtype=np.float64)

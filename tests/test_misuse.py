@@ -9,8 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from mpifsdp import AdamW, CollectiveError, Comm, LossScaler, NonFiniteError, full_state_dict, fully_shard
-from mpifsdp.fsdp import fsdp_group
+from mpifsdp import (
+    AdamW,
+    CollectiveError,
+    Comm,
+    LossScaler,
+    NonFiniteError,
+    full_state_dict,
+    fully_shard,
+    sharded_model,
+)
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 from mpifsdp.schedule import ScheduleError
 
@@ -130,7 +138,7 @@ def test_optimizer_settings_are_validated(comm, kwargs, why):
 
 def test_optimizer_misuse(comm):
     model = fully_shard(MLPClassifier([3, 4, 2], seed=0), comm, units=[])
-    unit = fsdp_group(model).units[0]
+    unit = sharded_model(model).units[0]
     with pytest.raises(ValueError, match=r"AdamW got \['root'\] more than once"):
         AdamW([unit, unit])
     opt = AdamW(model, lr=1e-2)
@@ -147,7 +155,7 @@ def test_optimizer_misuse(comm):
 
 def test_masters_outgrowing_float16_are_named(comm):
     model = fully_shard(MLPClassifier([3, 4, 2], seed=0), comm, units=[], param_dtype=np.float16)
-    fsdp_group(model).units[0].shard[:3] = 1e5  # beyond float16's 65504
+    sharded_model(model).units[0].shard[:3] = 1e5  # beyond float16's 65504
     with pytest.raises(FloatingPointError, match="parameter values no longer fit float16"):
         model(np.ones((2, 3), np.float16), np.array([0, 1]))
 
@@ -158,7 +166,7 @@ def test_a_loss_scaler_that_keeps_skipping_says_so(comm):
     x, y = np.ones((2, 3), np.float16), np.array([0, 1])
     for step in range(3):
         scaler.scale(model(x, y)).backward()
-        fsdp_group(model).units[0].grad_shard[0] = np.inf  # every step overflows
+        sharded_model(model).units[0].grad_shard[0] = np.inf  # every step overflows
         if step < 2:
             assert scaler.step(opt) is False
         else:

@@ -5,9 +5,8 @@ from conftest import agree
 from mpi4py import MPI
 from tolerance import rel_err, within
 
-from mpifsdp import AdamW, Comm, LossScaler, full_state_dict, fully_shard
+from mpifsdp import AdamW, Comm, LossScaler, full_state_dict, fully_shard, sharded_model
 from mpifsdp.data import rank_slice
-from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -56,9 +55,9 @@ def test_float16_compute_tracks_the_float32_reference(comm):
     worst, report = within(errors, probe, np.float32)  # the loss and the masters are float32
     agree(comm, worst <= 1.0, f"N={comm.size}: float16 compute beyond the bound ({worst:.2f}x): {report}")
 
-    group = fsdp_group(model)
-    assert all(u.shard.dtype == np.float32 and u.grad_shard.dtype == np.float32 for u in group.units)
-    assert all(m.dtype == np.float32 for m in opt.m)
+    sharded = sharded_model(model)
+    assert all(u.shard.dtype == np.float32 and u.grad_shard.dtype == np.float32 for u in sharded.units)
+    assert all(opt.state_of(u)["exp_avg"].dtype == np.float32 for u in opt.groups)
     ledger = comm.ledger
     for phase in ("forward", "backward"):  # float16 on the wire (full_state_dict's gathers are fp32)
         assert ledger.total("bytes", op="all_gather", phase=phase) == 2 * ledger.total(
@@ -66,9 +65,9 @@ def test_float16_compute_tracks_the_float32_reference(comm):
         )
     assert ledger.total("bytes", op="reduce_scatter") == 4 * ledger.total("elements", op="reduce_scatter")
     # gathered in float16: root + two blocks (prefetch 1), plus their float16 send copies while in flight
-    root, block = group.root.unit.layout, group.units[0].layout
+    root, block = sharded.units[-1].layout, sharded.units[0].layout  # the root unit is the last
     bound = 2 * (root.padded_numel + root.shard_numel + 2 * (block.padded_numel + block.shard_numel))
-    assert 0 < group.ledger.peak["gathered_params"] <= bound
+    assert 0 < sharded.ledger.peak["gathered_params"] <= bound
 
 
 def test_loss_scaler_skips_overflow_and_adapts(comm):
@@ -80,7 +79,7 @@ def test_loss_scaler_skips_overflow_and_adapts(comm):
     before = full_state_dict(model)
     scaler.scale(model(x, y)).backward()
     if comm.rank == 0:
-        fsdp_group(model).units[0].grad_shard[0] = np.inf  # an overflow on one rank
+        sharded_model(model).units[0].grad_shard[0] = np.inf  # an overflow on one rank
     assert scaler.step(opt) is False and scaler.scale_value == 2.0**11 and scaler.skipped_steps == 1
     after = full_state_dict(model)
     agree(

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import mpifsdp
-from mpifsdp import PRIMITIVES
-from mpifsdp.gradcheck import check_vjp
+from mpifsdp.extend import PRIMITIVES, check_vjp
 from mpifsdp.ops import unbroadcast
 
 

@@ -37,8 +37,9 @@ def test_adamw_matches_reference(rng):
     want_p, want_m, want_v = reference_adamw(init, grads, 0.01, (0.9, 0.95), 1e-8, 0.1)
     for i, p in enumerate(params):
         np.testing.assert_allclose(p.data, want_p[i], rtol=1e-13, atol=1e-15)
-        np.testing.assert_allclose(opt.m[i].reshape(p.shape), want_m[i], rtol=1e-13)
-        np.testing.assert_allclose(opt.v[i].reshape(p.shape), want_v[i], rtol=1e-13)
+        state = opt.state_of(p)
+        np.testing.assert_allclose(state["exp_avg"].reshape(p.shape), want_m[i], rtol=1e-13)
+        np.testing.assert_allclose(state["exp_avg_sq"].reshape(p.shape), want_v[i], rtol=1e-13)
         assert p.grad is None
 
 
@@ -79,7 +80,7 @@ def test_each_group_counts_its_own_steps(rng):
         opt.step()
         opt.zero_grad()
     np.testing.assert_allclose(b.data, b0 * (1 - lr * wd) - lr * g / (np.abs(g) + eps), rtol=1e-14)
-    assert opt.steps == [3, 1] and opt.step_count == 3
+    assert opt.summary()["group_steps"] == {"a": 3, "b": 1} and opt.step_count == 3
 
 
 def test_defaults_are_torchs_and_decay_filters_work(rng):

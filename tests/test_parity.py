@@ -14,9 +14,8 @@ import pytest
 from conftest import agree
 from tolerance import rel_err, within
 
-from mpifsdp import AdamW, Comm, full_state_dict, fully_shard
+from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, sharded_model
 from mpifsdp.data import rank_slice
-from mpifsdp.fsdp import fsdp_group
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 and 4 ranks
@@ -53,16 +52,18 @@ def _mlp_batch(step):
 
 def _moments_by_name(opt, model):
     """name -> (m, v) as full arrays, for the reference (per-param groups) or a sharded model."""
-    group = fsdp_group(model)
-    if group is None:
+    sharded = sharded_model(model)
+    if sharded is None:
         names = [n for n, _ in model.named_parameters()]
+        moments = [opt.state_of(g) for g in opt.groups]
         return {
-            n: (m.reshape(g.param.shape), v.reshape(g.param.shape))
-            for n, g, m, v in zip(names, opt.groups, opt.m, opt.v)
+            n: (s["exp_avg"].reshape(g.param.shape), s["exp_avg_sq"].reshape(g.param.shape))
+            for n, g, s in zip(names, opt.groups, moments)
         }
     out = {}
-    for unit, m, v in zip(opt.groups, opt.m, opt.v):
-        gm, gv = unit.gather(m), unit.gather(v)
+    for unit in opt.groups:
+        state = opt.state_of(unit)
+        gm, gv = unit.gather(state["exp_avg"]), unit.gather(state["exp_avg_sq"])
         out.update({n: (gm[n], gv[n]) for n in gm})
     return out
 

@@ -5,7 +5,7 @@ import os
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from mpifsdp import Comm
-from mpifsdp.threads import configure_threads, threads_per_rank, usable_cores
+from mpifsdp.threads import set_threads, threads_per_rank, usable_cores
 
 
 def _blas_threads():
@@ -15,7 +15,7 @@ def _blas_threads():
 def test_a_user_setting_is_respected(comm):
     assert os.environ.get("OMP_NUM_THREADS") == "1"  # set by conftest, as a user would
     with threadpool_limits(1, user_api="blas"):
-        assert configure_threads(comm.node_size, "auto") is None
+        assert set_threads("auto", comm.node_size) is None
         assert _blas_threads() == 1
 
 
@@ -38,7 +38,7 @@ def test_kernels_split_across_threads_match_one_thread():
     """The fused kernels and AdamW give the same numbers whether their rows run on 1 or 3 threads."""
     import numpy as np
 
-    from mpifsdp import PRIMITIVES
+    from mpifsdp.extend import PRIMITIVES
     from mpifsdp.optim import adamw_update
     from mpifsdp.threads import row_blocks, set_elementwise_threads
 

@@ -44,9 +44,9 @@ def _no_nonfinite_check():
 
 
 def _no_uneven_batch_check():
-    from mpifsdp.fsdp import FSDPGroup
+    from mpifsdp.fsdp import ShardedModel
 
-    _replace(FSDPGroup, "check_inputs", lambda self, args, kwargs: None)
+    _replace(ShardedModel, "check_inputs", lambda self, args, kwargs: None)
 
 
 def _no_tied_weight_check():
@@ -93,9 +93,9 @@ def _no_atomic_publish():
 
 
 def _no_global_valid_count():
-    from mpifsdp.fsdp import FSDPGroup
+    from mpifsdp.fsdp import ShardedModel
 
-    _replace(FSDPGroup, "count_share", lambda self, local: local)
+    _replace(ShardedModel, "count_share", lambda self, local: local)
 
 
 def _no_gradient_mean():
@@ -114,9 +114,9 @@ def _no_gradient_mean():
 
 
 def _no_end_of_backward_sweep():
-    from mpifsdp.fsdp import FSDPGroup
+    from mpifsdp.fsdp import ShardedModel
 
-    _replace(FSDPGroup, "finalize_pending", lambda self: None)
+    _replace(ShardedModel, "_sweep_unreached", lambda self: None)
 
 
 def _errors_raised_where_they_happen():
@@ -153,18 +153,19 @@ def _no_schedule_check_in_the_optimizer_step():
 
 
 def _no_input_check():
-    from mpifsdp.fsdp import FSDPGroup
+    from mpifsdp.fsdp import ShardedModel
 
-    original = FSDPGroup.check_inputs
+    original = ShardedModel.check_inputs
 
     def sizes_only(self, args, kwargs):
-        self.model.check_inputs = lambda *a, **k: None
+        model = self._model()
+        model.check_inputs = lambda *a, **k: None
         try:
             original(self, args, kwargs)
         finally:
-            del self.model.check_inputs
+            del model.check_inputs
 
-    _replace(FSDPGroup, "check_inputs", sizes_only)
+    _replace(ShardedModel, "check_inputs", sizes_only)
 
 
 @dataclass
@@ -199,7 +200,7 @@ MUTANTS = {
     ),
     "uneven_batch": Mutant(
         _no_uneven_batch_check,
-        "uneven-batch refusal (FSDPGroup.check_inputs)",
+        "uneven-batch refusal (ShardedModel.check_inputs)",
         ["tests/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
         ranks=2,
     ),
@@ -223,7 +224,7 @@ MUTANTS = {
     ),
     "input_check": Mutant(
         _no_input_check,
-        "model input checks, exchanged with the batch sizes (Module.check_inputs in FSDPGroup.check_inputs)",
+        "model input checks, exchanged with the batch sizes (Module.check_inputs, ShardedModel.check_inputs)",
         ["tests/test_misuse.py::test_bad_input_on_one_rank_is_named_on_every_rank"],
         ranks=2,
     ),
@@ -265,7 +266,7 @@ MUTANTS = {
     ),
     "global_valid_count": Mutant(
         _no_global_valid_count,
-        "global count of valid targets (FSDPGroup.count_share)",
+        "global count of valid targets (ShardedModel.count_share)",
         ["tests/test_parity.py::test_sharded_training_matches_single_process[prefetch1-gpt-ignored-f64]"],
         ranks=2,
     ),
@@ -277,7 +278,7 @@ MUTANTS = {
     ),
     "end_of_backward_sweep": Mutant(
         _no_end_of_backward_sweep,
-        "end-of-backward sweep of unreached units (FSDPGroup.finalize_pending)",
+        "end-of-backward sweep of unreached units (ShardedModel._sweep_unreached)",
         ["tests/test_fsdp.py::test_units_backward_never_reached_are_still_reduced"],
     ),
     "errors_on_every_rank": Mutant(

@@ -1,0 +1,112 @@
+"""UnitLifecycle: one unit's part of a training step, as an explicit state machine.
+
+A unit module's forward runs inside `run_forward`; its part of backward runs between `pre_backward`
+and `post_backward`, which the autodiff engine calls through the lifecycle's scope (tape.py). The Unit
+(unit.py) only gathers and frees; this adds what a step needs around that: binding the gathered views
+to the module's Params, pointing their .grad at the flat gradient, and the stage it is at:
+
+    IDLE --run_forward--> FORWARD --(no grad)------------------------------------------> IDLE
+                             |
+                             +--(with grad)--> AWAITING_BACKWARD --pre_backward--> BACKWARD
+                                                                                      |
+    IDLE <------------------------------------------------------------post_backward---+
+
+A forward may run again while AWAITING_BACKWARD (a unit used twice, a second forward before
+backward); backward may reach a unit that is IDLE (a second backward through an older forward's
+graph). Any other move is a bug in the runtime and raises. What concerns all units at once (prefetch
+order, reduce-scatters in flight, the end of a pass) is the ShardedModel's (fsdp.py): the lifecycle
+asks it to prefetch after itself, tells it the order it ran in, and hands it its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .tape import grad_enabled, scope
+
+
+class Stage(enum.Enum):
+    IDLE = "idle"  # between passes: only the shard (or kept gathered: reshard_after_forward=False)
+    FORWARD = "forward"  # gathered, its module's forward running
+    AWAITING_BACKWARD = "awaiting backward"  # its forward ran with grad; backward has not reached it
+    BACKWARD = "backward"  # gathered, its gradients accumulating into the flat full_grad
+
+
+MOVES = {
+    Stage.IDLE: {Stage.FORWARD, Stage.BACKWARD},
+    Stage.FORWARD: {Stage.IDLE, Stage.AWAITING_BACKWARD},
+    Stage.AWAITING_BACKWARD: {Stage.FORWARD, Stage.BACKWARD},
+    Stage.BACKWARD: {Stage.IDLE},
+}
+
+
+class UnitLifecycle:
+    """A Unit bound to the Params of the module it came from, moved through one step's stages."""
+
+    def __init__(self, unit, params, sharded_model, reshard_after_forward: bool):
+        self.unit = unit
+        self.params = params  # [(name in the unit, Param)]
+        self.reshard_after_forward = reshard_after_forward
+        self.stage = Stage.IDLE
+        self._model = sharded_model
+        self._absent = (
+            f"its unit {unit.name!r} is sharded (its full values exist only inside that unit's forward "
+            "and backward). Call it through the module that owns it, or wrap the code in "
+            "`with unit.unsharded():`."
+        )
+
+    def __repr__(self):
+        return f"UnitLifecycle({self.unit.name!r}, {self.stage.value}, {self.unit.state})"
+
+    def _move(self, stage: Stage):
+        if stage not in MOVES[self.stage]:
+            raise RuntimeError(
+                f"unit {self.unit.name!r} cannot go from {self.stage.value} to {stage.value} "
+                "(mpifsdp's step order was broken: please report it with the traceback)"
+            )
+        self.stage = stage
+
+    def _bind(self, views):
+        for name, p in self.params:
+            p.data = views[name]
+
+    def release(self):
+        """Params without data until the next bind: a use outside forward and backward names the unit."""
+        for _, p in self.params:
+            p.release(self._absent)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def run_forward(self, forward, *args, **kwargs):
+        """The module's forward, with the unit gathered around it (Module's forward wrapper)."""
+        with_grad = grad_enabled()
+        awaits = with_grad or self.stage is Stage.AWAITING_BACKWARD
+        self._move(Stage.FORWARD)
+        self._bind(self.unit.unshard("forward"))
+        self._model.prefetch_after(self, "forward")
+        try:
+            with scope(self):
+                return forward(*args, **kwargs)
+        finally:
+            self.release()
+            if self.reshard_after_forward or not with_grad:
+                self.unit.reshard()
+            self._model.ran(self)
+            self._move(Stage.AWAITING_BACKWARD if awaits else Stage.IDLE)
+
+    # -- backward (the engine calls these through the scope) --------------------------------------
+    def pre_backward(self):
+        self._move(Stage.BACKWARD)
+        self._bind(self.unit.unshard("backward"))
+        grads = self.unit.zero_full_grad()
+        for name, p in self.params:
+            p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+        self._model.prefetch_after(self, "backward")
+
+    def post_backward(self):
+        self._move(Stage.IDLE)
+        for _, p in self.params:
+            p.grad = None
+        self.release()
+        self.unit.start_reduce_grad(phase="backward")
+        self.unit.reshard()
+        self._model.reducing(self.unit)

@@ -1,0 +1,147 @@
+"""The tape: recorded nodes, the recording state (no_grad, scopes), and the backward sweep.
+
+Each Node is one primitive application (see autodiff.py): the primitive, its inputs, what its forward
+saved for the VJP, its settings, and the scopes active when it ran. `backward` runs the VJPs from a
+root to the leaves, in reverse topological order, freeing each node once its VJP has run.
+
+Scopes: while `with scope(obj):` is active, every recorded node remembers obj (scopes nest). During
+backward, obj.pre_backward() runs before the first of its nodes and obj.post_backward() after the last
+one; an outer scope's post_backward therefore runs after everything recorded inside it. That is the
+whole interface between autodiff and whatever drives it (fsdp.py's units and sharded model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+class _Recording(threading.local):
+    """Per thread: whether ops are recorded, and the scopes new nodes belong to."""
+
+    def __init__(self):
+        self.grad_enabled = True
+        self.scopes: tuple = ()
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Run ops without recording them: no graph, no memory held for backward."""
+    previous, _recording.grad_enabled = _recording.grad_enabled, False
+    try:
+        yield
+    finally:
+        _recording.grad_enabled = previous
+
+
+def grad_enabled() -> bool:
+    return _recording.grad_enabled
+
+
+def active_scopes() -> tuple:
+    return _recording.scopes
+
+
+@contextlib.contextmanager
+def scope(owner):
+    """Record nodes created inside under `owner` (an object with pre_backward/post_backward)."""
+    previous = _recording.scopes
+    _recording.scopes = previous + (owner,)
+    try:
+        yield
+    finally:
+        _recording.scopes = previous
+
+
+class Node:
+    """One recorded primitive application: what backward needs to run its VJP.
+
+    `inputs` are the input Tensors, or shape-only stand-ins (see Primitive.reads_inputs) that share
+    the producer's node. Backward empties `inputs` and `saved` once the VJP has run.
+    """
+
+    __slots__ = ("prim", "inputs", "saved", "settings", "scopes")
+
+    def __init__(self, prim, inputs, saved, settings, scopes):
+        self.prim, self.inputs, self.saved, self.settings, self.scopes = prim, inputs, saved, settings, scopes
+
+    @property
+    def freed(self) -> bool:
+        return self.inputs is None
+
+
+def nodes_in_reverse_order(root: Node) -> list[Node]:
+    """Nodes reachable from `root`, each after every node that consumes its output.
+
+    Iterative depth-first post-order (no recursion limit on deep models), then reversed.
+    """
+    order, visited = [], set()
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        for t in node.inputs:
+            if t._node is not None and id(t._node) not in visited:
+                stack.append((t._node, False))
+    order.reverse()
+    return order
+
+
+def backward(root, grad=None):
+    """Accumulate d(root)/d(leaf) into every leaf's .grad, freeing the graph as it goes."""
+    if root._node is None:
+        raise RuntimeError(
+            "this tensor does not require grad: its forward ran under no_grad() or used no "
+            "trainable parameters, so there is nothing to differentiate"
+        )
+    if root._node.freed:
+        raise RuntimeError(
+            "backward() through a graph that was already freed: run the forward again before "
+            "calling backward() a second time"
+        )
+    if grad is None:
+        if root.size != 1:
+            raise ValueError(f"backward() without a gradient needs a scalar, got shape {root.shape}")
+        grad = root.xp.ones_like(root.data)
+
+    order = nodes_in_reverse_order(root._node)
+    remaining: dict[int, int] = {}  # per scope: nodes still to run
+    for node in order:
+        for s in node.scopes:
+            remaining[id(s)] = remaining.get(id(s), 0) + 1
+    started: set[int] = set()
+
+    grads = {id(root._node): grad}  # keyed by node: one output per node
+    for node in order:
+        for s in node.scopes:
+            if id(s) not in started:
+                started.add(id(s))
+                s.pre_backward()
+        g = grads.pop(id(node), None)
+        if g is not None:
+            arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
+            input_grads = node.prim.vjp(g, node.saved, *arrays, **node.settings)
+            for t, gi in zip(node.inputs, input_grads):
+                if gi is None or not t.requires_grad:
+                    continue
+                if t._node is None:
+                    t._accumulate_grad(gi)
+                elif id(t._node) in grads:
+                    key = id(t._node)
+                    grads[key] = grads[key] + gi  # not in place: a VJP may return shared arrays
+                else:
+                    grads[id(t._node)] = gi
+        node.inputs = node.saved = None  # free the graph as we go
+        for s in reversed(node.scopes):
+            remaining[id(s)] -= 1
+            if remaining[id(s)] == 0:
+                s.post_backward()
