@@ -73,7 +73,7 @@ def _fsync_dir(path: Path):
 
 
 @dataclass
-class Sharded:
+class ShardedUnits:
     """What checkpoints need of a sharded model, or of a user's own list of Units."""
 
     units: list
@@ -81,20 +81,20 @@ class Sharded:
     ledger: object
 
 
-def sharded(target) -> Sharded | None:
+def sharded_units(target) -> ShardedUnits | None:
     """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
     model = sharded_model(target)
     if model is not None:
-        return Sharded(model.units, model.comm, model.ledger)
+        return ShardedUnits(model.units, model.comm, model.ledger)
     if isinstance(target, (list, tuple)) and target and all(isinstance(u, Unit) for u in target):
         if len({id(u.comm) for u in target}) > 1:
             raise CheckpointError("the units are sharded over different Comms: checkpoint each set apart")
-        return Sharded(list(target), target[0].comm, target[0].ledger)
+        return ShardedUnits(list(target), target[0].comm, target[0].ledger)
     return None
 
 
-def group_of(target) -> Sharded:
-    found = sharded(target)
+def require_sharded(target) -> ShardedUnits:
+    found = sharded_units(target)
     if found is None:
         raise CheckpointError(
             "checkpoints hold a sharded model (call fully_shard(model, Comm()) first; N = 1 works too) "
@@ -121,19 +121,19 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     failed save (disk full, no permission, ...) raises CheckpointError on every rank and leaves
     nothing behind but what was there before.
     """
-    group = group_of(model)
-    comm = group.comm
+    sharded = require_sharded(model)
+    comm = sharded.comm
     final = Path(directory)
     collective(comm, lambda: _prepare(final), f"saving to {final}", root=0)
     staging = collective(comm, lambda: _staging_dir(final, comm), f"creating a directory next to {final}")
     try:
-        state = _optimizer_state(optimizer, group)
-        record = collective(comm, lambda: _write_rank_file(staging, group, state), f"writing {staging}")
+        state = _optimizer_state(optimizer, sharded)
+        record = collective(comm, lambda: _write_rank_file(staging, sharded, state), f"writing {staging}")
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "world_size": comm.size,
-            "units": [unit_record(u) for u in group.units],
+            "units": [unit_record(u) for u in sharded.units],
             "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
             "optimizer": None if optimizer is None else optimizer.summary(),
             "extra": extra or {},
@@ -224,11 +224,11 @@ def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def _optimizer_state(optimizer, group) -> dict:
+def _optimizer_state(optimizer, sharded) -> dict:
     """id(unit) -> {kind: array} of the optimizer state allocated so far (a unit never stepped has none)."""
     if optimizer is None:
         return {}
-    units = {id(u) for u in group.units}
+    units = {id(u) for u in sharded.units}
     if optimizer.groups and not set(map(id, optimizer.groups)) <= units:
         raise CheckpointError(
             "the optimizer does not step this model's units: build it after fully_shard (AdamW(model))"
@@ -237,12 +237,12 @@ def _optimizer_state(optimizer, group) -> dict:
     return {key: state for key, state in states.items() if state}
 
 
-def _write_rank_file(tmp: Path, group, state: dict) -> dict:
-    comm = group.comm
+def _write_rank_file(tmp: Path, sharded, state: dict) -> dict:
+    comm = sharded.comm
     name = f"rank-{comm.rank:05d}.bin"
     segments, offset = [], 0
     with open(tmp / name, "wb") as f:
-        for index, unit in enumerate(group.units):
+        for index, unit in enumerate(sharded.units):
             start, stop = flat_range(unit, comm.rank, comm.size)
             arrays = {"param": unit.shard, **state.get(id(unit), {})}
             for kind, array in arrays.items():
@@ -283,25 +283,27 @@ def load(directory, model, optimizer=None) -> dict:
     parameters and AdamW moments come back bit-identical. Returns the checkpoint's `extra`.
     A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
     """
-    group = group_of(model)
+    sharded = require_sharded(model)
     directory = Path(directory)
-    collective(group.comm, lambda: recover(directory), f"loading {directory}", root=0)
+    collective(sharded.comm, lambda: recover(directory), f"loading {directory}", root=0)
     manifest = collective(
-        group.comm, lambda: _check_fits(read_manifest(directory), group, optimizer), f"loading {directory}"
+        sharded.comm,
+        lambda: _check_fits(read_manifest(directory), sharded, optimizer),
+        f"loading {directory}",
     )
-    collective(group.comm, lambda: _fill(directory, manifest, group, optimizer), f"loading {directory}")
+    collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
     if optimizer is not None and manifest["optimizer"] is not None:
         optimizer.restore(manifest["optimizer"])
     return manifest["extra"]
 
 
-def _check_fits(manifest: dict, group, optimizer=None) -> dict:
+def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
     saved = [
         (u["name"], u["dtype"], [(t["name"], t["shape"]) for t in u["tensors"]]) for u in manifest["units"]
     ]
     mine = [
         (r["name"], r["dtype"], [(t["name"], t["shape"]) for t in r["tensors"]])
-        for r in map(unit_record, group.units)
+        for r in map(unit_record, sharded.units)
     ]
     if saved != mine:
         diff = next(
@@ -317,10 +319,10 @@ def _check_fits(manifest: dict, group, optimizer=None) -> dict:
     return manifest
 
 
-def _fill(directory: Path, manifest: dict, group, optimizer):
-    comm = group.comm
+def _fill(directory: Path, manifest: dict, sharded, optimizer):
+    comm = sharded.comm
     stepped = {id(u) for u in optimizer.groups} if optimizer is not None else set()
-    for index, unit in enumerate(group.units):
+    for index, unit in enumerate(sharded.units):
         start, stop = flat_range(unit, comm.rank, comm.size)
         targets = {"param": unit.shard}
         saved = {seg["kind"] for f in manifest["files"] for seg in f["segments"] if seg["unit"] == index}
@@ -332,10 +334,10 @@ def _fill(directory: Path, manifest: dict, group, optimizer):
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero
             for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):
-                group.ledger.alloc("checkpoint_io", data.nbytes)
+                sharded.ledger.alloc("checkpoint_io", data.nbytes)
                 lo, hi = max(start, seg_start), min(stop, seg_start + data.size)
                 target[lo - start : hi - start] = unit.xp.asarray(data[lo - seg_start : hi - seg_start])
-                group.ledger.free("checkpoint_io", data.nbytes)
+                sharded.ledger.free("checkpoint_io", data.nbytes)
         unit.zero_grad()
 
 
@@ -352,7 +354,7 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
             f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
         )
     path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
-    comm = group_of(model).comm
+    comm = require_sharded(model).comm
     collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
     return path
 
@@ -373,7 +375,7 @@ def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, 
     Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. When it holds
     some but none loads (corrupted, or made for another model), raises CheckpointError listing why
     each failed: starting from scratch would silently discard a run. Collective."""
-    comm = group_of(model).comm
+    comm = require_sharded(model).comm
     candidates = collective(
         comm, lambda: [str(p) for p in _recovered_checkpoints(Path(root))], f"listing {root}", root=0
     )

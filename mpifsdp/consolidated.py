@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import collective, group_of, sharded
+from .checkpoint import collective, require_sharded, sharded_units
 from .manifest import CheckpointError, flat_range, is_count, read_manifest, read_slices, require, unit_record
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
@@ -63,13 +63,13 @@ def export_safetensors(path, model) -> Path:
     contiguous byte range: every rank writes its own slice at its offset (a shared file system is
     assumed, as for checkpoints). No rank ever holds more than its shard.
     """
-    group = group_of(model)
-    comm = group.comm
+    sharded = require_sharded(model)
+    comm = sharded.comm
     path = Path(path)
-    records = [unit_record(u) for u in group.units]
+    records = [unit_record(u) for u in sharded.units]
     header = _safetensors_header(_unit_entries(records))
     tmp = path.with_name(comm.broadcast_object(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))
-    data_bytes = sum(u.layout.numel * u.layout.dtype.itemsize for u in group.units)
+    data_bytes = sum(u.layout.numel * u.layout.dtype.itemsize for u in sharded.units)
 
     def create():
         with open(tmp, "wb") as f:
@@ -82,7 +82,7 @@ def export_safetensors(path, model) -> Path:
         fd = os.open(tmp, os.O_WRONLY)
         try:
             base = len(header)
-            for unit in group.units:
+            for unit in sharded.units:
                 start, stop = flat_range(unit, comm.rank, comm.size)
                 raw = (
                     to_numpy(unit.shard[: stop - start]).astype(unit.layout.dtype.newbyteorder("<")).tobytes()
@@ -148,19 +148,23 @@ def load_safetensors(path, model, strict: bool = True):
 
     Every parameter must be in the file with its shape and dtype; with strict (the default) the file
     may hold nothing else. Errors are CheckpointError, on every rank of a sharded model."""
-    group = sharded(model)
-    if group is None:
+    sharded = sharded_units(model)
+    if sharded is None:
         return _load_safetensors(path, model, strict)
-    return collective(group.comm, lambda: _load_safetensors(path, model, strict), f"loading {path}")
+    return collective(sharded.comm, lambda: _load_safetensors(path, model, strict), f"loading {path}")
 
 
 def _load_safetensors(path, model, strict: bool):
     header, data_start = read_safetensors_header(path)
     names = {v: k for k, v in _ST_DTYPES.items()}
-    group = sharded(model)
+    sharded = sharded_units(model)
     expected = (
-        {n: (tuple(s), u.layout.dtype) for u in group.units for n, s in zip(u.layout.names, u.layout.shapes)}
-        if group
+        {
+            n: (tuple(s), u.layout.dtype)
+            for u in sharded.units
+            for n, s in zip(u.layout.names, u.layout.shapes)
+        }
+        if sharded
         else {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     )
     problems = [f"missing {n}" for n in expected if n not in header]
@@ -180,13 +184,13 @@ def _load_safetensors(path, model, strict: bool):
         return np.frombuffer(f.read((t1 - t0) * dtype.itemsize), dtype=dtype.newbyteorder("<")).astype(dtype)
 
     with open(path, "rb") as f:
-        if group is None:
+        if sharded is None:
             for name, p in model.named_parameters():
                 p.data[...] = p.xp.asarray(read(f, name, 0, p.size).reshape(p.shape))
             return
-        for unit in group.units:
+        for unit in sharded.units:
             unit.shard[...] = 0
-            for name, t0, t1, s0 in unit.layout.pieces_in_shard(group.comm.rank):
+            for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.comm.rank):
                 unit.shard[s0 : s0 + t1 - t0] = unit.xp.asarray(read(f, name, t0, t1))
 
 
