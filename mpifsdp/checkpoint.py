@@ -11,18 +11,16 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shutil
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import publish
 from .backend import to_numpy
 from .fsdp import sharded_model
 from .manifest import (
@@ -37,8 +35,8 @@ from .manifest import (
     slice_digest,
     unit_record,
     verify,
-    with_digest,
 )
+from .publish import REPLACED, STAGING, recover
 from .unit import Unit
 
 __all__ = [
@@ -54,22 +52,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STAGING, REPLACED = ".tmp-", ".old-"  # suffixes of a save in progress and of a checkpoint being replaced
 STEP = re.compile(r"step-(\d+)")  # the checkpoints save_step writes (and prunes, and load_latest reads)
 
 if sys.byteorder != "little":  # pragma: no cover - files are little-endian, arrays are written as-is
     raise ImportError("mpifsdp checkpoints are written from little-endian machines only")
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -124,8 +110,10 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     sharded = require_sharded(model)
     comm = sharded.comm
     final = Path(directory)
-    collective(comm, lambda: _prepare(final), f"saving to {final}", root=0)
-    staging = collective(comm, lambda: _staging_dir(final, comm), f"creating a directory next to {final}")
+    collective(comm, lambda: publish.prepare(final), f"saving to {final}", root=0)
+    staging = collective(
+        comm, lambda: publish.staging_dir(final, comm), f"creating a directory next to {final}"
+    )
     try:
         state = _optimizer_state(optimizer, sharded)
         record = collective(comm, lambda: _write_rank_file(staging, sharded, state), f"writing {staging}")
@@ -139,89 +127,15 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             "extra": extra or {},
         }
 
-        def publish():
-            _write_manifest(staging, manifest)
-            _move_into_place(staging, final)
+        def complete():
+            publish.write_manifest(staging, manifest)
+            publish.move_into_place(staging, final)
 
-        collective(comm, publish, f"publishing {final}", root=0)
+        collective(comm, complete, f"publishing {final}", root=0)
     except CheckpointError:
-        collective(comm, lambda: shutil.rmtree(staging, ignore_errors=True), "cleaning up", root=0)
+        collective(comm, lambda: publish.remove_ours(staging), "cleaning up", root=0)
         raise
     return final
-
-
-def _prepare(final: Path):
-    """Refuse a destination that cannot hold a checkpoint; finish an interrupted overwrite first."""
-    if final.exists() and not final.is_dir():
-        raise CheckpointError(f"cannot save to {final}: it exists and is not a directory")
-    if final.is_dir() and any(final.iterdir()) and not (final / MANIFEST).is_file():
-        raise CheckpointError(
-            f"cannot save to {final}: it is a directory with files but no checkpoint in it; "
-            "choose an empty or new directory (nothing there was changed)"
-        )
-    recover(final)
-
-
-def _staging_dir(final: Path, comm) -> Path:
-    """A new, empty directory next to `final` (same file system, so the publishing rename is atomic),
-    named by rank 0 and created by it. Collective."""
-    staging = final.parent / comm.broadcast_object(f"{final.name}{STAGING}{uuid.uuid4().hex[:8]}")
-    if comm.rank == 0:
-        staging.mkdir(parents=True)
-    return staging
-
-
-def _write_manifest(directory: Path, manifest: dict):
-    """Written last, and fsynced with its directory: its presence marks the checkpoint complete."""
-    with open(directory / MANIFEST, "w") as f:
-        json.dump(with_digest(manifest), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(directory)
-
-
-def _move_into_place(staging: Path, final: Path):
-    """Rename the complete checkpoint to its name; an existing one is replaced only now.
-
-    Replacing takes two renames (final -> final.old-*, staging -> final); a job killed between them
-    leaves both complete copies beside an empty name, which `recover` puts back."""
-    if final.exists():
-        old = final.parent / f"{final.name}{REPLACED}{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, final)
-    _fsync_dir(final.parent)
-
-
-def recover(final) -> Path | None:
-    """Put a complete checkpoint back at `final` after a save was interrupted; returns what it restored.
-
-    Only ever renames; deletes nothing but a replaced copy (`.old-*`) proven superseded by a complete
-    checkpoint at `final` (the newer one: the old copy is moved aside only once the new one is whole).
-    If `final` is missing, the complete new copy (`.tmp-*` with a manifest) is preferred over the
-    replaced old one. Not collective: rank 0 calls it before saving or loading."""
-    final = Path(final)
-    if not final.parent.is_dir():
-        return None
-    leftovers = sorted(final.parent.glob(f"{_glob_escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
-    complete = [p for p in leftovers if p.is_dir() and (p / MANIFEST).is_file()]
-    if (final / MANIFEST).is_file():
-        for old in complete:
-            if REPLACED in old.name:
-                shutil.rmtree(old, ignore_errors=True)
-        return None
-    if final.exists() or not complete:
-        return None
-    newest = [p for p in complete if STAGING in p.name] or [p for p in complete if REPLACED in p.name]
-    os.replace(newest[-1], final)
-    log.warning("recovered %s from %s, left by an interrupted save", final, newest[-1].name)
-    return final
-
-
-def _glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _optimizer_state(optimizer, sharded) -> dict:
@@ -268,7 +182,7 @@ def checkpoints(root) -> list[Path]:
     found = [
         p
         for p in (root.iterdir() if root.is_dir() else [])
-        if STEP.fullmatch(p.name) and p.is_dir() and (p / MANIFEST).is_file()
+        if STEP.fullmatch(p.name) and publish.is_real_dir(p) and (p / MANIFEST).is_file()
     ]
     return sorted(found, key=lambda p: int(STEP.fullmatch(p.name)[1]), reverse=True)
 
@@ -285,7 +199,7 @@ def load(directory, model, optimizer=None) -> dict:
     """
     sharded = require_sharded(model)
     directory = Path(directory)
-    collective(sharded.comm, lambda: recover(directory), f"loading {directory}", root=0)
+    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
     manifest = collective(
         sharded.comm,
         lambda: _check_fits(read_manifest(directory), sharded, optimizer),
@@ -362,11 +276,11 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
 def _prune(root: Path, step: int, keep: int):
     if keep > 0:
         for old in checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+            publish.remove_ours(old)
     for stale in root.glob(f"step-*{STAGING}*"):
         saved = STEP.fullmatch(stale.name.split(STAGING)[0])
         if saved and int(saved[1]) < step and not (stale / MANIFEST).is_file():
-            shutil.rmtree(stale, ignore_errors=True)
+            publish.remove_ours(stale)
 
 
 def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
@@ -396,7 +310,7 @@ def _recovered_checkpoints(root: Path) -> list[Path]:
     """checkpoints(root), after putting back any step-N left nameless by an interrupted overwrite."""
     if root.is_dir():
         for leftover in root.glob(f"step-*{STAGING}*"):
-            recover(root / leftover.name.split(STAGING)[0])
+            publish.recover(root / leftover.name.split(STAGING)[0])
         for leftover in root.glob(f"step-*{REPLACED}*"):
-            recover(root / leftover.name.split(REPLACED)[0])
+            publish.recover(root / leftover.name.split(REPLACED)[0])
     return checkpoints(root)

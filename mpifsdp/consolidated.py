@@ -10,6 +10,7 @@ works for any tensor order: each rank reads the byte ranges of the tensor pieces
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import uuid
@@ -40,7 +41,7 @@ def _safetensors_header(entries) -> bytes:
     """entries: [(name, dtype, shape)] in data order; returns the 8-byte length + JSON header."""
     header, offset = {"__metadata__": {"format": "pt", "writer": "mpifsdp"}}, 0
     for name, dtype, shape in entries:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {
             "dtype": _ST_DTYPES[dtype.name],
             "shape": list(shape),
@@ -130,7 +131,7 @@ def read_safetensors_header(path) -> tuple[dict, int]:
                 isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets),
                 f"{name}: bad data_offsets {offsets!r}",
             )
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[entry["dtype"]]
+            nbytes = math.prod(shape) * _ST_ITEMSIZE[entry["dtype"]]
             require(offsets[1] - offsets[0] == nbytes, f"{name}: data_offsets {offsets} do not hold {shape}")
             ranges.append(tuple(offsets))
         end = 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ VERSION = 2  # 2: the manifest carries its own checksum; 1 (no checksum) still l
 MANIFEST = "manifest.json"
 KINDS = ("param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # parameters, then optimizer state
 FLOAT_DTYPES = {np.dtype(t).str for t in ("<f2", "<f4", "<f8")}
+MAX_MANIFEST = 2**30  # bytes: far above what a checkpoint of a million slices writes (~200 MiB)
 
 
 class CheckpointError(RuntimeError):
@@ -37,12 +40,30 @@ def with_digest(manifest: dict) -> dict:
     return {**manifest, "sha256": manifest_digest(manifest)}
 
 
+def inside(directory: Path, name: str) -> Path:
+    """directory/name, refused unless it resolves (links followed) to a file inside `directory`.
+
+    [Note: the fence] A checkpoint may come from anyone: the names its manifest gives are plain file
+    names (checked in _validate) and a link may not lead out, so loading reads nothing outside the
+    checkpoint. The error says which name was refused, never anything about where it leads."""
+    path = directory / name
+    fence = os.path.realpath(directory)
+    if os.path.commonpath([fence, os.path.realpath(path)]) != fence:
+        raise CheckpointError(f"not a valid checkpoint: {directory} ({name!r} leads out of the checkpoint)")
+    return path
+
+
 def read_manifest(directory) -> dict:
     """The manifest of checkpoint `directory`, proven whole and consistent, with its files present."""
     directory = Path(directory)
-    path = directory / MANIFEST
+    path = inside(directory, MANIFEST)
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint")
+    if path.stat().st_size > MAX_MANIFEST:
+        raise CheckpointError(
+            f"not a valid checkpoint: {directory} (a manifest of {path.stat().st_size} bytes, more than "
+            f"any checkpoint writes: {MAX_MANIFEST})"
+        )
     try:
         manifest = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
@@ -55,7 +76,7 @@ def read_manifest(directory) -> dict:
         why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise CheckpointError(f"not a valid checkpoint: {directory} ({why})") from None
     for record in manifest["files"]:
-        file = directory / record["name"]
+        file = inside(directory, record["name"])
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
         if file.stat().st_size != record["bytes"]:
@@ -64,6 +85,17 @@ def read_manifest(directory) -> dict:
                 f"the manifest says {record['bytes']}"
             )
     return manifest
+
+
+def is_plain_name(name) -> bool:
+    """A file name with no directory part: no separator, not . or .., no NUL, not absolute."""
+    seps = {"/", "\\", os.sep, os.altsep or "/"}
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "\0" not in name
+        and not any(sep in name for sep in seps)
+    )
 
 
 def require(ok: bool, why: str):
@@ -99,13 +131,16 @@ def _validate(manifest):
                 f"{t['name']}: bad shape",
             )
             require(t["offset"] == end, f"{t['name']}: offset {t['offset']!r}, expected {end}")
-            end += int(np.prod(t["shape"], dtype=np.int64))
+            end += math.prod(t["shape"])  # Python ints: a crafted shape cannot wrap around
         require(
             end == u["numel"], f"unit {u['name']!r}: its tensors hold {end} elements, numel says {u['numel']}"
         )
     coverage: dict = {}
+    names = [record["name"] for record in manifest["files"]]
+    for name in names:
+        require(is_plain_name(name), f"file name {name!r} is not a plain file name in the checkpoint")
+    require(len(set(names)) == len(names), "a file is named twice")
     for record in manifest["files"]:
-        require(isinstance(record["name"], str), "a file's name must be a string")
         require(is_count(record["bytes"]), f"{record['name']}: bytes must be a non-negative integer")
         for s in record["segments"]:
             require(
@@ -159,7 +194,7 @@ def _checksum_matches(raw: bytes, segment: dict, version: int) -> bool:
 
 
 def read_segment(directory: Path, manifest: dict, record: dict, segment: dict) -> np.ndarray:
-    file = directory / record["name"]
+    file = inside(directory, record["name"])
     dtype = np.dtype(manifest["units"][segment["unit"]]["dtype"])
     count = segment["stop"] - segment["start"]
     with open(file, "rb") as f:

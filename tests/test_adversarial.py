@@ -278,7 +278,7 @@ SCENARIOS = {
         finally:
             assert os.listdir(ROOT / "notes") == ["todo.txt"]
     """,
-        r"a directory with files but no checkpoint in it",
+        r"it holds files that are not a checkpoint.s",
     ),
     "checkpoint-error-on-one-rank-without-mpi4py": bad(
         """

@@ -55,3 +55,20 @@ def test_the_layering_check_sees_an_upward_import(tmp_path):
 def test_modules_stay_small():
     long = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"modules over 400 lines (split them by job): {long}"
+
+
+def test_the_public_surface_names_every_error_class():
+    """`import mpifsdp` gives every exception the package raises of its own, and nothing unresolved."""
+    import mpifsdp
+    import mpifsdp.extend
+
+    for module in (mpifsdp, mpifsdp.extend):
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert not missing, f"{module.__name__}.__all__ names {missing}, which do not exist"
+    defined = {
+        node.name
+        for path in PACKAGE.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name.endswith(("Error", "Timeout"))
+    }
+    assert defined and defined <= set(mpifsdp.__all__), f"not exported: {defined - set(mpifsdp.__all__)}"

@@ -74,22 +74,22 @@ def _no_coverage_check():
 
 
 def _no_recovery():
-    import mpifsdp.checkpoint
+    import mpifsdp.publish
 
-    _replace(mpifsdp.checkpoint, "recover", lambda final: None)
+    _replace(mpifsdp.publish, "recover", lambda final: None)
 
 
 def _no_atomic_publish():
     """Write the checkpoint in place: no staging directory, no rename."""
-    import mpifsdp.checkpoint as ck
+    import mpifsdp.publish
 
     def in_place(final, comm):
         final.mkdir(parents=True, exist_ok=True)
         comm.barrier()
         return final
 
-    _replace(ck, "_staging_dir", in_place)
-    _replace(ck, "_move_into_place", lambda staging, final: None)
+    _replace(mpifsdp.publish, "staging_dir", in_place)
+    _replace(mpifsdp.publish, "move_into_place", lambda staging, final: None)
 
 
 def _no_global_valid_count():
@@ -117,6 +117,26 @@ def _no_end_of_backward_sweep():
     from mpifsdp.fsdp import ShardedModel
 
     _replace(ShardedModel, "_sweep_unreached", lambda self: None)
+
+
+def _any_file_name():
+    import mpifsdp.manifest
+
+    _replace(mpifsdp.manifest, "is_plain_name", lambda name: isinstance(name, str))
+
+
+def _no_fence():
+    import mpifsdp.manifest
+
+    _replace(mpifsdp.manifest, "inside", lambda directory, name: directory / name)
+
+
+def _prune_everything():
+    import shutil
+
+    import mpifsdp.publish
+
+    _replace(mpifsdp.publish, "remove_ours", lambda directory: shutil.rmtree(directory, ignore_errors=True))
 
 
 def _errors_raised_where_they_happen():
@@ -253,7 +273,7 @@ MUTANTS = {
     ),
     "overwrite_recovery": Mutant(
         _no_recovery,
-        "recovery of a checkpoint left nameless by an interrupted overwrite (checkpoint.recover)",
+        "recovery of a checkpoint left nameless by an interrupted overwrite (publish.recover)",
         ["tests/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"],
     ),
     "atomic_publish": Mutant(
@@ -280,6 +300,26 @@ MUTANTS = {
         _no_end_of_backward_sweep,
         "end-of-backward sweep of unreached units (ShardedModel._sweep_unreached)",
         ["tests/test_fsdp.py::test_units_backward_never_reached_are_still_reduced"],
+    ),
+    "plain_file_names": Mutant(
+        _any_file_name,
+        "a manifest names plain file names only (manifest.is_plain_name)",
+        ["tests/test_untrusted.py::test_a_manifest_names_only_plain_files_in_its_checkpoint"],
+    ),
+    "realpath_fence": Mutant(
+        _no_fence,
+        "every file a checkpoint opens resolves inside it (manifest.inside)",
+        [
+            "tests/test_untrusted.py::test_a_link_out_of_the_checkpoint_is_refused_and_one_inside_is_followed",
+            "tests/test_untrusted.py::test_a_linked_manifest_is_refused",
+        ],
+    ),
+    "delete_only_ours": Mutant(
+        _prune_everything,
+        "pruning deletes only a checkpoint's own files (publish.remove_ours)",
+        [
+            "tests/test_untrusted.py::test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link"
+        ],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
