@@ -1,13 +1,18 @@
-"""Single-process training step of the peer-config GPT vs plain GEMMs of the same shapes.
+"""Single-process training step of the peer-config GPT vs plain GEMMs of the same shapes, and vs torch.
 
 Prints one JSON line: step time, achieved GFLOP/s, the GFLOP/s of xp.matmul running exactly the
-GEMMs a step performs (measured in the same run), and their ratio (1.0 = zero framework overhead).
-    python bench/bench_core.py [--config peer|small] [--steps 5]
+GEMMs a step performs (measured in the same run), and their ratio (1.0 = zero framework overhead);
+where torch is installed (not a dependency), the same model's single-process step in torch with the
+same threads (bench/torch_fsdp2.py's GPT). --profile adds one line per primitive: its forward and
+backward seconds per step and share of the step, largest first; "outside" is everything else
+(optimizer, clipping, Python).
+    python bench/bench_core.py [--config peer|small] [--set block_size=1024 ...] [--steps 5] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -15,11 +20,20 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, gpt_config, median_time, peak_rss_mib, random_batch, train_step  # noqa: E402
+from common import (  # noqa: E402
+    add_config_arguments,
+    config_from,
+    gpt_config,
+    median_time,
+    peak_rss_mib,
+    random_batch,
+    train_step,
+)
 
+from mpifsdp import AdamW  # noqa: E402
 from mpifsdp.backend import array_module  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
-from mpifsdp.optim import AdamW  # noqa: E402
+from mpifsdp.tape import profile  # noqa: E402
 
 
 def step_gemm_shapes(cfg: dict) -> list[tuple[int, int, int, int]]:
@@ -55,29 +69,82 @@ def gemm_seconds(xp, shapes, dtype, repeats):
     return median_time(run, repeats)
 
 
+def torch_step_seconds(cfg: dict, steps: int) -> float | None:
+    """The same model's single-process training step in torch (None where torch is not installed)."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+    from torch_fsdp2 import GPT as TorchGPT
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.manual_seed(0)
+    model = TorchGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    x, y = (torch.from_numpy(a) for a in random_batch(cfg, cfg["batch_size"]))
+
+    def step():
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    return median_time(step, steps)
+
+
+def print_profile(model, opt, x, y, steps: int, step_s: float):
+    """Per primitive: forward and backward seconds per step, and their share of the step."""
+    with profile() as costs:
+        for _ in range(steps):
+            train_step(model, opt, x, y)
+    rows = sorted(costs.items(), key=lambda kv: -(kv[1]["forward_s"] + kv[1]["backward_s"]))
+    inside = 0.0
+    for name, c in rows:
+        fwd, bwd = c["forward_s"] / steps, c["backward_s"] / steps
+        inside += fwd + bwd
+        line = {"primitive": name, "forward_s": round(fwd, 4), "backward_s": round(bwd, 4)}
+        line |= {"share": round((fwd + bwd) / step_s, 3), "calls": c["forward_calls"] // steps}
+        line["forward_mib"] = round(c["forward_bytes"] / steps / 2**20, 1)
+        print(json.dumps(line))
+    print(
+        json.dumps(
+            {
+                "primitive": "outside",
+                "seconds": round(step_s - inside, 4),
+                "share": round(1 - inside / step_s, 3),
+            }
+        )
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", choices=CONFIGS, default="peer")
+    add_config_arguments(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--profile", action="store_true", help="also time every primitive")
     args = ap.parse_args()
-    cfg = CONFIGS[args.config]
+    cfg = config_from(args)
     xp = array_module(args.device)
     model = GPT(gpt_config(cfg), seed=0, device=args.device)
     opt = AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
     x, y = (xp.asarray(a) for a in random_batch(cfg, cfg["batch_size"]))
     step_s = median_time(lambda: train_step(model, opt, x, y), args.steps)
     rss = peak_rss_mib()  # before the GEMM reference allocates its own arrays
+    if args.profile:
+        print_profile(model, opt, x, y, args.steps, step_s)
     shapes = step_gemm_shapes(cfg)
     gemm_s = gemm_seconds(xp, shapes, np.float32, args.steps)
     gemm_flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
     tokens = cfg["batch_size"] * cfg["block_size"]
     model_flops = model.flops_per_token(cfg["block_size"]) * tokens
+    torch_s = torch_step_seconds(cfg, args.steps) if args.device == "cpu" else None
     print(
         json.dumps(
             {
                 "bench": "core",
                 "config": args.config,
+                "set": args.set,
                 "device": args.device,
                 "params": model.num_params(),
                 "step_s": round(step_s, 4),
@@ -87,6 +154,9 @@ def main():
                 "gemm_s": round(gemm_s, 4),
                 "step_vs_gemm": round(gemm_s / step_s, 3),
                 "peak_rss_mib": round(rss, 1),
+                "block_size": cfg["block_size"],
+                "torch_step_s": torch_s and round(torch_s, 4),
+                "step_vs_torch": torch_s and round(step_s / torch_s, 3),
             }
         )
     )

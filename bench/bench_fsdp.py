@@ -4,7 +4,8 @@ For each N: mpifsdp (BLAS threads per rank = cores / N); the same step with comm
 local copies (exposed communication = the difference); the single-process unsharded step on the same
 global batch with all cores; and, where torch is installed, the same model under PyTorch FSDP2 with
 gloo (bench/torch_fsdp2.py). One JSON line per run, then one summary line per N and a final one.
-    python bench/bench_fsdp.py [--config peer|small] [--steps 5] [--sizes 1,2,4] [--prefetch 1]
+    python bench/bench_fsdp.py [--config peer|small] [--set block_size=1024 batch_size=2 ...] [--steps 5]
+        [--sizes 1,2,4] [--prefetch 1]
 On machines that set OPENBLAS_CORETYPE for old OpenBLAS builds, run it as
 `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_fsdp.py` (make bench does).
 """
@@ -23,9 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
-    CONFIGS,
     LocalComm,
+    add_config_arguments,
     blas_kernel,
+    config_arguments,
+    config_from,
     current_rss_mib,
     gpt_config,
     peak_rss_mib,
@@ -44,7 +47,7 @@ def worker(args):
     from mpifsdp.data import rank_slice
     from mpifsdp.models import GPT
 
-    cfg = CONFIGS[args.config]
+    cfg = config_from(args)
     comm = LocalComm() if args.local_comm else mpifsdp.Comm()
     baseline = current_rss_mib()  # the interpreter, numpy, mpi4py: before any model
     N = comm.size
@@ -88,6 +91,7 @@ def worker(args):
                 {
                     "impl": impl,
                     "config": args.config,
+                    "set": args.set,
                     "world_size": 1 if args.unsharded else N,
                     "global_batch": global_batch,
                     "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "0")),
@@ -121,7 +125,7 @@ def run(cmd, threads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", choices=CONFIGS, default="peer")
+    add_config_arguments(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sizes", default="1,2,4")
     ap.add_argument("--prefetch", type=int, default=1)
@@ -137,9 +141,9 @@ def main():
     cores = os.cpu_count() or 1
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     me = [sys.executable, "-m", "mpi4py", __file__, "--worker"]
-    me += ["--config", args.config, "--steps", str(args.steps), "--prefetch", str(args.prefetch)]
+    me += [*config_arguments(args), "--steps", str(args.steps), "--prefetch", str(args.prefetch)]
     with_torch = not args.no_torch and importlib.util.find_spec("torch") is not None
-    final = {"bench": "fsdp", "config": args.config, "cores": cores, "torch": with_torch}
+    final = {"bench": "fsdp", "config": args.config, "set": args.set, "cores": cores, "torch": with_torch}
     for n in map(int, args.sizes.split(",")):
         threads = max(1, cores // n)
         ours = run([mpiexec, "-n", str(n), *me], threads)
@@ -155,8 +159,7 @@ def main():
             torch_cmd = [
                 sys.executable,
                 str(Path(__file__).parent / "torch_fsdp2.py"),
-                "--config",
-                args.config,
+                *config_arguments(args),
             ]
             torch_cmd += ["--steps", str(args.steps), "--port", str(random.randint(20000, 40000))]
             torch = run([mpiexec, "-n", str(n), *torch_cmd], threads)

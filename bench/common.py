@@ -18,6 +18,27 @@ SMALL = dict(vocab_size=4096, n_embd=256, n_layer=4, n_head=8, block_size=128, b
 CONFIGS = {"peer": PEER, "small": SMALL}
 
 
+def add_config_arguments(ap):
+    """--config NAME and --set KEY=VALUE ... (e.g. --set block_size=1024 batch_size=2 n_layer=16)."""
+    ap.add_argument("--config", choices=CONFIGS, default="peer")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+
+
+def config_from(args) -> dict:
+    cfg = dict(CONFIGS[args.config])
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in cfg or not value.isdigit():
+            raise SystemExit(f"--set {item}: give KEY=INTEGER with KEY one of {sorted(cfg)}")
+        cfg[key] = int(value)
+    return cfg
+
+
+def config_arguments(args) -> list[str]:
+    """The same configuration, as arguments for another benchmark process."""
+    return ["--config", args.config, *(["--set", *args.set] if args.set else [])]
+
+
 def gpt_config(cfg: dict) -> GPTConfig:
     return GPTConfig(
         vocab_size=cfg["vocab_size"],

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, peak_rss_mib, random_batch  # noqa: E402
+from common import add_config_arguments, config_from, peak_rss_mib, random_batch  # noqa: E402
 
 
 class Block(nn.Module):
@@ -59,7 +59,7 @@ class GPT(nn.Module):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", choices=CONFIGS, default="peer")
+    add_config_arguments(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--port", type=int, default=29512)
     args = ap.parse_args()
@@ -67,7 +67,7 @@ def main():
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
-    cfg = CONFIGS[args.config]
+    cfg = config_from(args)
     torch.manual_seed(0)
     model = GPT(cfg)
     for block in model.blocks:

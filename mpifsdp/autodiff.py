@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import array_module_of, to_numpy
-from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order
+from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order, timed
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def apply(name: str, *args, **settings) -> Tensor:
             "cast them to one dtype first (e.g. x.astype(np.float32))"
         )
     try:
-        out, saved = prim.forward(*(t.data for t in inputs), **settings)
+        out, saved = timed(name, "forward", prim.forward, *(t.data for t in inputs), **settings)
     except (ValueError, TypeError, IndexError) as exc:
         context = f"{name} on inputs {', '.join(map(_describe, inputs))}"
         rebuilt = _same_error(exc, f"{context}: {exc}")

@@ -55,17 +55,14 @@ class ShardedModel:
         self._forward_order: list = []  # ... as the previous forward ran them (drives prefetch)
         self._backward_order: list = []  # the reverse of the last forward with grad
         self._reduces: deque = deque()  # units whose reduce-scatter is in flight
+        self.lifecycles: tuple = ()  # every unit's, the root's last
 
     def add(self, lifecycle: UnitLifecycle, root: bool = False):
         if root:
             self._root = lifecycle
         else:
             self._units.append(lifecycle)
-
-    @property
-    def lifecycles(self) -> tuple:
-        """Every unit's lifecycle, the root's last."""
-        return (*self._units, *([self._root] if self._root else []))
+        self.lifecycles = (*self._units, *([self._root] if self._root else []))  # the root's last
 
     @property
     def units(self) -> list[Unit]:

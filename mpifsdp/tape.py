@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 
 class _Recording(threading.local):
@@ -22,6 +23,7 @@ class _Recording(threading.local):
     def __init__(self):
         self.grad_enabled = True
         self.scopes: tuple = ()
+        self.profile: dict | None = None  # while profiling: primitive -> its forward and VJP costs
 
 
 _recording = _Recording()
@@ -54,6 +56,36 @@ def scope(owner):
         yield
     finally:
         _recording.scopes = previous
+
+
+@contextlib.contextmanager
+def profile():
+    """`with profile() as costs:` every primitive's forward and VJP timed while inside: costs[name] =
+    {"forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"} (bytes: of the
+    outputs). What a step spends outside primitives (optimizer, communication) is the rest."""
+    previous, _recording.profile = _recording.profile, {}
+    try:
+        yield _recording.profile
+    finally:
+        _recording.profile = previous
+
+
+def timed(name: str, phase: str, run, *args, **kwargs):
+    """run(*args, **kwargs), its time added to the active profile (just the call when none is)."""
+    costs = _recording.profile
+    if costs is None:
+        return run(*args, **kwargs)
+    start = time.perf_counter()
+    result = run(*args, **kwargs)
+    entry = costs.setdefault(
+        name,
+        dict.fromkeys(("forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"), 0),
+    )
+    entry[f"{phase}_s"] += time.perf_counter() - start
+    entry[f"{phase}_calls"] += 1
+    if phase == "forward":
+        entry["forward_bytes"] += getattr(result[0], "nbytes", 0)
+    return result
 
 
 class Node:
@@ -129,7 +161,9 @@ def backward(root, grad=None):
         g = grads.pop(id(node), None)
         if g is not None:
             arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
-            input_grads = node.prim.vjp(g, node.saved, *arrays, **node.settings)
+            input_grads = timed(
+                node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **node.settings
+            )
             for t, gi in zip(node.inputs, input_grads):
                 if gi is None or not t.requires_grad:
                     continue
