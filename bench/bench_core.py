@@ -123,6 +123,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--profile", action="store_true", help="also time every primitive")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch row even if torch is installed")
     args = ap.parse_args()
     cfg = config_from(args)
     xp = array_module(args.device)
@@ -138,7 +139,7 @@ def main():
     gemm_flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
     tokens = cfg["batch_size"] * cfg["block_size"]
     model_flops = model.flops_per_token(cfg["block_size"]) * tokens
-    torch_s = torch_step_seconds(cfg, args.steps) if args.device == "cpu" else None
+    torch_s = None if args.no_torch or args.device != "cpu" else torch_step_seconds(cfg, args.steps)
     print(
         json.dumps(
             {

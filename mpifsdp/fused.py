@@ -1,5 +1,5 @@
-"""The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, causal attention,
-cross-entropy. Registered like every primitive (forward next to VJP); split from ops.py for size.
+"""The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, cross-entropy
+(causal attention: attention.py). Registered like every primitive (forward next to VJP).
 
 On the CPU their elementwise work runs in blocks of rows across this rank's threads
 (threads.for_row_blocks), so the cores BLAS uses for GEMMs are not idle in between; on a GPU each
@@ -28,7 +28,7 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def _by_rows(xp, n_rows: int, row_elements: int, work) -> int:
+def by_rows(xp, n_rows: int, row_elements: int, work) -> int:
     """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU."""
     if xp is np:
         return for_row_blocks(n_rows, row_elements, work)
@@ -37,37 +37,60 @@ def _by_rows(xp, n_rows: int, row_elements: int, work) -> int:
 
 
 # -- GELU (tanh form, as GPT-2) -------------------------------------------------------------------
+# 0.5 (1 + tanh(u)) = sigmoid(2u), so gelu(x) = x / (1 + exp(-2u)) with u = c (x + k x^3): one exp
+# instead of a tanh (measured here on 2M float32: 21.9 ms vs 25.1 ms a thread). Each thread's rows
+# run in chunks of CHUNK elements, so the seven passes of a chunk stay in cache (15.8 ms vs 21.9).
+
+CHUNK = 1 << 16  # elements an elementwise kernel works on at once (256 KiB of float32)
 
 
-def _gelu_into(out, x):
-    """out = 0.5 x (1 + tanh(c (x + k x^3))), computed in `out` with no temporary."""
+def _in_chunks(kernel, out, *inputs):
+    """kernel(out, *inputs, scratch) on CHUNK-element pieces of contiguous arrays of one size."""
+    xp = array_module_of(out)
+    flat = [a.reshape(-1) for a in (out, *inputs)]
+    n = flat[0].size
+    scratch = [xp.empty(min(CHUNK, n), dtype=out.dtype) for _ in range(2)]
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        kernel(*(a[start:stop] for a in flat), *(s[: stop - start] for s in scratch))
+
+
+def row_slices(lo: int, hi: int, row_elements: int):
+    """Sub-ranges of rows [lo, hi) of about CHUNK elements: a kernel's passes over one stay in cache,
+    and its temporaries stay small."""
+    step = max(1, CHUNK // max(1, row_elements))
+    return ((a, min(a + step, hi)) for a in range(lo, hi, step))
+
+
+def _sigmoid_2u_into(out, x):
+    """out = sigmoid(2 c (x + k x^3)) = 0.5 (1 + tanh(u))."""
     xp = array_module_of(x)
     xp.multiply(x, x, out=out)
-    out *= _GELU_K * _GELU_C
-    out += _GELU_C
+    out *= -2 * _GELU_C * _GELU_K
+    out -= 2 * _GELU_C
     out *= x
-    xp.tanh(out, out=out)
+    xp.exp(out, out=out)  # an overflow to inf gives sigmoid 0, as it should
     out += 1
+    xp.reciprocal(out, out=out)
+
+
+def _gelu_into(out, x, *scratch):
+    _sigmoid_2u_into(out, x)
     out *= x
-    out *= 0.5
 
 
-def _gelu_grad_into(out, g, x):
-    """out = g * d gelu / dx = g (0.5 (1 + t) + 0.5 x c (1 + 3k x^2)(1 - t^2)), t = tanh(...)."""
+def _gelu_grad_into(out, g, x, s, t):
+    """out = g * d gelu / dx = g s (1 + a (1 - s)), s = sigmoid(2u), a = 2 x u' = 2 c x (1 + 3k x^2)."""
     xp = array_module_of(x)
-    t = x * x
-    t *= _GELU_K * _GELU_C
-    t += _GELU_C
-    t *= x
-    xp.tanh(t, out=t)
+    _sigmoid_2u_into(s, x)
     xp.multiply(x, x, out=out)
-    out *= 3 * _GELU_K * _GELU_C
-    out += _GELU_C
-    out *= 1 - t * t
+    out *= 6 * _GELU_C * _GELU_K
+    out += 2 * _GELU_C
     out *= x
+    xp.multiply(out, s, out=t)
+    out -= t
     out += 1
-    out += t
-    out *= 0.5
+    out *= s
     out *= g
 
 
@@ -75,15 +98,19 @@ def gelu_array(x):
     xp = array_module_of(x)
     out = xp.empty_like(x)
     x2, o2 = _rows(x), _rows(out)
-    _by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _gelu_into(o2[lo:hi], x2[lo:hi]))
+    by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _in_chunks(_gelu_into, o2[lo:hi], x2[lo:hi]))
     return out
 
 
 def _gelu_grad(g, x):
     xp = array_module_of(x)
     out = xp.empty_like(x)
-    x2, g2, o2 = _rows(x), _rows(g), _rows(out)
-    _by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _gelu_grad_into(o2[lo:hi], g2[lo:hi], x2[lo:hi]))
+    x2, g2, o2 = _rows(x), _rows(xp.ascontiguousarray(g)), _rows(out)
+
+    def work(i, lo, hi):
+        _in_chunks(_gelu_grad_into, o2[lo:hi], g2[lo:hi], x2[lo:hi])
+
+    by_rows(xp, x2.shape[0], x2.shape[1], work)
     return out
 
 
@@ -148,7 +175,7 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
         out -= xhat
         out *= rstd[lo:hi]
 
-    blocks = _by_rows(xp, n, C, work)
+    blocks = by_rows(xp, n, C, work)
     gw = sum(parts[i][0] for i in range(blocks))
     return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
 
@@ -174,154 +201,8 @@ def _layer_norm(x, w, b=None, eps=1e-5):
         if b is not None:
             o += b
 
-    _by_rows(xp, n, C, work)
+    by_rows(xp, n, C, work)
     return out, (mean, rstd)
-
-
-# -- causal attention -----------------------------------------------------------------------------
-
-
-def swap_last(a):
-    """The matrix transpose of a stack of matrices (a view)."""
-    return a.swapaxes(-1, -2)
-
-
-def _attention_probabilities(q, k, scale):
-    """softmax(q k^T * scale + causal mask) on (B, nh, T, T), built in place block by block."""
-    xp = array_module_of(q)
-    T = q.shape[-2]
-    scores = q @ swap_last(k)
-    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
-    s3 = scores.reshape(-1, T, T)
-
-    def work(i, lo, hi):
-        s = s3[lo:hi]
-        s *= scale
-        s += causal
-        s -= s.max(axis=-1, keepdims=True)
-        xp.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-
-    _by_rows(xp, s3.shape[0], T * T, work)
-    return scores
-
-
-def _attention_vjp(g, _, q, k, v, scale):
-    """Recomputes the probabilities from q and k (one small batched GEMM) instead of keeping them."""
-    xp = array_module_of(g)
-    att = _attention_probabilities(q, k, scale)
-    gv = swap_last(att) @ g
-    gs = g @ swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
-    T = att.shape[-1]
-    gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
-
-    def work(i, lo, hi):
-        d, a = gs3[lo:hi], att3[lo:hi]
-        d -= (d * a).sum(axis=-1, keepdims=True)
-        d *= a
-        d *= scale
-
-    _by_rows(xp, gs3.shape[0], T * T, work)
-    return gs @ k, swap_last(gs) @ q, gv
-
-
-ATTENTION_BLOCK = 256  # queries and keys per block when T is longer: memory O(T * block) per head
-
-
-def _attention_vjp_of(g, saved, q, k, v, scale=None):
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if saved is None:  # T <= ATTENTION_BLOCK: one block, probabilities recomputed whole
-        return _attention_vjp(g, None, q, k, v, scale)
-    return _blocked_attention_vjp(g, saved, q, k, v, scale)
-
-
-@primitive("attention", vjp=_attention_vjp_of)
-def _attention(q, k, v, scale=None):
-    """Causal scaled dot-product attention on (B, nh, T, hs). Up to ATTENTION_BLOCK positions it keeps
-    nothing beyond q, k, v (backward recomputes the (B, nh, T, T) probabilities, which exist only
-    inside this op and its VJP); longer sequences run block by block (flash-style) and keep the
-    output and one log-sum-exp per row, so no (T, T) array exists at all."""
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-2] <= ATTENTION_BLOCK:
-        return _attention_probabilities(q, k, scale) @ v, None
-    out, lse = _blocked_attention(q, k, v, scale)
-    return out, (out, lse)
-
-
-def _blocks(T: int):
-    return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
-
-
-def _causal_scores(xp, qb, kb, q0: int, k0: int):
-    """qb kb^T (qb already scaled), with keys after their query masked out (diagonal blocks only)."""
-    s = qb @ swap_last(kb)
-    if k0 + kb.shape[-2] > q0 + 1:
-        ahead = xp.arange(k0, k0 + kb.shape[-2])[None, :] > xp.arange(q0, q0 + qb.shape[-2])[:, None]
-        s[:, ahead] = -xp.inf
-    return s
-
-
-def _blocked_attention(q, k, v, scale):
-    """(out, lse): each query block against the key blocks at or before it, with an online softmax
-    (running max m, normaliser l and output, rescaled as each key block arrives)."""
-    xp = array_module_of(q)
-    T, hs = q.shape[-2:]
-    q3, k3, v3 = (a.reshape(-1, T, hs) for a in (q, k, v))
-    out, lse = xp.empty_like(q3), xp.empty(q3.shape[:2], dtype=q.dtype)
-
-    def work(i, lo, hi):
-        for q0, q1 in _blocks(T):
-            qb = q3[lo:hi, q0:q1] * scale
-            m = xp.full((hi - lo, q1 - q0, 1), -xp.inf, dtype=q.dtype)
-            l = xp.zeros_like(m)
-            acc = xp.zeros((hi - lo, q1 - q0, hs), dtype=q.dtype)
-            for k0, k1 in _blocks(q1):
-                s = _causal_scores(xp, qb, k3[lo:hi, k0:k1], q0, k0)
-                m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
-                s -= m_new
-                xp.exp(s, out=s)
-                rescale = xp.exp(m - m_new)
-                l = l * rescale + s.sum(axis=-1, keepdims=True)
-                acc *= rescale
-                acc += s @ v3[lo:hi, k0:k1]
-                m = m_new
-            out[lo:hi, q0:q1] = acc / l
-            lse[lo:hi, q0:q1] = (m + xp.log(l))[..., 0]
-
-    _by_rows(xp, q3.shape[0], T * hs, work)
-    return out.reshape(q.shape), lse
-
-
-def _blocked_attention_vjp(g, saved, q, k, v, scale):
-    """Flash-attention's backward: per block pair, p = exp(s - lse) recomputed, then
-    dv += p^T g, ds = p (g v^T - rowsum(g o)) scale, dq += ds k, dk += ds^T q."""
-    xp = array_module_of(q)
-    out, lse = saved
-    T, hs = q.shape[-2:]
-    q3, k3, v3, g3 = (a.reshape(-1, T, hs) for a in (q, k, v, g))
-    delta = (g3 * out.reshape(-1, T, hs)).sum(axis=-1)  # rowsum(g o), (heads, T)
-    dq, dk, dv = xp.zeros_like(q3), xp.zeros_like(k3), xp.zeros_like(v3)
-
-    def work(i, lo, hi):
-        for q0, q1 in _blocks(T):
-            qb, gb = q3[lo:hi, q0:q1], g3[lo:hi, q0:q1]
-            qs = qb * scale
-            rows = (lse[lo:hi, q0:q1, None], delta[lo:hi, q0:q1, None])
-            for k0, k1 in _blocks(q1):
-                kb, vb = k3[lo:hi, k0:k1], v3[lo:hi, k0:k1]
-                p = _causal_scores(xp, qs, kb, q0, k0)
-                p -= rows[0]
-                xp.exp(p, out=p)
-                dv[lo:hi, k0:k1] += swap_last(p) @ gb
-                ds = gb @ swap_last(vb)
-                ds -= rows[1]
-                ds *= p
-                ds *= scale
-                dq[lo:hi, q0:q1] += ds @ kb
-                dk[lo:hi, k0:k1] += swap_last(ds) @ qb
-
-    _by_rows(xp, q3.shape[0], T * hs, work)
-    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 # -- cross-entropy --------------------------------------------------------------------------------
@@ -343,14 +224,8 @@ def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
         out[xp.arange(hi - lo), picked[lo:hi]] -= 1
         out *= weight[lo:hi]
 
-    _by_rows(xp, flat.shape[0], flat.shape[1], work)
+    by_rows(xp, flat.shape[0], flat.shape[1], work)
     return (grad.reshape(logits.shape),)
-
-
-def _row_slices(lo: int, hi: int, row_elements: int):
-    """Sub-ranges of [lo, hi) of about 1 MiB of float32, so a kernel's temporaries stay small."""
-    step = max(1, (1 << 18) // max(1, row_elements))
-    return ((a, min(a + step, hi)) for a in range(lo, hi, step))
 
 
 @primitive("cross_entropy", vjp=_cross_entropy_vjp)
@@ -374,13 +249,13 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
-        for a, b in _row_slices(lo, hi, flat.shape[1]):
+        for a, b in row_slices(lo, hi, flat.shape[1]):
             peak = flat[a:b].max(axis=1)
             e = flat[a:b] - peak[:, None]
             xp.exp(e, out=e)
             lse[a:b] = peak + xp.log(e.sum(axis=1))
 
-    _by_rows(xp, flat.shape[0], flat.shape[1], work)
+    by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
     count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
     loss = ((lse - picked) * valid).sum() / count

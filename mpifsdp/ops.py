@@ -1,6 +1,7 @@
 """The primitives: each forward next to its VJP, registered in autodiff.PRIMITIVES.
 
-The transformer's fused kernels (linear, GELU, LayerNorm, attention, cross-entropy) live in fused.py.
+The transformer's fused kernels (linear, GELU, LayerNorm, cross-entropy) live in fused.py, attention in
+attention.py.
 
 Forward: (*arrays, **settings) -> (out, saved). VJP: (g, saved, *arrays, **settings) -> grads.
 `saved` holds activations only, never parameter arrays (see autodiff, lazy parameter data).
@@ -16,9 +17,9 @@ import math
 
 import numpy as np
 
+from .attention import swap_last  # importing attention (and fused) registers their primitives
 from .autodiff import Tensor, apply, primitive
 from .backend import array_module_of
-from .fused import swap_last  # importing fused registers the fused primitives
 
 
 def unbroadcast(g, shape):

@@ -6,7 +6,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import mpifsdp.fused as fused
+import mpifsdp.attention as attention
 from mpifsdp.extend import PRIMITIVES, check_vjp
 
 ATTENTION = PRIMITIVES["attention"]
@@ -14,7 +14,7 @@ ATTENTION = PRIMITIVES["attention"]
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(fused, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 16)
 
 
 def _qkv(T, heads=(2, 3), hs=8, seed=0):
@@ -27,7 +27,7 @@ def test_blocked_attention_equals_the_one_block_path(monkeypatch):
     g = np.random.default_rng(1).standard_normal(q.shape)
     want, _ = ATTENTION.forward(q, k, v)
     want_grads = ATTENTION.vjp(g, None, q, k, v)
-    monkeypatch.setattr(fused, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 16)
     got, saved = ATTENTION.forward(q, k, v)
     assert saved is not None  # the blocked path ran
     got_grads = ATTENTION.vjp(g, saved, q, k, v)
@@ -56,7 +56,7 @@ def _peak_bytes(T):
 
 
 def test_blocked_attention_memory_grows_with_t_not_t_squared(monkeypatch):
-    monkeypatch.setattr(fused, "ATTENTION_BLOCK", 128)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", 128)
     small, large = _peak_bytes(1024), _peak_bytes(2048)
     scores = 2 * 2048 * 2048 * 8  # one (heads, T, T) float64 array at T = 2048: 64 MiB
     assert large < scores / 8, f"peak {large} bytes: a (T, T) array was built"

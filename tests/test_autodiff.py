@@ -125,3 +125,18 @@ def test_an_op_error_keeps_its_type_and_text_and_gains_the_context():
     )
     with pytest.raises(ValueError, match=r"linear on inputs .*: linear: input has 3 features"):
         mpifsdp.ops.linear(np.ones((2, 3)), np.ones((4, 5)))
+
+
+def test_profile_times_each_primitive_forward_and_backward():
+    from mpifsdp.tape import profile
+
+    w = Param(np.ones(3), "w")
+    with profile() as costs:
+        loss = (w * 2.0).sum()
+        loss.backward()
+    assert set(costs) == {"mul", "sum"}
+    mul = costs["mul"]
+    assert (mul["forward_calls"], mul["backward_calls"], mul["forward_bytes"]) == (1, 1, 24)
+    assert mul["forward_s"] >= 0 and mul["backward_s"] >= 0
+    (w * 2.0).sum().backward()  # outside the block: nothing more is recorded
+    assert costs["mul"]["forward_calls"] == 1

@@ -1,0 +1,160 @@
+"""Causal scaled dot-product attention as one primitive, its probabilities never kept for backward.
+
+Up to ATTENTION_BLOCK positions the (B, nh, T, T) probabilities are built whole inside the op and
+recomputed in its VJP; longer sequences run block by block with an online softmax (flash-style), so
+no (T, T) array exists and memory grows with T, not T². On the CPU both split their heads across
+this rank's threads (fused.by_rows) and their softmax passes over cache-sized pieces.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .autodiff import primitive
+from .backend import array_module_of
+from .fused import by_rows, row_slices
+
+
+def swap_last(a):
+    """The matrix transpose of a stack of matrices (a view)."""
+    return a.swapaxes(-1, -2)
+
+
+def _attention_probabilities(q, k, scale):
+    """softmax(q k^T * scale + causal mask) on (B, nh, T, T), built in place block by block."""
+    xp = array_module_of(q)
+    T = q.shape[-2]
+    scores = q @ swap_last(k)
+    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
+    s3 = scores.reshape(-1, T, T)
+
+    def work(i, lo, hi):
+        for a, b in row_slices(lo, hi, T * T):
+            s = s3[a:b]
+            s *= scale
+            s += causal
+            s -= s.max(axis=-1, keepdims=True)
+            xp.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+
+    by_rows(xp, s3.shape[0], T * T, work)
+    return scores
+
+
+def _attention_vjp(g, _, q, k, v, scale):
+    """Recomputes the probabilities from q and k (one small batched GEMM) instead of keeping them."""
+    xp = array_module_of(g)
+    att = _attention_probabilities(q, k, scale)
+    gv = swap_last(att) @ g
+    gs = g @ swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
+    T = att.shape[-1]
+    gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
+
+    def work(i, lo, hi):
+        for start, stop in row_slices(lo, hi, T * T):
+            d, a = gs3[start:stop], att3[start:stop]
+            d -= (d * a).sum(axis=-1, keepdims=True)
+            d *= a
+            d *= scale
+
+    by_rows(xp, gs3.shape[0], T * T, work)
+    return gs @ k, swap_last(gs) @ q, gv
+
+
+ATTENTION_BLOCK = 256  # queries and keys per block when T is longer: memory O(T * block) per head
+
+
+def _attention_vjp_of(g, saved, q, k, v, scale=None):
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    if saved is None:  # T <= ATTENTION_BLOCK: one block, probabilities recomputed whole
+        return _attention_vjp(g, None, q, k, v, scale)
+    return _blocked_attention_vjp(g, saved, q, k, v, scale)
+
+
+@primitive("attention", vjp=_attention_vjp_of)
+def _attention(q, k, v, scale=None):
+    """Causal scaled dot-product attention on (B, nh, T, hs). Up to ATTENTION_BLOCK positions it keeps
+    nothing beyond q, k, v (backward recomputes the (B, nh, T, T) probabilities, which exist only
+    inside this op and its VJP); longer sequences run block by block (flash-style) and keep the
+    output and one log-sum-exp per row, so no (T, T) array exists at all."""
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    if q.shape[-2] <= ATTENTION_BLOCK:
+        return _attention_probabilities(q, k, scale) @ v, None
+    out, lse = _blocked_attention(q, k, v, scale)
+    return out, (out, lse)
+
+
+def _blocks(T: int):
+    return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
+
+
+def _causal_scores(xp, qb, kb, q0: int, k0: int):
+    """qb kb^T (qb already scaled), with keys after their query masked out (diagonal blocks only)."""
+    s = qb @ swap_last(kb)
+    if k0 + kb.shape[-2] > q0 + 1:
+        ahead = xp.arange(k0, k0 + kb.shape[-2])[None, :] > xp.arange(q0, q0 + qb.shape[-2])[:, None]
+        s[:, ahead] = -xp.inf
+    return s
+
+
+def _blocked_attention(q, k, v, scale):
+    """(out, lse): each query block against the key blocks at or before it, with an online softmax
+    (running max m, normaliser l and output, rescaled as each key block arrives)."""
+    xp = array_module_of(q)
+    T, hs = q.shape[-2:]
+    q3, k3, v3 = (a.reshape(-1, T, hs) for a in (q, k, v))
+    out, lse = xp.empty_like(q3), xp.empty(q3.shape[:2], dtype=q.dtype)
+
+    def work(i, lo, hi):
+        for q0, q1 in _blocks(T):
+            qb = q3[lo:hi, q0:q1] * scale
+            m = xp.full((hi - lo, q1 - q0, 1), -xp.inf, dtype=q.dtype)
+            l = xp.zeros_like(m)
+            acc = xp.zeros((hi - lo, q1 - q0, hs), dtype=q.dtype)
+            for k0, k1 in _blocks(q1):
+                s = _causal_scores(xp, qb, k3[lo:hi, k0:k1], q0, k0)
+                m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+                s -= m_new
+                xp.exp(s, out=s)
+                rescale = xp.exp(m - m_new)
+                l = l * rescale + s.sum(axis=-1, keepdims=True)
+                acc *= rescale
+                acc += s @ v3[lo:hi, k0:k1]
+                m = m_new
+            out[lo:hi, q0:q1] = acc / l
+            lse[lo:hi, q0:q1] = (m + xp.log(l))[..., 0]
+
+    by_rows(xp, q3.shape[0], T * hs, work)
+    return out.reshape(q.shape), lse
+
+
+def _blocked_attention_vjp(g, saved, q, k, v, scale):
+    """Flash-attention's backward: per block pair, p = exp(s - lse) recomputed, then
+    dv += p^T g, ds = p (g v^T - rowsum(g o)) scale, dq += ds k, dk += ds^T q."""
+    xp = array_module_of(q)
+    out, lse = saved
+    T, hs = q.shape[-2:]
+    q3, k3, v3, g3 = (a.reshape(-1, T, hs) for a in (q, k, v, g))
+    delta = (g3 * out.reshape(-1, T, hs)).sum(axis=-1)  # rowsum(g o), (heads, T)
+    dq, dk, dv = xp.zeros_like(q3), xp.zeros_like(k3), xp.zeros_like(v3)
+
+    def work(i, lo, hi):
+        for q0, q1 in _blocks(T):
+            qb, gb = q3[lo:hi, q0:q1], g3[lo:hi, q0:q1]
+            qs = qb * scale
+            rows = (lse[lo:hi, q0:q1, None], delta[lo:hi, q0:q1, None])
+            for k0, k1 in _blocks(q1):
+                kb, vb = k3[lo:hi, k0:k1], v3[lo:hi, k0:k1]
+                p = _causal_scores(xp, qs, kb, q0, k0)
+                p -= rows[0]
+                xp.exp(p, out=p)
+                dv[lo:hi, k0:k1] += swap_last(p) @ gb
+                ds = gb @ swap_last(vb)
+                ds -= rows[1]
+                ds *= p
+                ds *= scale
+                dq[lo:hi, q0:q1] += ds @ kb
+                dk[lo:hi, k0:k1] += swap_last(ds) @ qb
+
+    by_rows(xp, q3.shape[0], T * hs, work)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
