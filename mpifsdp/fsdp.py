@@ -71,6 +71,9 @@ class ShardedModel:
     # -- forward: the model's forward wrapper -------------------------------------------------------
     def run_model(self, forward, *args, **kwargs):
         self.check_inputs(args, kwargs)
+        for lc in self.lifecycles:  # a pass that raised part-way left these mid-stage
+            if lc.stage in (Stage.FORWARD, Stage.BACKWARD):
+                lc.abandon()
         self._ran = []
         self._start_gathers(self._order("forward")[: self.prefetch_depth], "forward")
         with_grad = grad_enabled()

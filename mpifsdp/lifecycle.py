@@ -13,7 +13,8 @@ to the module's Params, pointing their .grad at the flat gradient, and the stage
 
 A forward may run again while AWAITING_BACKWARD (a unit used twice, a second forward before
 backward); backward may reach a unit that is IDLE (a second backward through an older forward's
-graph). Any other move is a bug in the runtime and raises. What concerns all units at once (prefetch
+graph). Any other move is a bug in the runtime and raises; after an exception cut a pass short (a VJP
+that raised), `abandon` is the way back to IDLE. What concerns all units at once (prefetch
 order, reduce-scatters in flight, the end of a pass) is the ShardedModel's (fsdp.py): the lifecycle
 asks it to prefetch after itself, tells it the order it ran in, and hands it its reduce-scatter.
 """
@@ -110,3 +111,14 @@ class UnitLifecycle:
         self.unit.start_reduce_grad(phase="backward")
         self.unit.reshard()
         self._model.reducing(self.unit)
+
+    def abandon(self):
+        """Back to IDLE from a pass an exception cut short (stuck in FORWARD or BACKWARD): parameters
+        released, gathered buffers and the unreduced gradient dropped. The ranks' schedules are then
+        compared at the next forward's start, as always."""
+        for _, p in self.params:
+            p.grad = None
+        self.release()
+        self.unit.drop_full_grad()
+        self.unit.reshard()
+        self.stage = Stage.IDLE

@@ -263,6 +263,12 @@ class Unit:
             self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
         return self.layout.views(self.full_grad)
 
+    def drop_full_grad(self):
+        """Discard `full_grad` without reducing it (a backward that failed part-way)."""
+        if self.full_grad is not None:
+            self._give("gathered_grads", self.full_grad)
+            self.full_grad = None
+
     def start_reduce_grad(
         self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce: str = "mean"
     ):

@@ -96,3 +96,35 @@ def test_a_sharded_models_units_through_forward_backward_and_eval(comm):
     with no_grad():
         model(ids)
     assert all(lc.stage is Stage.IDLE and lc.unit.state == "sharded" for lc in sharded.lifecycles)
+
+
+def test_a_backward_that_raised_part_way_does_not_block_the_next_step(comm, monkeypatch):
+    """A VJP that raises leaves its unit mid-backward; the next forward abandons that pass, and the
+    step after it trains normally (same loss as a model that never failed)."""
+    from mpifsdp import AdamW
+    from mpifsdp.extend import PRIMITIVES
+
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    ids = np.arange(16).reshape(2, 8) % 37
+    models = []
+    for fails in (True, False):
+        model = GPT(cfg, seed=0)
+        fully_shard(model, comm, units=model.blocks)
+        if fails:
+            good = PRIMITIVES["layer_norm"]
+            broken = good.__class__(good.name, good.forward, lambda *a, **k: 1 / 0, good.reads_inputs)
+            monkeypatch.setitem(PRIMITIVES, "layer_norm", broken)
+            loss = model(ids, ids)
+            monkeypatch.setitem(PRIMITIVES, "layer_norm", good)
+            with pytest.raises(ZeroDivisionError):
+                loss.backward()
+            stuck = [lc.stage for lc in sharded_model(model).lifecycles]
+            assert Stage.BACKWARD in stuck
+        opt = AdamW(model, lr=1e-2)
+        for _ in range(2):
+            model(ids, ids).backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model(ids, ids).item())
+        assert all(lc.stage is Stage.AWAITING_BACKWARD for lc in sharded_model(model).lifecycles)
+    assert models[0] == models[1]
