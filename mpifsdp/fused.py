@@ -49,7 +49,7 @@ def _in_chunks(kernel, out, *inputs):
     xp = array_module_of(out)
     flat = [a.reshape(-1) for a in (out, *inputs)]
     n = flat[0].size
-    scratch = [xp.empty(min(CHUNK, n), dtype=out.dtype) for _ in range(2)]
+    scratch = [xp.empty(min(CHUNK, n), dtype=out.dtype) for _ in range(3)]
     for start in range(0, n, CHUNK):
         stop = min(start + CHUNK, n)
         kernel(*(a[start:stop] for a in flat), *(s[: stop - start] for s in scratch))
@@ -79,7 +79,7 @@ def _gelu_into(out, x, *scratch):
     out *= x
 
 
-def _gelu_grad_into(out, g, x, s, t):
+def _gelu_grad_into(out, g, x, s, t, _):
     """out = g * d gelu / dx = g s (1 + a (1 - s)), s = sigmoid(2u), a = 2 x u' = 2 c x (1 + 3k x^2)."""
     xp = array_module_of(x)
     _sigmoid_2u_into(s, x)
@@ -92,6 +92,22 @@ def _gelu_grad_into(out, g, x, s, t):
     out += 1
     out *= s
     out *= g
+
+
+def _gelu_and_grad_into(h, gh, x, s, t, u):
+    """h = gelu(x) and gh *= gelu'(x) in one pass over x, from one sigmoid (the MLP's backward)."""
+    xp = array_module_of(x)
+    _sigmoid_2u_into(s, x)
+    xp.multiply(x, s, out=h)
+    xp.multiply(x, x, out=t)
+    t *= 6 * _GELU_C * _GELU_K
+    t += 2 * _GELU_C
+    t *= x
+    xp.multiply(t, s, out=u)
+    t -= u
+    t += 1
+    t *= s
+    gh *= t
 
 
 def gelu_array(x):
@@ -124,11 +140,20 @@ def _gelu(x):
 
 
 def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
-    h = gelu_array(x) if gelu_input else x  # recomputed: cheaper than keeping (B, T, 4C) around
-    g2, h2 = _rows(g), _rows(h)
-    gh = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)
+    g2 = _rows(g)
+    gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
+    h = x
+    if gelu_input:  # gelu(x) recomputed (cheaper than keeping (B, T, 4C)), gx *= gelu'(x), one pass
+        xp = array_module_of(x)
+        h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
+        h2 = _rows(h)
+
+        def work(i, lo, hi):
+            _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
+
+        by_rows(xp, x2.shape[0], x2.shape[1], work)
+    h2 = _rows(h)
     gw = h2.T @ g2 if not transpose_w else g2.T @ h2
-    gx = _gelu_grad(gh, x) if gelu_input else gh
     return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
 
 
