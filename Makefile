@@ -32,12 +32,12 @@ test: install
 
 # Two ranks, one BLAS thread each, on the stdlib corpus: about two minutes on 2 cores.
 train: install
-	OMP_NUM_THREADS=1 $(MPIRUN) $(NP) $(BIN)/python -m mpi4py examples/train_gpt.py
+	OMP_NUM_THREADS=1 OPENBLAS_THREAD_TIMEOUT=4 $(MPIRUN) $(NP) $(BIN)/python -m mpi4py examples/train_gpt.py
 
 # Benchmarks print JSON lines. Some machines set OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS
 # builds; they slow a current NumPy's GEMMs ~2x, so benchmarks run without them (tests keep them).
 # PyTorch FSDP2 joins bench_fsdp when torch is installed (pip install torch; not a dependency).
-BENCH = env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/python
+BENCH = env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE OPENBLAS_THREAD_TIMEOUT=4 $(BIN)/python
 bench: install
 	$(BENCH) bench/bench_core.py --config peer
 	$(BENCH) bench/bench_fsdp.py --config small

@@ -6,19 +6,27 @@ extended with (new primitives, scopes, gradient checks). Submodules with a job o
 (.safetensors), `mpifsdp.data`, `mpifsdp.models`.
 """
 
-from . import ops
-from .autodiff import AbsentDataError, Param, Tensor
-from .backend import array_module, to_device, to_numpy
-from .comm import CollectiveError, Comm
-from .fsdp import ShardedModel, full_state_dict, fully_shard, report, sharded_model
-from .layers import Module, deferred_init
-from .manifest import CheckpointError
-from .optim import SGD, Adam, AdamW, NonFiniteError
-from .scaler import LossScaler
-from .schedule import CollectiveTimeout, ScheduleError
-from .tape import no_grad
-from .threads import set_threads
-from .unit import Unit, state_dict
+import os
+
+# OpenBLAS's idle threads spin for 2**28 cycles after each GEMM, on the cores the elementwise kernels
+# between GEMMs then run on (measured: 6-9 % of the peer-config step on 2 cores). OpenBLAS reads this
+# once, when NumPy loads it: it takes effect when mpifsdp is imported before NumPy, or set by the
+# launcher (README, "Speed and memory knobs"). A value the user set is kept.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+from . import ops  # noqa: E402
+from .autodiff import AbsentDataError, Param, Tensor  # noqa: E402
+from .backend import array_module, to_device, to_numpy  # noqa: E402
+from .comm import CollectiveError, Comm  # noqa: E402
+from .fsdp import ShardedModel, full_state_dict, fully_shard, report, sharded_model  # noqa: E402
+from .layers import Module, deferred_init  # noqa: E402
+from .manifest import CheckpointError  # noqa: E402
+from .optim import SGD, Adam, AdamW, NonFiniteError  # noqa: E402
+from .scaler import LossScaler  # noqa: E402
+from .schedule import CollectiveTimeout, ScheduleError  # noqa: E402
+from .tape import no_grad  # noqa: E402
+from .threads import set_threads  # noqa: E402
+from .unit import Unit, state_dict  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,10 @@
 """BLAS threads per rank: the node's cores shared by its ranks, unless the user chose."""
 
 import os
+import subprocess
+import sys
 
+import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from mpifsdp import Comm
@@ -80,3 +83,15 @@ def test_kernels_split_across_threads_match_one_thread():
                 assert np.all(np.abs(c - a) <= bound), name
             else:
                 np.testing.assert_array_equal(c, a, err_msg=name)
+
+
+def test_import_makes_openblas_threads_sleep_unless_the_user_chose(comm):
+    """`import mpifsdp` sets OPENBLAS_THREAD_TIMEOUT for a NumPy loaded after it; a user's value stays."""
+    if comm.size > 1:
+        pytest.skip("runs its own processes: the plain-pytest pass of make test covers it")
+    show = "import os, mpifsdp; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for given, want in ((None, "4"), ("10", "10")):
+        run_env = env if given is None else {**env, "OPENBLAS_THREAD_TIMEOUT": given}
+        done = subprocess.run([sys.executable, "-c", show], env=run_env, capture_output=True, text=True)
+        assert done.stdout.strip() == want, done.stderr[-2000:]
