@@ -56,11 +56,15 @@ def prepare(final: Path):
         raise CheckpointError(f"cannot save to {final}: it exists and is not a directory")
     if final.is_dir() and any(final.iterdir()):
         foreign = sorted(p.name for p in final.iterdir() if not is_ours(p))
-        if not (final / MANIFEST).is_file() or foreign:
+        if foreign or not (final / MANIFEST).is_file():
+            what = (
+                f"files that are not a checkpoint's ({', '.join(foreign[:5])})"
+                if foreign
+                else "rank files but no manifest (an incomplete checkpoint)"
+            )
             raise CheckpointError(
-                f"cannot save to {final}: it holds files that are not a checkpoint's "
-                f"({', '.join(foreign[:5]) or 'and no manifest'}); choose an empty or new directory, "
-                "or move them (nothing there was changed)"
+                f"cannot save to {final}: it holds {what}; choose an empty or new directory, or move "
+                "them (nothing there was changed)"
             )
     recover(final)
 
