@@ -247,3 +247,16 @@ def test_deferred_init_materializes_one_unit_at_a_time(comm):
     assert peak - kept <= 4 * unit_bytes < 4 * lazy.num_params() / 2
     want, got = full_state_dict(eager), full_state_dict(lazy)
     agree(comm, all(np.array_equal(want[k], got[k]) for k in want), "deferred init differs from eager")
+
+
+def test_report_gives_every_ranks_ledgers(comm):
+    import mpifsdp
+
+    model = MLPClassifier([4, 4, 3], seed=0)
+    with pytest.raises(ValueError, match="report\\(\\) needs a model fully_shard\\(\\) was called on"):
+        mpifsdp.report(model)
+    fully_shard(model, comm, units=model.layers[:1])
+    reports = mpifsdp.report(model)
+    assert [r["rank"] for r in reports] == list(range(comm.size))
+    persistent = 8 * sum(u.numel for u in sharded_model(model).units)  # param and grad shards, fp32
+    assert all(r["memory"]["persistent"] == persistent for r in reports)
