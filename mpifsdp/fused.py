@@ -79,10 +79,9 @@ def _gelu_into(out, x, *scratch):
     out *= x
 
 
-def _gelu_grad_into(out, g, x, s, t, _):
-    """out = g * d gelu / dx = g s (1 + a (1 - s)), s = sigmoid(2u), a = 2 x u' = 2 c x (1 + 3k x^2)."""
+def _gelu_slope_into(out, x, s, t):
+    """out = d gelu / dx = s (1 + a (1 - s)), given s = sigmoid(2u); a = 2 x u' = 2 c x (1 + 3k x^2)."""
     xp = array_module_of(x)
-    _sigmoid_2u_into(s, x)
     xp.multiply(x, x, out=out)
     out *= 6 * _GELU_C * _GELU_K
     out += 2 * _GELU_C
@@ -91,22 +90,19 @@ def _gelu_grad_into(out, g, x, s, t, _):
     out -= t
     out += 1
     out *= s
+
+
+def _gelu_grad_into(out, g, x, s, t, _):
+    _sigmoid_2u_into(s, x)
+    _gelu_slope_into(out, x, s, t)
     out *= g
 
 
 def _gelu_and_grad_into(h, gh, x, s, t, u):
     """h = gelu(x) and gh *= gelu'(x) in one pass over x, from one sigmoid (the MLP's backward)."""
-    xp = array_module_of(x)
     _sigmoid_2u_into(s, x)
-    xp.multiply(x, s, out=h)
-    xp.multiply(x, x, out=t)
-    t *= 6 * _GELU_C * _GELU_K
-    t += 2 * _GELU_C
-    t *= x
-    xp.multiply(t, s, out=u)
-    t -= u
-    t += 1
-    t *= s
+    array_module_of(x).multiply(x, s, out=h)
+    _gelu_slope_into(t, x, s, u)
     gh *= t
 
 
