@@ -136,7 +136,9 @@ class FlatOptimizer:
     def state_of(self, target, allocate: bool = False) -> dict:
         """kind -> array of the state of `target` (one of `groups`, or the Param a group wraps): {}
         before its first step, unless allocate=True (zeros, e.g. to load a checkpoint into)."""
-        i = self._index(target)
+        return self._state_at(self._index(target), allocate)
+
+    def _state_at(self, i: int, allocate: bool) -> dict:
         if allocate and self.STATE and not self._state[i]:
             group = self.groups[i]
             p = group.flat_param()
@@ -154,7 +156,7 @@ class FlatOptimizer:
 
     def _index(self, target) -> int:
         for i, group in enumerate(self.groups):
-            if group is target or getattr(group, "param", None) is target:
+            if group is target or (isinstance(group, WholeParam) and group.param is target):
                 return i
         raise KeyError(f"{type(self).__name__} does not step {_name(target)!r}")
 
@@ -194,7 +196,7 @@ class FlatOptimizer:
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
-                self._update(i, group.flat_param(), g, self.state_of(group, allocate=True), self._steps[i])
+                self._update(i, group.flat_param(), g, self._state_at(i, allocate=True), self._steps[i])
         return True
 
     def _update(self, i: int, p, g, state: dict, step: int):
