@@ -18,7 +18,7 @@ from . import ops  # noqa: E402
 from .autodiff import AbsentDataError, Param, Tensor  # noqa: E402
 from .backend import array_module, to_device, to_numpy  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
-from .fsdp import ShardedModel, full_state_dict, fully_shard, report, sharded_model  # noqa: E402
+from .fsdp import ShardedModel, full_state_dict, fully_shard, no_sync, report, sharded_model  # noqa: E402
 from .layers import Module, deferred_init  # noqa: E402
 from .manifest import CheckpointError  # noqa: E402
 from .optim import SGD, Adam, AdamW, NonFiniteError  # noqa: E402
@@ -47,6 +47,7 @@ __all__ = [
     "fully_shard",
     "ShardedModel",
     "sharded_model",
+    "no_sync",
     "report",
     "full_state_dict",
     "Unit",

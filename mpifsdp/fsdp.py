@@ -17,6 +17,7 @@ next unit's backward computes. Every rank issues the same collectives in the sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections import deque
@@ -56,6 +57,7 @@ class ShardedModel:
         self._backward_order: list = []  # the reverse of the last forward with grad
         self._reduces: deque = deque()  # units whose reduce-scatter is in flight
         self.lifecycles: tuple = ()  # every unit's, the root's last
+        self.requires_gradient_sync = True  # False: backward keeps full gradients (no_sync)
 
     def add(self, lifecycle: UnitLifecycle, root: bool = False):
         if root:
@@ -156,6 +158,23 @@ class ShardedModel:
         for lc in self.lifecycles:
             if not (lc.stage is Stage.AWAITING_BACKWARD and not lc.reshard_after_forward):
                 lc.unit.reshard()
+
+    # -- gradient accumulation --------------------------------------------------------------------
+    def set_requires_gradient_sync(self, sync: bool):
+        """False: each backward adds into every unit's full (unsharded) gradient and reduces nothing;
+        the first backward with True reduce-scatters the sum. Fewer collectives over k micro-batches
+        (one reduce-scatter instead of k), at the price of holding every unit's full gradient
+        (P * itemsize bytes per rank) between them. docs/training.md compares both ways."""
+        self.requires_gradient_sync = bool(sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """`with sharded.no_sync():` backward passes inside keep their gradients unreduced."""
+        previous, self.requires_gradient_sync = self.requires_gradient_sync, False
+        try:
+            yield
+        finally:
+            self.requires_gradient_sync = previous
 
     # -- backward: the outermost scope ------------------------------------------------------------
     def pre_backward(self):
@@ -351,12 +370,22 @@ def sharded_model(model) -> ShardedModel | None:
     return _SHARDED.get(model) if isinstance(model, Module) else None
 
 
-def report(model) -> list[dict]:
-    """Every rank's memory and communication ledgers of a sharded model (collective: all ranks call it)."""
+def no_sync(model):
+    """`with mpifsdp.no_sync(model):` backward keeps full gradients unreduced (gradient accumulation
+    with one reduce-scatter per unit at the end: run the last micro-batch's backward outside)."""
+    return _require_sharded(model, "no_sync").no_sync()
+
+
+def _require_sharded(model, what: str) -> ShardedModel:
     sharded = sharded_model(model)
     if sharded is None:
-        raise ValueError(f"report() needs a model fully_shard() was called on, got a {type(model).__name__}")
-    return sharded.report()
+        raise ValueError(f"{what}() needs a model fully_shard() was called on, got a {type(model).__name__}")
+    return sharded
+
+
+def report(model) -> list[dict]:
+    """Every rank's memory and communication ledgers of a sharded model (collective: all ranks call it)."""
+    return _require_sharded(model, "report").report()
 
 
 def full_state_dict(model: Module) -> dict:

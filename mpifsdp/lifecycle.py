@@ -104,13 +104,17 @@ class UnitLifecycle:
         self._model.prefetch_after(self, "backward")
 
     def post_backward(self):
+        """Reduce-scatter the unit's gradient into its shard, or, while the sharded model's gradient
+        sync is off (no_sync: accumulation over micro-batches), keep the full gradient for the next
+        backward to add to; the backward with sync on reduces the sum."""
         self._move(Stage.IDLE)
         for _, p in self.params:
             p.grad = None
         self.release()
-        self.unit.start_reduce_grad(phase="backward")
+        if self._model.requires_gradient_sync:
+            self.unit.start_reduce_grad(phase="backward")
+            self._model.reducing(self.unit)
         self.unit.reshard()
-        self._model.reducing(self.unit)
 
     def abandon(self):
         """Back to IDLE from a pass an exception cut short (stuck in FORWARD or BACKWARD): parameters

@@ -360,9 +360,17 @@ class Unit:
         return self.shard
 
     def flat_grad(self):
+        if self.full_grad is not None:  # an optimizer step now would miss these gradients
+            raise RuntimeError(
+                f"unit {self.name!r} holds gradients that were never reduced (backward ran with gradient "
+                "sync off: no_sync()); run the last micro-batch's backward with sync on before step(), "
+                "or zero_grad() to drop them"
+            )
         return self.grad_shard if self.has_grad else None
 
     def zero_grad(self):
+        """Forget every gradient: the shard's and a full one kept unreduced (no_sync)."""
+        self.drop_full_grad()
         self.grad_shard[...] = 0
         self.has_grad = False
 
