@@ -3,6 +3,7 @@
     mpiexec -n 2 python -m mpi4py examples/train_gpt.py              # the stdlib corpus, 2 ranks
     mpiexec -n 4 python -m mpi4py examples/train_gpt.py --max_steps 2000 --n_layer 6 --data my.txt
     python examples/train_gpt.py --device cuda                        # one process on a GPU
+    mpiexec -n 2 python -m mpi4py examples/train_gpt.py --grad_accum 4 --accum_sync no_sync
 
 Any TrainConfig field is a flag. Rank 0 prints; the last line is one JSON object with the results.
 """
@@ -33,7 +34,9 @@ class TrainConfig(GPTConfig):
     block_size: int = 64
     data: str = ""  # a text file; empty: the Python standard library's sources
     # optimization
-    batch_size: int = 32  # global: split evenly over the ranks
+    batch_size: int = 32  # global, per micro-batch: split evenly over the ranks
+    grad_accum: int = 1  # micro-batches per step: a step sees grad_accum * batch_size sequences
+    accum_sync: str = "reduce"  # "reduce": reduce-scatter each micro-batch; "no_sync": only the last
     max_steps: int = 1000
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -69,7 +72,11 @@ def parse_config() -> TrainConfig:
         parser.add_argument(
             *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})"
         )
-    return TrainConfig(**vars(parser.parse_args()))
+    cfg = TrainConfig(**vars(parser.parse_args()))
+    if cfg.grad_accum < 1 or cfg.accum_sync not in ("reduce", "no_sync"):
+        parser.error(f"--grad_accum must be >= 1 and --accum_sync reduce or no_sync, got {cfg.grad_accum}, "
+                     f"{cfg.accum_sync!r}")
+    return cfg
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -138,9 +145,21 @@ def main():
         model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, decay="matrices"
     )  # nanoGPT's choices: decay on matrices only
 
-    def batch(split, step):
-        x, y = data.global_batch(split, step, cfg.batch_size, cfg.block_size, seed=cfg.seed)
+    def batch(split, index):
+        x, y = data.global_batch(split, index, cfg.batch_size, cfg.block_size, seed=cfg.seed)
         return xp.asarray(rank_slice(x, rank, world)), xp.asarray(rank_slice(y, rank, world))
+
+    def accumulate_gradients(step):
+        """Backward over grad_accum micro-batches; each loss weighs 1/k, so their summed gradients are
+        those of the mean over all k * batch_size sequences. Returns the mean loss."""
+        k, total = cfg.grad_accum, 0.0
+        for j in range(k):
+            sync = cfg.accum_sync == "reduce" or j == k - 1  # no_sync: reduce only the last one
+            sharded.set_requires_gradient_sync(sync)
+            loss = model(*batch("train", step * k + j)) / k
+            loss.backward()
+            total += loss.item()
+        return total
 
     def evaluate() -> float:
         with mpifsdp.no_grad():
@@ -157,7 +176,7 @@ def main():
         return
     say(f"resumed from {path} at step {first_step}" if path else "starting at step 0")
 
-    tokens_per_step = cfg.batch_size * cfg.block_size
+    tokens_per_step = cfg.grad_accum * cfg.batch_size * cfg.block_size
     val_loss, train_loss = float("nan"), float("nan")
     comm.barrier()
     t_start = time.perf_counter()
@@ -166,15 +185,14 @@ def main():
         if last:  # measure one training step's communication exactly (evaluation excluded)
             comm.ledger.reset()
         opt.lr = lr_at(step, cfg)
-        loss = model(*batch("train", step))
-        loss.backward()
+        loss = accumulate_gradients(step)
         grad_norm = opt.clip_grad_norm(cfg.grad_clip)
         opt.step()
         opt.zero_grad()
         if last:
             step_comm = comm.ledger.report()
         if step % cfg.log_every == 0 or last:
-            train_loss = comm.all_reduce_scalar(loss.item()) / world
+            train_loss = comm.all_reduce_scalar(loss) / world
             tok_s = tokens_per_step * (step + 1 - first_step) / (time.perf_counter() - t_start)
             line = (
                 f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.4f} | norm {grad_norm:.2f} "
@@ -219,6 +237,7 @@ def main():
                     "val_loss": round(val_loss, 4),
                     "steps": cfg.max_steps,
                     "world_size": world,
+                    "sequences_per_step": cfg.grad_accum * cfg.batch_size,
                     "tokens_per_s": round(tokens_per_step * (cfg.max_steps - first_step) / elapsed, 1),
                     "peak_rss_mib": mib(peak_rss),
                 }
