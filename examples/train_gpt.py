@@ -74,8 +74,10 @@ def parse_config() -> TrainConfig:
         )
     cfg = TrainConfig(**vars(parser.parse_args()))
     if cfg.grad_accum < 1 or cfg.accum_sync not in ("reduce", "no_sync"):
-        parser.error(f"--grad_accum must be >= 1 and --accum_sync reduce or no_sync, got {cfg.grad_accum}, "
-                     f"{cfg.accum_sync!r}")
+        parser.error(
+            f"--grad_accum must be >= 1 and --accum_sync reduce or no_sync, got {cfg.grad_accum}, "
+            f"{cfg.accum_sync!r}"
+        )
     return cfg
 
 

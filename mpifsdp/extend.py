@@ -1,5 +1,6 @@
 """What the engine is extended with: new primitives (a forward and its VJP), scopes around recorded
-nodes (the hooks FSDP itself uses), and finite-difference checks of both.
+nodes (the hooks FSDP itself uses), finite-difference checks of both, and recompute (activation
+checkpointing of any function; fully_shard(checkpoint=...) applies it per unit).
 
     from mpifsdp.extend import primitive, check_vjp
 
@@ -17,6 +18,7 @@ Use it as `mpifsdp.autodiff.apply("cube", tensor)`, or wrap that in a function o
 
 from .autodiff import PRIMITIVES, ArrayMeta, apply, primitive
 from .gradcheck import check_grad, check_vjp
+from .recompute import recompute
 from .tape import scope
 
-__all__ = ["PRIMITIVES", "ArrayMeta", "apply", "check_grad", "check_vjp", "primitive", "scope"]
+__all__ = ["PRIMITIVES", "ArrayMeta", "apply", "check_grad", "check_vjp", "primitive", "recompute", "scope"]

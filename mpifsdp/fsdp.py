@@ -18,7 +18,6 @@ next unit's backward computes. Every rank issues the same collectives in the sam
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections import deque
 
@@ -27,6 +26,7 @@ from .accounting import MemoryLedger
 from .comm import CollectiveError, Comm
 from .layers import Module, initial_value
 from .lifecycle import Stage, UnitLifecycle
+from .partition import configuration_differs, holds_units, owned_params, per_unit, shared_parameters
 from .pool import BufferPool
 from .tape import grad_enabled, scope
 from .unit import Unit, state_dict
@@ -229,64 +229,6 @@ class ShardedModel:
         return self.comm.allgather_object(mine)
 
 
-def _owned_params(module: Module, prefix: str, unit_ids: set) -> list:
-    """(dotted name, Param) reachable from `module` without entering another unit's module; each once."""
-    found, seen = [], set()
-
-    def walk(mod, mod_prefix):
-        for name, child in mod._children():
-            full = f"{mod_prefix}.{name}" if mod_prefix else name
-            if isinstance(child, Module):
-                if id(child) not in unit_ids:
-                    walk(child, full)
-            elif id(child) not in seen:
-                seen.add(id(child))
-                found.append((full, child))
-
-    walk(module, prefix)
-    return found
-
-
-def _shared_parameters(owned) -> dict:
-    """{parameter name: [units]} for each parameter that more than one unit would own.
-
-    [Note: one unit per parameter] (docs/design.md, invariant 4) A tied weight in two units would be
-    gathered, reduced and updated twice; fully_shard refuses it on every rank."""
-    owners: dict[int, list[str]] = {}
-    for unit_name, params in owned:
-        for _, p in params:
-            owners.setdefault(id(p), []).append(unit_name)
-    return {name: owners[id(p)] for _, params in owned for name, p in params if len(owners[id(p)]) > 1}
-
-
-def _configuration(model: Module) -> list:
-    """Every module's type and public settings (numbers, strings, dataclass configs): what a rank can
-    get wrong without changing any shape (heads, dropout rate, eps), so the layout check cannot see it."""
-    plain = (int, float, str, bool, type(None))
-    found = []
-    for path, module in model.named_modules():
-        settings = {
-            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-            for k, v in vars(module).items()
-            if not k.startswith("_") and (isinstance(v, plain) or dataclasses.is_dataclass(v))
-        }
-        found.append((path, type(module).__name__, sorted(settings.items())))
-    return found
-
-
-def _configuration_differs(model: Module, comm: Comm) -> str | None:
-    """Collective: None when every rank's model has the same configuration, else where it differs."""
-    everyone = comm.allgather_object(_configuration(model))
-    for rank, theirs in enumerate(everyone[1:], 1):
-        for mine, other in zip(everyone[0], theirs):
-            if mine != other:
-                return (
-                    f"the model's configuration differs between ranks: "
-                    f"{mine} on rank 0, {other} on rank {rank}"
-                )
-    return None
-
-
 def fully_shard(
     model: Module,
     comm: Comm,
@@ -298,6 +240,7 @@ def fully_shard(
     param_dtype=None,
     reduce_dtype=None,
     sync_params: bool = False,
+    checkpoint=False,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -314,6 +257,10 @@ def fully_shard(
     sync_params: take rank 0's initial values for every rank. By default every rank must build the
     same values (same seed), and the model's configuration must match across ranks: both checked,
     so that no rank trains a different model silently.
+    checkpoint: activation checkpointing, True for every unit or {unit module: bool}: a checkpointed
+    unit's forward keeps only its input, and its backward runs the forward again (with the same
+    dropout masks) before the VJPs; its parameters are gathered for backward anyway, so no extra
+    gather. Activations held drop to every unit's input plus one unit's activations during backward.
     """
     if model in _SHARDED:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -325,27 +272,32 @@ def fully_shard(
             f"units must be submodules of the model (got {unknown or ['the model itself']}); "
             "the model is always the root unit"
         )
-    if isinstance(reshard_after_forward, dict):
-        flags = [bool(reshard_after_forward.get(u, True)) for u in units]
-    else:
-        flags = [bool(reshard_after_forward)] * len(units)
+    flags = per_unit(reshard_after_forward, units, default=True)
+    checkpoints = per_unit(checkpoint, units, default=False)
     unit_ids = {id(u) for u in units}
-    owned = [(names[id(u)], _owned_params(u, names[id(u)], unit_ids)) for u in units]
-    owned.append(("root", _owned_params(model, "", unit_ids)))
+    owned = [(names[id(u)], owned_params(u, names[id(u)], unit_ids)) for u in units]
+    owned.append(("root", owned_params(model, "", unit_ids)))
 
-    shared = _shared_parameters(owned)
+    shared = shared_parameters(owned)
+    nested = [names[id(u)] for u, on in zip(units, checkpoints) if on and holds_units(u, unit_ids)]
     error = None
     if shared:
         error = (
             f"parameters shared between units {shared}: tied weights must live in one unit; put the "
             "modules that share them in the same unit (e.g. leave both in the root)"
         )
-    differs = _configuration_differs(model, comm)  # collective: every rank, whatever `error` is
+    elif nested:
+        error = (
+            f"units {nested} are checkpointed but contain other units: their re-run in backward would "
+            "run those units' forward again; checkpoint the inner units instead"
+        )
+    differs = configuration_differs(model, comm)  # collective: every rank, whatever `error` is
     comm.raise_if_any(error or differs, "fully_shard")
 
     sharded = ShardedModel(model, comm, prefetch)
     modules = list(units) + [model]
-    for module, (unit_name, params), flag in zip(modules, owned, flags + [bool(reshard_root)]):
+    settings = zip(flags + [bool(reshard_root)], checkpoints + [False])
+    for module, (unit_name, params), (flag, recomputed) in zip(modules, owned, settings):
         if module is model and not params:
             continue  # no root unit: every parameter lives in a unit module
         arrays = [(n, initial_value(p)) for n, p in params]  # deferred: made now, one unit at a time
@@ -353,7 +305,7 @@ def fully_shard(
             unit_name, arrays, comm, ledger=sharded.ledger, pool=sharded.pool,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, sync_values=sync_params,
         )  # fmt: skip
-        lifecycle = UnitLifecycle(unit, params, sharded, flag)
+        lifecycle = UnitLifecycle(unit, params, sharded, flag, recomputed)
         sharded.add(lifecycle, root=module is model)
         if module is not model:
             module._forward_wrapper = lifecycle.run_forward

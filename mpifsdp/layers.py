@@ -256,6 +256,26 @@ class Dropout(Module):
         return ops.dropout(x, self.p, int(seed))
 
 
+def dropout_replay(module: Module):
+    """A replay() for recompute.recompute: inside it, the dropouts of `module` draw the masks they drew
+    since this call again (their positions rewound, then restored), so a re-run forward equals the first."""
+    dropouts = [m for _, m in module.named_modules() if isinstance(m, Dropout)]
+    before = [d._calls for d in dropouts]
+
+    @contextlib.contextmanager
+    def replay():
+        after = [d._calls for d in dropouts]
+        for d, calls in zip(dropouts, before):
+            d._calls = calls
+        try:
+            yield
+        finally:
+            for d, calls in zip(dropouts, after):
+                d._calls = calls
+
+    return replay
+
+
 class MLP(Module):
     """The transformer feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C)."""
 

@@ -22,7 +22,10 @@ asks it to prefetch after itself, tells it the order it ran in, and hands it its
 from __future__ import annotations
 
 import enum
+import functools
 
+from .layers import dropout_replay
+from .recompute import recompute
 from .tape import grad_enabled, scope
 
 
@@ -44,10 +47,11 @@ MOVES = {
 class UnitLifecycle:
     """A Unit bound to the Params of the module it came from, moved through one step's stages."""
 
-    def __init__(self, unit, params, sharded_model, reshard_after_forward: bool):
+    def __init__(self, unit, params, sharded_model, reshard_after_forward: bool, checkpoint: bool = False):
         self.unit = unit
         self.params = params  # [(name in the unit, Param)]
         self.reshard_after_forward = reshard_after_forward
+        self.checkpoint = checkpoint  # keep only the input; backward re-runs the forward (recompute.py)
         self.stage = Stage.IDLE
         self._model = sharded_model
         self._absent = (
@@ -86,6 +90,9 @@ class UnitLifecycle:
         self._model.prefetch_after(self, "forward")
         try:
             with scope(self):
+                if self.checkpoint and with_grad:
+                    run = functools.partial(forward, **kwargs)
+                    return recompute(run, *args, replay=dropout_replay(forward.__self__))
                 return forward(*args, **kwargs)
         finally:
             self.release()

@@ -59,6 +59,18 @@ def scope(owner):
 
 
 @contextlib.contextmanager
+def fresh_recording():
+    """Record with grad on and no enclosing scope: a forward re-run inside a VJP (recompute.py), whose
+    nodes belong to the node being differentiated, not to the scopes that node ran under."""
+    previous = _recording.grad_enabled, _recording.scopes
+    _recording.grad_enabled, _recording.scopes = True, ()
+    try:
+        yield
+    finally:
+        _recording.grad_enabled, _recording.scopes = previous
+
+
+@contextlib.contextmanager
 def profile():
     """`with profile() as costs:` every primitive's forward and VJP timed while inside: costs[name] =
     {"forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"} (bytes: of the

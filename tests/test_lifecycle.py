@@ -13,6 +13,7 @@ class StepLog:
 
     def __init__(self):
         self.events = []
+        self.requires_gradient_sync = True
 
     def prefetch_after(self, lifecycle, direction):
         self.events.append(("prefetch", direction, lifecycle.stage, lifecycle.unit.state))

@@ -1,0 +1,78 @@
+"""How fully_shard divides a model: which parameters each unit owns, the per-unit options, and the
+checks every rank runs before sharding (tied weights across units, configurations that differ)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .comm import Comm
+from .layers import Module
+
+
+def owned_params(module: Module, prefix: str, unit_ids: set) -> list:
+    """(dotted name, Param) reachable from `module` without entering another unit's module; each once."""
+    found, seen = [], set()
+
+    def walk(mod, mod_prefix):
+        for name, child in mod._children():
+            full = f"{mod_prefix}.{name}" if mod_prefix else name
+            if isinstance(child, Module):
+                if id(child) not in unit_ids:
+                    walk(child, full)
+            elif id(child) not in seen:
+                seen.add(id(child))
+                found.append((full, child))
+
+    walk(module, prefix)
+    return found
+
+
+def per_unit(option, units, default: bool) -> list[bool]:
+    """A bool for every unit from a bool or a {unit module: bool} dict."""
+    if isinstance(option, dict):
+        return [bool(option.get(u, default)) for u in units]
+    return [bool(option)] * len(units)
+
+
+def holds_units(module: Module, unit_ids: set) -> bool:
+    return any(id(m) in unit_ids for _, m in module.named_modules() if m is not module)
+
+
+def shared_parameters(owned) -> dict:
+    """{parameter name: [units]} for each parameter that more than one unit would own.
+
+    [Note: one unit per parameter] (docs/design.md, invariant 4) A tied weight in two units would be
+    gathered, reduced and updated twice; fully_shard refuses it on every rank."""
+    owners: dict[int, list[str]] = {}
+    for unit_name, params in owned:
+        for _, p in params:
+            owners.setdefault(id(p), []).append(unit_name)
+    return {name: owners[id(p)] for _, params in owned for name, p in params if len(owners[id(p)]) > 1}
+
+
+def configuration(model: Module) -> list:
+    """Every module's type and public settings (numbers, strings, dataclass configs): what a rank can
+    get wrong without changing any shape (heads, dropout rate, eps), so the layout check cannot see it."""
+    plain = (int, float, str, bool, type(None))
+    found = []
+    for path, module in model.named_modules():
+        settings = {
+            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            for k, v in vars(module).items()
+            if not k.startswith("_") and (isinstance(v, plain) or dataclasses.is_dataclass(v))
+        }
+        found.append((path, type(module).__name__, sorted(settings.items())))
+    return found
+
+
+def configuration_differs(model: Module, comm: Comm) -> str | None:
+    """Collective: None when every rank's model has the same configuration, else where it differs."""
+    everyone = comm.allgather_object(configuration(model))
+    for rank, theirs in enumerate(everyone[1:], 1):
+        for mine, other in zip(everyone[0], theirs):
+            if mine != other:
+                return (
+                    f"the model's configuration differs between ranks: "
+                    f"{mine} on rank 0, {other} on rank {rank}"
+                )
+    return None
