@@ -30,22 +30,25 @@ class Primitive:
     forward: Callable
     vjp: Callable
     reads_inputs: bool = True  # False: the VJP needs only the inputs' shapes, never their values
+    takes_needs: bool = False  # True: the VJP gets needs=(bool per input) and skips unneeded gradients
 
 
 PRIMITIVES: dict[str, Primitive] = {}
 
 
-def primitive(name: str, vjp: Callable, reads_inputs: bool = True):
+def primitive(name: str, vjp: Callable, reads_inputs: bool = True, takes_needs: bool = False):
     """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
 
     reads_inputs=False lets the tape drop its reference to the input arrays (only their shapes are
     kept), so activations consumed only by such ops (add, reshape, ...) are freed during forward.
+    takes_needs=True: backward passes the VJP `needs`, one bool per input (does it require grad?), so
+    the gradient of a frozen weight is never computed (it may return None there).
     """
 
     def register(forward):
         if name in PRIMITIVES:
             raise ValueError(f"primitive {name!r} registered twice")
-        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs)
+        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs)
         return PRIMITIVES[name]
 
     return register

@@ -1,4 +1,5 @@
-"""FlatLayout: where each named tensor of a unit lives in one flat, padded vector. Pure metadata.
+"""FlatLayout: where each named tensor of a unit lives in one flat, padded vector (pure metadata), and
+agreed_layout: the collective check that every rank built the same one from the same values.
 
 The flat vector has padded_numel = ceil(numel / N) * N elements so it splits into N equal shards;
 rank r owns [r * shard_numel, (r + 1) * shard_numel). The padding tail is never part of a tensor.
@@ -11,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .backend import to_numpy
 
 
 @dataclass(frozen=True)
@@ -113,3 +116,42 @@ class FlatLayout:
     def describe(self) -> str:
         n = len(self.names)
         return f"{n} tensors, {self.numel} elements of {self.dtype} (padded to {self.padded_numel})"
+
+
+def _values_digest(arrays) -> str:
+    """A hash of the arrays' bytes (on the host), equal on every rank exactly when the values are."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in arrays:
+        digest.update(np.ascontiguousarray(to_numpy(array)).view(np.uint8))
+    return digest.hexdigest()
+
+
+def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> FlatLayout:
+    """Build the layout and check, collectively, that every rank built the same one from the same
+    values: ranks that start from different values would train a silent mixture of models."""
+    layout, error, values = None, None, None
+    try:
+        layout = FlatLayout.of(named_arrays, comm.size, dtype)
+        if layout.numel == 0:
+            error = "has no parameters: give it at least one array, or leave it out"
+        elif check_values:
+            values = _values_digest(a for _, a in named_arrays)
+    except (TypeError, ValueError) as exc:
+        error = str(exc)
+    everyone = comm.allgather_object(None if layout is None else (layout.fingerprint(), values))
+    if error is None and len({fp for fp, _ in everyone}) > 1:
+        error = (
+            f"layout differs between ranks ({layout.describe()} here, fingerprints "
+            f"{[fp for fp, _ in everyone]}): build the model identically on every rank (same config)"
+        )
+    elif error is None and len({v for _, v in everyone}) > 1:
+        groups = {}
+        for rank, (_, digest) in enumerate(everyone):
+            groups.setdefault(digest, []).append(rank)
+        error = (
+            f"starts from different parameter values on different ranks (ranks grouped by value: "
+            f"{sorted(groups.values())}): build it from the same seed on every rank, or pass "
+            "sync_params=True to fully_shard (sync_values=True to Unit) to take rank 0's values"
+        )
+    comm.raise_if_any(error and f"unit {name!r} {error}", f"creating unit {name!r}")
+    return layout

@@ -277,8 +277,8 @@ def _count(group, action: str, category: str, nbytes: int):
 
 def _flat_groups(targets) -> list:
     sharded = sharded_model(targets)
-    if sharded is not None:  # a sharded model: its units' shards are the flat groups
-        return sharded.units
-    if hasattr(targets, "parameters"):
-        targets = targets.parameters()
+    if sharded is not None:  # a sharded model: its trainable units' shards are the flat groups
+        return sharded.trainable_units
+    if hasattr(targets, "parameters"):  # a model: its trainable parameters (frozen ones have no state)
+        targets = [p for p in targets.parameters() if p.requires_grad]
     return [WholeParam(t) if isinstance(t, Param) else t for t in targets]

@@ -68,7 +68,12 @@ class ShardedModel:
 
     @property
     def units(self) -> list[Unit]:
-        return [lc.unit for lc in self.lifecycles]
+        return [unit for lc in self.lifecycles for unit in lc.units]
+
+    @property
+    def trainable_units(self) -> list[Unit]:
+        """The units an optimizer steps (frozen ones have no gradients)."""
+        return [unit for unit in self.units if unit.trainable]
 
     # -- forward: the model's forward wrapper -------------------------------------------------------
     def run_model(self, forward, *args, **kwargs):
@@ -150,14 +155,16 @@ class ShardedModel:
 
     def _start_gathers(self, lifecycles, direction: str):
         for lc in lifecycles:
-            lc.unit.start_unshard(direction)
+            for unit in lc.units:
+                unit.start_unshard(direction)
 
     def _release_gathered(self):
         """Reshard units gathered ahead that will not run now (a changed order, or the pass ended);
         units kept from forward to backward (reshard_after_forward=False) stay until their backward."""
         for lc in self.lifecycles:
             if not (lc.stage is Stage.AWAITING_BACKWARD and not lc.reshard_after_forward):
-                lc.unit.reshard()
+                for unit in lc.units:
+                    unit.reshard()
 
     # -- gradient accumulation --------------------------------------------------------------------
     def set_requires_gradient_sync(self, sync: bool):
@@ -196,6 +203,18 @@ class ShardedModel:
         self._release_gathered()
         self.comm.check_schedule()  # every rank issued the same collectives this step
 
+    def backward_failed(self):
+        """Backward raised part-way (tape.backward tells the scopes it cut short): finish every
+        collective in flight (MPI must not write into buffers that may be freed), reshard every unit
+        and send every unit not IDLE back there (UnitLifecycle.abandon)."""
+        self._finish_reduces(keep=0)
+        for lc in self.lifecycles:
+            if lc.stage is Stage.IDLE:
+                for unit in lc.units:
+                    unit.reshard()
+            else:
+                lc.abandon()
+
     def _sweep_unreached(self):
         """[Note: post-backward always runs] A unit whose forward ran with grad but whose outputs did
         not reach the loss has no node in the graph, so the engine never calls its hooks. Without
@@ -208,15 +227,22 @@ class ShardedModel:
 
     # -- what it holds ----------------------------------------------------------------------------
     def plan(self) -> dict:
-        """Expected bytes per rank: persistent 16 * shard (fp32 AdamW) plus what is gathered at once."""
+        """Expected bytes per rank: persistent 16 * shard (fp32 AdamW; 4 * shard when frozen) plus what
+        is gathered at once (the largest module's units)."""
         units = self.units
         itemsize = units[0].layout.dtype.itemsize
-        root = self._root.unit.layout.padded_numel * itemsize if self._root else 0
-        others = [lc.unit.layout.padded_numel * itemsize for lc in self._units]
+
+        def gathered(lc):
+            return sum(u.layout.padded_numel for u in lc.units) * itemsize
+
+        root = gathered(self._root) if self._root else 0
+        others = [gathered(lc) for lc in self._units]
         return {
             "units": len(units),
             "params": sum(u.layout.numel for u in units),
-            "persistent": 4 * itemsize * sum(u.numel for u in units),
+            "trainable_params": sum(u.layout.numel for u in units if u.trainable),
+            # parameters, gradients and two AdamW moments per trainable element; a frozen one: its value
+            "persistent": itemsize * sum((4 if u.trainable else 1) * u.numel for u in units),
             "largest_unit": max(others, default=0),
             "root_unit": root,
             "prefetch": self.prefetch_depth,
@@ -300,12 +326,25 @@ def fully_shard(
     for module, (unit_name, params), (flag, recomputed) in zip(modules, owned, settings):
         if module is model and not params:
             continue  # no root unit: every parameter lives in a unit module
-        arrays = [(n, initial_value(p)) for n, p in params]  # deferred: made now, one unit at a time
-        unit = Unit(
-            unit_name, arrays, comm, ledger=sharded.ledger, pool=sharded.pool,
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype, sync_values=sync_params,
-        )  # fmt: skip
-        lifecycle = UnitLifecycle(unit, params, sharded, flag, recomputed)
+
+        def make_unit(name, part, trainable):
+            arrays = [(n, initial_value(p)) for n, p in part]  # deferred: made now, one unit at a time
+            unit = Unit(
+                name, arrays, comm, ledger=sharded.ledger, pool=sharded.pool, param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype, sync_values=sync_params, trainable=trainable,
+            )  # fmt: skip
+            return unit, part
+
+        trainable = [(n, p) for n, p in params if p.requires_grad]
+        frozen = [(n, p) for n, p in params if not p.requires_grad]
+        if trainable and frozen:  # two flat vectors: only the trainable one is reduced and stepped
+            main, beside = (
+                make_unit(unit_name, trainable, True),
+                make_unit(f"{unit_name}:frozen", frozen, False),
+            )
+        else:
+            main, beside = make_unit(unit_name, params, bool(trainable)), None
+        lifecycle = UnitLifecycle(*main, sharded, flag, recomputed, frozen=beside)
         sharded.add(lifecycle, root=module is model)
         if module is not model:
             module._forward_wrapper = lifecycle.run_forward

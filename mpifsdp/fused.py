@@ -135,11 +135,15 @@ def _gelu(x):
 # -- linear ---------------------------------------------------------------------------------------
 
 
-def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(True, True, True)):
+    """needs: which of x, w, b want a gradient (a frozen weight's GEMM is skipped, and so is the
+    input's where nothing upstream trains)."""
     g2 = _rows(g)
-    gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
+    gx, gw, gb = None, None, None
     h = x
-    if gelu_input:  # gelu(x) recomputed (cheaper than keeping (B, T, 4C)), gx *= gelu'(x), one pass
+    if needs[0]:
+        gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
+    if gelu_input and needs[0]:  # gelu(x) recomputed (cheaper than keeping (B, T, 4C)), gx *= gelu'(x)
         xp = array_module_of(x)
         h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
         h2 = _rows(h)
@@ -148,12 +152,19 @@ def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False):
             _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
 
         by_rows(xp, x2.shape[0], x2.shape[1], work)
-    h2 = _rows(h)
-    gw = h2.T @ g2 if not transpose_w else g2.T @ h2
-    return (gx, gw) if b is None else (gx, gw, g2.sum(axis=0))
+    elif gelu_input and needs[1]:
+        h = gelu_array(x)
+    if needs[1]:
+        h2 = _rows(h)
+        gw = h2.T @ g2 if not transpose_w else g2.T @ h2
+    if b is None:
+        return gx, gw
+    if needs[2]:
+        gb = g2.sum(axis=0)
+    return gx, gw, gb
 
 
-@primitive("linear", vjp=_linear_vjp)
+@primitive("linear", vjp=_linear_vjp, takes_needs=True)
 def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
 

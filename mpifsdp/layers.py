@@ -175,6 +175,14 @@ class Module:
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
+    def requires_grad_(self, requires_grad: bool = True):
+        """Freeze (False) or unfreeze every parameter of this module; returns the module. A frozen
+        parameter gets no gradient and no optimizer state; under fully_shard it is gathered but never
+        reduced, so decide before sharding (fully_shard reads it)."""
+        for p in self.parameters():
+            p.requires_grad = bool(requires_grad)
+        return self
+
     def num_params(self) -> int:
         return sum(p.size for p in self.parameters())
 

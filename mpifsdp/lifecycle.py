@@ -45,11 +45,24 @@ MOVES = {
 
 
 class UnitLifecycle:
-    """A Unit bound to the Params of the module it came from, moved through one step's stages."""
+    """The Units of one module bound to its Params, moved through one step's stages.
 
-    def __init__(self, unit, params, sharded_model, reshard_after_forward: bool, checkpoint: bool = False):
+    A module's parameters form one Unit, or two when it mixes trainable and frozen ones (fully_shard
+    splits them: a flat vector is reduce-scattered whole, so a frozen tensor inside a trainable unit
+    would be reduced and stepped): `unit` is the trainable one (the frozen one when every parameter is
+    frozen), `frozen` the other or None. Both are gathered for forward and backward; only the
+    trainable one accumulates and reduces gradients.
+    """
+
+    def __init__(
+        self, unit, params, sharded_model, reshard_after_forward: bool, checkpoint: bool = False,
+        frozen=None,
+    ):  # fmt: skip
         self.unit = unit
         self.params = params  # [(name in the unit, Param)]
+        self.frozen = frozen  # (Unit, params) of the module's frozen parameters beside `unit`, or None
+        self._parts = ((unit, params),) + ((frozen,) if frozen else ())
+        self.units = tuple(u for u, _ in self._parts)
         self.reshard_after_forward = reshard_after_forward
         self.checkpoint = checkpoint  # keep only the input; backward re-runs the forward (recompute.py)
         self.stage = Stage.IDLE
@@ -71,14 +84,21 @@ class UnitLifecycle:
             )
         self.stage = stage
 
-    def _bind(self, views):
-        for name, p in self.params:
-            p.data = views[name]
+    def _gather_and_bind(self, phase: str):
+        for unit, params in self._parts:
+            views = unit.unshard(phase)
+            for name, p in params:
+                p.data = views[name]
+
+    def _reshard(self):
+        for unit in self.units:
+            unit.reshard()
 
     def release(self):
         """Params without data until the next bind: a use outside forward and backward names the unit."""
-        for _, p in self.params:
-            p.release(self._absent)
+        for _, params in self._parts:
+            for _, p in params:
+                p.release(self._absent)
 
     # -- forward ----------------------------------------------------------------------------------
     def run_forward(self, forward, *args, **kwargs):
@@ -86,7 +106,7 @@ class UnitLifecycle:
         with_grad = grad_enabled()
         awaits = with_grad or self.stage is Stage.AWAITING_BACKWARD
         self._move(Stage.FORWARD)
-        self._bind(self.unit.unshard("forward"))
+        self._gather_and_bind("forward")
         self._model.prefetch_after(self, "forward")
         try:
             with scope(self):
@@ -97,18 +117,31 @@ class UnitLifecycle:
         finally:
             self.release()
             if self.reshard_after_forward or not with_grad:
-                self.unit.reshard()
+                self._reshard()
             self._model.ran(self)
             self._move(Stage.AWAITING_BACKWARD if awaits else Stage.IDLE)
 
     # -- backward (the engine calls these through the scope) --------------------------------------
     def pre_backward(self):
         self._move(Stage.BACKWARD)
-        self._bind(self.unit.unshard("backward"))
-        grads = self.unit.zero_full_grad()
-        for name, p in self.params:
-            p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+        self._check_frozen_unchanged()
+        self._gather_and_bind("backward")
+        if self.unit.trainable:
+            grads = self.unit.zero_full_grad()
+            for name, p in self.params:
+                p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
         self._model.prefetch_after(self, "backward")
+
+    def _check_frozen_unchanged(self):
+        """fully_shard decided from requires_grad which parameters are reduced and stepped."""
+        changed = [
+            p.name for unit, params in self._parts for _, p in params if p.requires_grad != unit.trainable
+        ]
+        if changed:
+            raise RuntimeError(
+                f"requires_grad of {changed} changed after fully_shard, which decided from it what is "
+                "reduced and stepped: freeze or unfreeze parameters before fully_shard"
+            )
 
     def post_backward(self):
         """Reduce-scatter the unit's gradient into its shard, or, while the sharded model's gradient
@@ -118,18 +151,20 @@ class UnitLifecycle:
         for _, p in self.params:
             p.grad = None
         self.release()
-        if self._model.requires_gradient_sync:
+        if self.unit.trainable and self._model.requires_gradient_sync:
             self.unit.start_reduce_grad(phase="backward")
             self._model.reducing(self.unit)
-        self.unit.reshard()
+        self._reshard()
 
     def abandon(self):
-        """Back to IDLE from a pass an exception cut short (stuck in FORWARD or BACKWARD): parameters
-        released, gathered buffers and the unreduced gradient dropped. The ranks' schedules are then
-        compared at the next forward's start, as always."""
+        """Back to IDLE from a pass an exception cut short: parameters released, gathered buffers
+        freed (after any gather in flight finished), and a gradient this backward had half-written
+        dropped (a full gradient kept by no_sync from earlier micro-batches stays otherwise). The
+        ranks' schedules are then compared at the next forward's start, as always."""
         for _, p in self.params:
             p.grad = None
         self.release()
-        self.unit.drop_full_grad()
-        self.unit.reshard()
+        if self.stage is Stage.BACKWARD:
+            self.unit.drop_full_grad()
+        self._reshard()
         self.stage = Stage.IDLE

@@ -51,10 +51,11 @@ def shared_parameters(owned) -> dict:
 
 
 def configuration(model: Module) -> list:
-    """Every module's type and public settings (numbers, strings, dataclass configs): what a rank can
-    get wrong without changing any shape (heads, dropout rate, eps), so the layout check cannot see it."""
+    """Every module's type and public settings (numbers, strings, dataclass configs), and which
+    parameters are frozen: what a rank can get wrong without changing any shape (heads, dropout rate,
+    eps, a parameter left trainable), so the layout check cannot see it."""
     plain = (int, float, str, bool, type(None))
-    found = []
+    found = [("frozen parameters", sorted(n for n, p in model.named_parameters() if not p.requires_grad))]
     for path, module in model.named_modules():
         settings = {
             k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v

@@ -162,32 +162,46 @@ def backward(root, grad=None):
     for node in order:
         for s in node.scopes:
             remaining[id(s)] = remaining.get(id(s), 0) + 1
-    started: set[int] = set()
+    started: dict[int, object] = {}  # scopes whose pre_backward ran, by id, in order
 
     grads = {id(root._node): grad}  # keyed by node: one output per node
-    for node in order:
-        for s in node.scopes:
-            if id(s) not in started:
-                started.add(id(s))
-                s.pre_backward()
-        g = grads.pop(id(node), None)
-        if g is not None:
-            arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
-            input_grads = timed(
-                node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **node.settings
-            )
-            for t, gi in zip(node.inputs, input_grads):
-                if gi is None or not t.requires_grad:
-                    continue
-                if t._node is None:
-                    t._accumulate_grad(gi)
-                elif id(t._node) in grads:
-                    key = id(t._node)
-                    grads[key] = grads[key] + gi  # not in place: a VJP may return shared arrays
-                else:
-                    grads[id(t._node)] = gi
-        node.inputs = node.saved = None  # free the graph as we go
-        for s in reversed(node.scopes):
-            remaining[id(s)] -= 1
-            if remaining[id(s)] == 0:
-                s.post_backward()
+    try:
+        for node in order:
+            for s in node.scopes:
+                if id(s) not in started:
+                    started[id(s)] = s
+                    s.pre_backward()
+            g = grads.pop(id(node), None)
+            if g is not None:
+                _propagate(node, g, grads)
+            node.inputs = node.saved = None  # free the graph as we go
+            for s in reversed(node.scopes):
+                remaining[id(s)] -= 1
+                if remaining[id(s)] == 0:
+                    s.post_backward()
+    except BaseException:
+        # Scopes cut short learn it at once, innermost first (FSDP: nothing may stay in flight or
+        # gathered once the arrays MPI writes into can be freed), then the error propagates.
+        for s in reversed(list(started.values())):
+            if remaining[id(s)] and hasattr(s, "backward_failed"):
+                s.backward_failed()
+        raise
+
+
+def _propagate(node: Node, g, grads: dict):
+    """Run node's VJP on its output gradient g; add the results to its inputs' (leaves: their .grad)."""
+    arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
+    settings = node.settings
+    if getattr(node.prim, "takes_needs", False):  # skip the gradients of frozen inputs
+        settings = {**settings, "needs": tuple(t.requires_grad for t in node.inputs)}
+    input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
+    for t, gi in zip(node.inputs, input_grads):
+        if gi is None or not t.requires_grad:
+            continue
+        if t._node is None:
+            t._accumulate_grad(gi)
+        elif id(t._node) in grads:
+            key = id(t._node)
+            grads[key] = grads[key] + gi  # not in place: a VJP may return shared arrays
+        else:
+            grads[id(t._node)] = gi

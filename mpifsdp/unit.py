@@ -18,14 +18,13 @@ buffer is allocated per step.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Mapping
 
 import numpy as np
 
 from .accounting import MemoryLedger
 from .backend import array_module_of, to_numpy
-from .flat import FlatLayout
+from .flat import agreed_layout
 from .pool import BufferPool
 
 
@@ -57,14 +56,6 @@ class UnshardedParams(Mapping):
         return len(self._open())
 
 
-def _values_digest(arrays) -> str:
-    """A hash of the arrays' bytes (on the host), equal on every rank exactly when the values are."""
-    digest = hashlib.blake2b(digest_size=16)
-    for array in arrays:
-        digest.update(np.ascontiguousarray(to_numpy(array)).view(np.uint8))
-    return digest.hexdigest()
-
-
 class Unit:
     def __init__(
         self,
@@ -78,8 +69,11 @@ class Unit:
         param_dtype=None,
         reduce_dtype=None,
         sync_values: bool = False,
+        trainable: bool = True,
     ):
-        """param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
+        """trainable=False: frozen parameters, gathered for compute but never given a gradient, reduced
+        or stepped (no grad_shard: 4 bytes per shard element in fp32 instead of 16 with AdamW).
+        param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
         its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
         dtype gradients are reduce-scattered in (default param_dtype).
         sync_values: take rank 0's values (a broadcast per array); by default every rank must pass the
@@ -87,7 +81,7 @@ class Unit:
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm = name, comm
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.layout = self._agreed_layout(named_arrays, dtype, check_values=not sync_values)
+        self.layout = agreed_layout(name, named_arrays, comm, dtype, check_values=not sync_values)
         if sync_values:
             named_arrays = [(n, self._from_rank_0(a)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
@@ -101,44 +95,16 @@ class Unit:
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
             self.shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
-        self.grad_shard = self.xp.zeros(n, dtype=self.layout.dtype)
+        self.trainable = trainable
+        self.grad_shard = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
         self.has_grad = False
         self.ledger.alloc("param_shard", self.shard.nbytes)
-        self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
+        if trainable:
+            self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
         self._reducing = None  # (request, receive, send buffer, divisor) of a reduce-scatter in flight
-
-    def _agreed_layout(self, named_arrays, dtype, check_values: bool) -> FlatLayout:
-        """Build the layout and check, collectively, that every rank built the same one from the same
-        values: ranks that start from different values would train a silent mixture of models."""
-        layout, error, values = None, None, None
-        try:
-            layout = FlatLayout.of(named_arrays, self.comm.size, dtype)
-            if layout.numel == 0:
-                error = "has no parameters: give it at least one array, or leave it out"
-            elif check_values:
-                values = _values_digest(a for _, a in named_arrays)
-        except (TypeError, ValueError) as exc:
-            error = str(exc)
-        everyone = self.comm.allgather_object(None if layout is None else (layout.fingerprint(), values))
-        if error is None and len({fp for fp, _ in everyone}) > 1:
-            error = (
-                f"layout differs between ranks ({layout.describe()} here, fingerprints "
-                f"{[fp for fp, _ in everyone]}): build the model identically on every rank (same config)"
-            )
-        elif error is None and len({v for _, v in everyone}) > 1:
-            groups = {}
-            for rank, (_, digest) in enumerate(everyone):
-                groups.setdefault(digest, []).append(rank)
-            error = (
-                f"starts from different parameter values on different ranks (ranks grouped by value: "
-                f"{sorted(groups.values())}): build it from the same seed on every rank, or pass "
-                "sync_params=True to fully_shard (sync_values=True to Unit) to take rank 0's values"
-            )
-        self.comm.raise_if_any(error and f"unit {self.name!r} {error}", f"creating unit {self.name!r}")
-        return layout
 
     def _from_rank_0(self, array):
         """Rank 0's values of `array`, on every rank (a broadcast, under the watchdog)."""
@@ -147,7 +113,14 @@ class Unit:
         return out
 
     def __repr__(self):
-        return f"Unit({self.name!r}, {self.layout.describe()}, {self.state})"
+        frozen = "" if self.trainable else ", frozen"
+        return f"Unit({self.name!r}, {self.layout.describe()}, {self.state}{frozen})"
+
+    def _require_trainable(self, what: str):
+        if not self.trainable:
+            raise RuntimeError(
+                f"unit {self.name!r} is frozen (trainable=False): it has no gradients to {what}"
+            )
 
     @property
     def state(self) -> str:
@@ -259,6 +232,7 @@ class Unit:
     # -- gradients ----------------------------------------------------------------------------------
     def zero_full_grad(self) -> dict:
         """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
+        self._require_trainable("accumulate")
         if self.full_grad is None:
             self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
         return self.layout.views(self.full_grad)
@@ -278,6 +252,7 @@ class Unit:
         this rank's number of samples), weighted by it: sum_r weight_r * g_r / sum_r weight_r, the
         global mean when each rank's gradient is its own samples' mean (the weights' sum is one
         scalar all-reduce). reduce="sum": the plain sum over ranks."""
+        self._require_trainable("reduce")
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
         if weight is not None and not (np.isfinite(weight) and weight >= 0):
@@ -371,7 +346,8 @@ class Unit:
     def zero_grad(self):
         """Forget every gradient: the shard's and a full one kept unreduced (no_sync)."""
         self.drop_full_grad()
-        self.grad_shard[...] = 0
+        if self.trainable:
+            self.grad_shard[...] = 0
         self.has_grad = False
 
     # -- consolidation (tests, export) ------------------------------------------------------------

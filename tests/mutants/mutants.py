@@ -52,7 +52,27 @@ def _no_uneven_batch_check():
 def _no_tied_weight_check():
     import mpifsdp.fsdp
 
-    _replace(mpifsdp.fsdp, "_shared_parameters", lambda owned: {})
+    _replace(mpifsdp.fsdp, "shared_parameters", lambda owned: {})
+
+
+def _nothing_cleaned_after_a_failed_backward():
+    from mpifsdp.fsdp import ShardedModel
+
+    _replace(ShardedModel, "backward_failed", lambda self: None)
+
+
+def _no_dropout_replay():
+    import contextlib
+
+    import mpifsdp.lifecycle
+
+    _replace(mpifsdp.lifecycle, "dropout_replay", lambda module: contextlib.nullcontext)
+
+
+def _step_over_unreduced_gradients():
+    from mpifsdp.unit import Unit
+
+    _replace(Unit, "flat_grad", lambda self: self.grad_shard if self.has_grad else None)
 
 
 def _no_checksum():
@@ -250,7 +270,7 @@ MUTANTS = {
     ),
     "tied_weights": Mutant(
         _no_tied_weight_check,
-        "tied-weight check (fsdp._shared_parameters)",
+        "tied-weight check (partition.shared_parameters, as fsdp calls it)",
         ["tests/test_fsdp.py::test_tied_weights_split_across_units_are_refused"],
     ),
     "checksum": Mutant(
@@ -320,6 +340,21 @@ MUTANTS = {
         [
             "tests/test_untrusted.py::test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link"
         ],
+    ),
+    "failed_backward_cleanup": Mutant(
+        _nothing_cleaned_after_a_failed_backward,
+        "a backward that raised leaves nothing gathered or in flight (ShardedModel.backward_failed)",
+        ["tests/test_frozen.py::test_unfreezing_after_fully_shard_is_refused"],
+    ),
+    "dropout_replay": Mutant(
+        _no_dropout_replay,
+        "a checkpointed unit's re-run draws the same dropout masks (layers.dropout_replay)",
+        ["tests/test_recompute.py::test_checkpointed_units_train_bit_identically"],
+    ),
+    "unreduced_gradients": Mutant(
+        _step_over_unreduced_gradients,
+        "no optimizer step over gradients no_sync kept unreduced (Unit.flat_grad)",
+        ["tests/test_accumulation.py::test_no_sync_holds_full_gradients_and_reduces_their_sum_once"],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
