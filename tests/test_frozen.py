@@ -38,7 +38,9 @@ def _frozen(model):
 def _batch(step, comm=None):
     rng = np.random.default_rng(step)
     x, y = rng.integers(0, 37, (12, 8)), rng.integers(0, 37, (12, 8))
-    return (x, y) if comm is None else (rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size))
+    if comm is None:
+        return x, y
+    return rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
 
 
 def _run(model, opt, comm=None):
