@@ -2,9 +2,9 @@
 
 The file is what the `safetensors` package (and so PyTorch and Hugging Face tools) reads: an 8-byte
 header length, a JSON header (name -> dtype, shape, data offsets), then the tensors' bytes. We lay
-tensors out unit by unit in layout order, so each unit's unpadded flat vector is one contiguous byte
-range and every rank writes its own slice at its offset: no rank holds more than its shard. Reading
-works for any tensor order: each rank reads the byte ranges of the tensor pieces in its shard.
+tensors out unit by unit in layout order, and every rank writes the pieces of the tensors in its
+shard at their offsets: no rank holds more than its shard. Reading works for any tensor order: each
+rank reads the byte ranges of the tensor pieces in its shard.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from .backend import to_numpy
 from .checkpoint import collective, require_sharded, sharded_units
-from .manifest import CheckpointError, flat_range, is_count, read_manifest, read_slices, require, unit_record
+from .manifest import CheckpointError, is_count, read_manifest, read_slices, require, unit_record
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _ST_ITEMSIZE = {
@@ -54,23 +54,27 @@ def _safetensors_header(entries) -> bytes:
 
 
 def _unit_entries(units_records) -> list:
+    """[(name, dtype, shape)] of every tensor, unit by unit in layout order."""
     return [(t["name"], np.dtype(u["dtype"]), t["shape"]) for u in units_records for t in u["tensors"]]
 
 
-def export_safetensors(path, model) -> Path:
-    """Write the sharded model's parameters to one .safetensors file. Collective.
+def export_safetensors(path, model, include=lambda name: True) -> Path:
+    """Write the sharded model's parameters (those whose name `include` accepts) to one .safetensors
+    file. Collective.
 
-    Tensors are laid out unit by unit in layout order, so each unit's unpadded flat vector is one
-    contiguous byte range: every rank writes its own slice at its offset (a shared file system is
-    assumed, as for checkpoints). No rank ever holds more than its shard.
+    Tensors are laid out unit by unit in layout order, so every rank writes the pieces of its own
+    shard at their offsets (a shared file system is assumed, as for checkpoints). No rank ever holds
+    more than its shard.
     """
     sharded = require_sharded(model)
     comm = sharded.comm
     path = Path(path)
-    records = [unit_record(u) for u in sharded.units]
-    header = _safetensors_header(_unit_entries(records))
+    entries = [e for e in _unit_entries(unit_record(u) for u in sharded.units) if include(e[0])]
+    header = _safetensors_header(entries)
+    offsets, data_bytes = {}, 0
+    for name, dtype, shape in entries:
+        offsets[name], data_bytes = data_bytes, data_bytes + math.prod(shape) * dtype.itemsize
     tmp = path.with_name(comm.broadcast_object(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"))
-    data_bytes = sum(u.layout.numel * u.layout.dtype.itemsize for u in sharded.units)
 
     def create():
         with open(tmp, "wb") as f:
@@ -79,22 +83,20 @@ def export_safetensors(path, model) -> Path:
 
     collective(comm, create, f"creating {path}", root=0)
 
-    def write_slices():
+    def write_pieces():
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            base = len(header)
             for unit in sharded.units:
-                start, stop = flat_range(unit, comm.rank, comm.size)
-                raw = (
-                    to_numpy(unit.shard[: stop - start]).astype(unit.layout.dtype.newbyteorder("<")).tobytes()
-                )
-                os.pwrite(fd, raw, base + start * unit.layout.dtype.itemsize)
-                base += unit.layout.numel * unit.layout.dtype.itemsize
+                little = unit.layout.dtype.newbyteorder("<")
+                for name, t0, t1, s0 in unit.layout.pieces_in_shard(comm.rank):
+                    if name in offsets:
+                        raw = to_numpy(unit.shard[s0 : s0 + t1 - t0]).astype(little).tobytes()
+                        os.pwrite(fd, raw, len(header) + offsets[name] + t0 * unit.layout.dtype.itemsize)
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    collective(comm, write_slices, f"writing {path}")  # agreed: every rank's slices are on disk
+    collective(comm, write_pieces, f"writing {path}")  # agreed: every rank's pieces are on disk
     collective(comm, lambda: os.replace(tmp, path), f"publishing {path}", root=0)
     return path
 

@@ -27,10 +27,14 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def stdlib_sources() -> list[Path]:
-    """The standard library's .py files in a fixed order (site-packages excluded)."""
+def stdlib_sources(package: str = "") -> list[Path]:
+    """The standard library's .py files (of one package, e.g. "email", if given) in a fixed order,
+    site-packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if package and not (root / package).is_dir():
+        raise FileNotFoundError(f"the standard library has no package {package!r} (in {root})")
+    found = (root / package).rglob("*.py")
+    return sorted(p for p in found if "site-packages" not in p.relative_to(root).parts and p.is_file())
 
 
 def _write_atomically(path: Path, chunks):
@@ -43,11 +47,13 @@ def _write_atomically(path: Path, chunks):
     os.replace(tmp, path)
 
 
-def stdlib_corpus_path() -> Path:
-    """Build (once) and return the cached stdlib corpus file; keyed by Python version and file list."""
-    sources = stdlib_sources()
+def stdlib_corpus_path(package: str = "") -> Path:
+    """Build (once) and return the cached corpus file of the standard library's sources (or of one
+    package's); keyed by Python version and file list."""
+    sources = stdlib_sources(package)
     key = hashlib.sha256("\n".join(f"{p}:{p.stat().st_size}" for p in sources).encode()).hexdigest()[:12]
-    path = cache_dir() / f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-{key}.bin"
+    label = f"-{package}" if package else ""
+    path = cache_dir() / f"stdlib{label}-py{sys.version_info[0]}{sys.version_info[1]}-{key}.bin"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, (p.read_bytes() for p in sources))

@@ -225,8 +225,9 @@ class Linear(Module):
         self.weight = normal_param(rng, (n_in, n_out), std, dtype, device)
         self.bias = constant_param(0.0, (n_out,), dtype, device) if bias else None
 
-    def forward(self, x):
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x, gelu_input: bool = False):
+        """gelu_input=True: gelu(x) @ weight + bias, gelu(x) never stored (the MLP's second layer)."""
+        return ops.linear(x, self.weight, self.bias, gelu_input=gelu_input)
 
 
 class Embedding(Module):
@@ -296,7 +297,7 @@ class MLP(Module):
     def forward(self, x):
         # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
         h = self.c_fc(x)
-        return self.drop(ops.linear(h, self.c_proj.weight, self.c_proj.bias, gelu_input=True))
+        return self.drop(self.c_proj(h, gelu_input=True))
 
 
 class CausalSelfAttention(Module):

@@ -51,6 +51,25 @@ def test_train_gpt_accumulates_gradients_without_sync(comm):
     assert result["sequences_per_step"] == 12 and result["val_loss"] < 5.55  # ln(256) at the start
 
 
+def test_finetune_lora_beats_the_base_on_new_text_and_exports_a_plain_gpt(comm, tmp_path):
+    """The base trains at N=2; the adapters train at N=3 on the email package (checkpoint loaded by
+    tensor name into another unit division); the merged export loads into a plain GPT."""
+    run_example(
+        comm, 2, ROOT / "examples" / "train_gpt.py", "--max_steps", 150, "--save_every", 150,
+        "--save_dir", tmp_path / "ck", "--n_layer", 2, "--n_embd", 48, "--block_size", 48,
+        "--batch_size", 12, "--eval_every", 1000, "--sample_tokens", 5,
+    )  # fmt: skip
+    out = run_example(
+        comm, 3, ROOT / "examples" / "finetune_lora.py", "--base", tmp_path / "ck", "--package", "email",
+        "--max_steps", 120, "--batch_size", 12, "--export", tmp_path / "ft.safetensors",
+    )  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["finetuned_val_loss"] < result["base_val_loss"] - 0.02, result
+    assert abs(result["exported_val_loss"] - result["finetuned_val_loss"]) < 1e-3, result  # float32 merge
+    # rank 8 adapters, C = 48: A and B of c_attn r(C + 3C), attn.c_proj r(2C), c_fc and mlp.c_proj r(5C) each
+    assert result["trainable_params"] == 2 * 16 * 8 * 48  # 2 blocks
+
+
 def test_train_gpt_saves_and_resumes_at_another_world_size(comm, tmp_path):
     small = ["--n_layer", 2, "--n_embd", 32, "--block_size", 32, "--batch_size", 6, "--sample_tokens", 5]
     script = ROOT / "examples" / "train_gpt.py"
