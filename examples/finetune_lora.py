@@ -100,14 +100,14 @@ def main():
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     newest = checkpoint.checkpoints(args.base)
     base_dir = newest[0] if newest else args.base
-    saved = checkpoint.saved_extra(base_dir)["config"]
+    saved = consolidated.saved_extra(base_dir)["config"]
     config = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig)})
 
     with mpifsdp.deferred_init():  # the base values come from the checkpoint, unit by unit
         model = GPT(config, seed=args.seed)
     add_adapters(model, args.rank, args.alpha, args.seed)
     mpifsdp.fully_shard(model, comm, units=model.blocks)
-    not_loaded = checkpoint.load_params(base_dir, model, allow_missing=lambda name: ".lora_" in name)
+    not_loaded = consolidated.load_params(base_dir, model, allow_missing=lambda name: ".lora_" in name)
     plan = sharded_model(model).plan()
     say(
         f"base {base_dir}: {plan['params'] / 1e6:.2f} M parameters, {plan['trainable_params'] / 1e3:.1f} K "

@@ -37,6 +37,7 @@ class TrainConfig(GPTConfig):
     batch_size: int = 32  # global, per micro-batch: split evenly over the ranks
     grad_accum: int = 1  # micro-batches per step: a step sees grad_accum * batch_size sequences
     accum_sync: str = "reduce"  # "reduce": reduce-scatter each micro-batch; "no_sync": only the last
+    recompute: bool = False  # activation checkpointing: each block re-runs its forward in backward
     max_steps: int = 1000
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -134,7 +135,7 @@ def main():
     with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit
         model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=comm.device)
     n_params = model.num_params()
-    mpifsdp.fully_shard(model, comm, units=model.blocks)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, checkpoint=cfg.recompute)
     sharded = sharded_model(model)
     plan = sharded.plan()
     say(

@@ -44,8 +44,6 @@ __all__ = [
     "checkpoints",
     "load",
     "load_latest",
-    "load_params",
-    "saved_extra",
     "recover",
     "save",
     "save_step",
@@ -62,22 +60,32 @@ if sys.byteorder != "little":  # pragma: no cover - files are little-endian, arr
 
 @dataclass
 class ShardedUnits:
-    """What checkpoints need of a sharded model, or of a user's own list of Units."""
+    """What checkpoints need of a sharded model, or of a user's own list of Units.
+
+    `comm` runs the agreement (every rank); `shard` is the ranks one copy of the units is sharded
+    over (the same Comm, or with HSDP this rank's group): its rank and size place a rank's slices.
+    Only the first group `writes` (every group holds the same values)."""
 
     units: list
     comm: object
     ledger: object
+    shard: object
+    writes: bool = True
 
 
 def sharded_units(target) -> ShardedUnits | None:
     """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
     model = sharded_model(target)
     if model is not None:
-        return ShardedUnits(model.units, model.comm, model.ledger)
+        first_group = model.replicas is None or model.replicas.rank == 0
+        return ShardedUnits(model.units, model.comm, model.ledger, model.shard_comm, first_group)
     if isinstance(target, (list, tuple)) and target and all(isinstance(u, Unit) for u in target):
-        if len({id(u.comm) for u in target}) > 1:
-            raise CheckpointError("the units are sharded over different Comms: checkpoint each set apart")
-        return ShardedUnits(list(target), target[0].comm, target[0].ledger)
+        if len({id(u.comm) for u in target}) > 1 or any(u.replicas is not None for u in target):
+            raise CheckpointError(
+                "the units are sharded over different Comms, or replicated (HSDP): checkpoint a model "
+                "fully_shard built, or each set of units apart"
+            )
+        return ShardedUnits(list(target), target[0].comm, target[0].ledger, target[0].comm)
     return None
 
 
@@ -118,13 +126,15 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     )
     try:
         state = _optimizer_state(optimizer, sharded)
-        record = collective(comm, lambda: _write_rank_file(staging, sharded, state), f"writing {staging}")
+        write = lambda: _write_rank_file(staging, sharded, state) if sharded.writes else None  # noqa: E731
+        record = collective(comm, write, f"writing {staging}")
         manifest = {
             "format": FORMAT,
             "version": VERSION,
-            "world_size": comm.size,
+            "world_size": sharded.shard.size,  # the ranks that wrote a file: one copy of the model
             "units": [unit_record(u) for u in sharded.units],
-            "files": comm.allgather_object(record),  # every rank's file is on disk (agreed above)
+            # every rank's file is on disk (agreed above)
+            "files": [r for r in comm.allgather_object(record) if r is not None],
             "optimizer": None if optimizer is None else optimizer.summary(),
             "extra": extra or {},
         }
@@ -154,7 +164,7 @@ def _optimizer_state(optimizer, sharded) -> dict:
 
 
 def _write_rank_file(tmp: Path, sharded, state: dict) -> dict:
-    comm = sharded.comm
+    comm = sharded.shard
     name = f"rank-{comm.rank:05d}.bin"
     segments, offset = [], 0
     with open(tmp / name, "wb") as f:
@@ -213,79 +223,6 @@ def load(directory, model, optimizer=None) -> dict:
     return manifest["extra"]
 
 
-def load_params(directory, model, allow_missing=lambda name: False) -> list[str]:
-    """Parameters only, matched by tensor name, from a checkpoint saved at any world size and with
-    any division into units (e.g. a base model's, into a model that adds adapters or freezes part of
-    it, which divides its units differently). Collective.
-
-    Every checkpoint tensor must exist in the model with the same shape and dtype; a model tensor the
-    checkpoint lacks keeps its value if allow_missing(name) says so, and is an error otherwise.
-    Returns the names of the model's tensors that were not loaded. No optimizer state is loaded.
-    """
-    sharded = require_sharded(model)
-    directory = Path(directory)
-    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
-    manifest, missing = collective(
-        sharded.comm,
-        lambda: _check_names(read_manifest(directory), sharded, allow_missing),
-        f"loading {directory}",
-    )
-    collective(sharded.comm, lambda: _fill_by_name(directory, manifest, sharded), f"loading {directory}")
-    return missing
-
-
-def saved_extra(directory) -> dict:
-    """The `extra` a checkpoint was saved with (train_gpt.py: the model config and step), from its
-    validated manifest alone, so a model can be built to fit before loading. Not collective."""
-    return read_manifest(Path(directory))["extra"]
-
-
-def _check_names(manifest: dict, sharded, allow_missing) -> tuple[dict, list[str]]:
-    saved = {t["name"]: (u["dtype"], t["shape"]) for u in manifest["units"] for t in u["tensors"]}
-    mine = {
-        t["name"]: (r["dtype"], t["shape"]) for r in map(unit_record, sharded.units) for t in r["tensors"]
-    }
-    problems = [f"{n}: saved {saved[n]}, model {mine[n]}" for n in saved if n in mine and saved[n] != mine[n]]
-    extra = sorted(set(saved) - set(mine))
-    missing = sorted(set(mine) - set(saved))
-    refused = [n for n in missing if not allow_missing(n)]
-    if problems or extra or refused:
-        raise CheckpointError(
-            "the checkpoint's parameters do not fit this model: "
-            + "; ".join(
-                [f"(dtype, shape) differ for {problems}"] * bool(problems)
-                + [f"tensors the model does not have: {extra}"] * bool(extra)
-                + [f"tensors the checkpoint lacks: {refused} (allow_missing decides which may be)"]
-                * bool(refused)
-            )
-        )
-    return manifest, missing
-
-
-def _fill_by_name(directory: Path, manifest: dict, sharded):
-    """Each rank copies the saved ranges of its shard's tensor pieces, reading each saved slice once
-    per unit that needs it."""
-    where = {t["name"]: (i, t["offset"]) for i, u in enumerate(manifest["units"]) for t in u["tensors"]}
-    rank = sharded.comm.rank
-    for unit in sharded.units:
-        wanted: dict[int, list] = {}  # saved unit index -> [(saved start, saved stop, shard start)]
-        for name, t0, t1, s0 in unit.layout.pieces_in_shard(rank):
-            if name in where:
-                index, offset = where[name]
-                wanted.setdefault(index, []).append((offset + t0, offset + t1, s0))
-        for index, pieces in wanted.items():
-            lo, hi = min(a for a, _, _ in pieces), max(b for _, b, _ in pieces)
-            for seg_start, data in read_slices(directory, manifest, index, "param", lo, hi):
-                sharded.ledger.alloc("checkpoint_io", data.nbytes)
-                for a, b, s0 in pieces:
-                    x, y = max(a, seg_start), min(b, seg_start + data.size)
-                    if x < y:
-                        unit.shard[s0 + x - a : s0 + y - a] = unit.xp.asarray(
-                            data[x - seg_start : y - seg_start]
-                        )
-                sharded.ledger.free("checkpoint_io", data.nbytes)
-
-
 def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
     saved = [
         (u["name"], u["dtype"], [(t["name"], t["shape"]) for t in u["tensors"]]) for u in manifest["units"]
@@ -309,7 +246,7 @@ def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
 
 
 def _fill(directory: Path, manifest: dict, sharded, optimizer):
-    comm = sharded.comm
+    comm = sharded.shard
     stepped = {id(u) for u in optimizer.groups} if optimizer is not None else set()
     for index, unit in enumerate(sharded.units):
         start, stop = flat_range(unit, comm.rank, comm.size)

@@ -13,6 +13,7 @@ counted in the ledger.
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
@@ -48,6 +49,7 @@ class Comm:
         abort_on_timeout=True,
         device: str = "cpu",
         transport: str | None = None,
+        bind_gpu: bool = True,
     ):
         """threads: passed to mpifsdp.set_threads with this node's rank count: "auto" (the node's
         cores shared by its ranks, unless OMP_NUM_THREADS or similar is set), an int, or None to leave
@@ -56,7 +58,10 @@ class Comm:
         debug / timeout / abort_on_timeout: the schedule checks and the watchdog (schedule.py);
         None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment.
         device: "cpu" or "cuda" (this rank takes GPU local_rank mod GPUs); transport: how device
-        arrays move, "nccl", "cuda-aware-mpi" or "host" (see transport.py; None chooses)."""
+        arrays move, "nccl", "cuda-aware-mpi" or "host" (see transport.py; None chooses);
+        bind_gpu=False keeps `device` as given (a sub-communicator of a Comm already bound: split).
+        MPIFSDP_RANKS_PER_NODE=K pretends that every K consecutive ranks form a node (tests of
+        hybrid sharding on one machine)."""
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.mpi = base.Clone() if clone else base
@@ -64,21 +69,40 @@ class Comm:
         self.size = self.mpi.Get_size()
         self.ledger = CommLedger()
         self.schedule = Schedule(self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout)
-        self.node_rank, self.node_size = self._node_ranks()
+        self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
         on_gpu = parse_device(device)[0] != "cpu"
-        self.device = select_gpu(self.node_rank) if on_gpu else "cpu"
+        self.device = select_gpu(self.node_rank) if on_gpu and bind_gpu else (device if on_gpu else "cpu")
         self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
 
-    def _node_ranks(self) -> tuple[int, int]:
-        """(this rank's index, number of ranks) on its node: for BLAS threads and GPU choice."""
+    def _node_ranks(self) -> tuple[int, int, int]:
+        """(this rank's index, number of ranks, lowest rank) on its node: for BLAS threads, GPU choice
+        and hybrid sharding's groups."""
+        pretend = os.environ.get("MPIFSDP_RANKS_PER_NODE")
+        if pretend:
+            per_node = int(pretend)
+            if per_node < 1 or self.size % per_node:
+                raise ValueError(
+                    f"MPIFSDP_RANKS_PER_NODE={pretend} must be >= 1 and divide {self.size} ranks"
+                )
+            return self.rank % per_node, per_node, self.rank - self.rank % per_node
         node = self.mpi.Split_type(_mpi().COMM_TYPE_SHARED)
         rank, size = node.Get_rank(), node.Get_size()
+        lowest = node.allreduce(self.rank, op=_mpi().MIN)
         node.Free()
-        return rank, size
+        return rank, size, lowest
+
+    def split(self, color: int, key: int | None = None) -> Comm:
+        """A Comm over the ranks that pass the same `color` (ordered by key, default this rank),
+        with this Comm's checks, watchdog and device; collective over this Comm."""
+        sub = self.mpi.Split(color, self.rank if key is None else key)
+        return Comm(
+            sub, clone=False, threads=None, debug=self.schedule.debug, timeout=self.schedule.timeout,
+            abort_on_timeout=self.schedule.abort_on_timeout, device=self.device, bind_gpu=False,
+        )  # fmt: skip
 
     # -- the schedule: every collective is announced, and checked ----------------------------------
     def _announce(self, unit: str, phase: str, op: str, count: int, dtype):

@@ -1,4 +1,6 @@
-"""One consolidated .safetensors file, written from and read into shards, a slice per rank.
+"""Parameters by tensor name, whatever the units: one consolidated .safetensors file written from and
+read into shards, a slice per rank; and a sharded checkpoint's parameters loaded into a model divided
+into other units (load_params: fine-tuning a base with frozen parts or adapters).
 
 The file is what the `safetensors` package (and so PyTorch and Hugging Face tools) reads: an 8-byte
 header length, a JSON header (name -> dtype, shape, data offsets), then the tensors' bytes. We lay
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import publish
 from .backend import to_numpy
 from .checkpoint import collective, require_sharded, sharded_units
 from .manifest import CheckpointError, is_count, read_manifest, read_slices, require, unit_record
@@ -86,9 +89,9 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
     def write_pieces():
         fd = os.open(tmp, os.O_WRONLY)
         try:
-            for unit in sharded.units:
+            for unit in sharded.units if sharded.writes else ():  # HSDP: the first group's copy
                 little = unit.layout.dtype.newbyteorder("<")
-                for name, t0, t1, s0 in unit.layout.pieces_in_shard(comm.rank):
+                for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.shard.rank):
                     if name in offsets:
                         raw = to_numpy(unit.shard[s0 : s0 + t1 - t0]).astype(little).tobytes()
                         os.pwrite(fd, raw, len(header) + offsets[name] + t0 * unit.layout.dtype.itemsize)
@@ -193,7 +196,7 @@ def _load_safetensors(path, model, strict: bool):
             return
         for unit in sharded.units:
             unit.shard[...] = 0
-            for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.comm.rank):
+            for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.shard.rank):
                 unit.shard[s0 : s0 + t1 - t0] = unit.xp.asarray(read(f, name, t0, t1))
 
 
@@ -217,3 +220,79 @@ def export_checkpoint(directory, path) -> Path:
         os.fsync(out.fileno())
     os.replace(tmp, path)
     return path
+
+
+# -- a checkpoint's parameters by name -------------------------------------------------------------
+
+
+def load_params(directory, model, allow_missing=lambda name: False) -> list[str]:
+    """Parameters only, matched by tensor name, from a checkpoint saved at any world size and with
+    any division into units (e.g. a base model's, into a model that adds adapters or freezes part of
+    it, which divides its units differently). Collective.
+
+    Every checkpoint tensor must exist in the model with the same shape and dtype; a model tensor the
+    checkpoint lacks keeps its value if allow_missing(name) says so, and is an error otherwise.
+    Returns the names of the model's tensors that were not loaded. No optimizer state is loaded.
+    """
+    sharded = require_sharded(model)
+    directory = Path(directory)
+    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    manifest, missing = collective(
+        sharded.comm,
+        lambda: _check_names(read_manifest(directory), sharded, allow_missing),
+        f"loading {directory}",
+    )
+    collective(sharded.comm, lambda: _fill_by_name(directory, manifest, sharded), f"loading {directory}")
+    return missing
+
+
+def saved_extra(directory) -> dict:
+    """The `extra` a checkpoint was saved with (train_gpt.py: the model config and step), from its
+    validated manifest alone, so a model can be built to fit before loading. Not collective."""
+    return read_manifest(Path(directory))["extra"]
+
+
+def _check_names(manifest: dict, sharded, allow_missing) -> tuple[dict, list[str]]:
+    saved = {t["name"]: (u["dtype"], t["shape"]) for u in manifest["units"] for t in u["tensors"]}
+    mine = {
+        t["name"]: (r["dtype"], t["shape"]) for r in map(unit_record, sharded.units) for t in r["tensors"]
+    }
+    problems = [f"{n}: saved {saved[n]}, model {mine[n]}" for n in saved if n in mine and saved[n] != mine[n]]
+    extra = sorted(set(saved) - set(mine))
+    missing = sorted(set(mine) - set(saved))
+    refused = [n for n in missing if not allow_missing(n)]
+    if problems or extra or refused:
+        raise CheckpointError(
+            "the checkpoint's parameters do not fit this model: "
+            + "; ".join(
+                [f"(dtype, shape) differ for {problems}"] * bool(problems)
+                + [f"tensors the model does not have: {extra}"] * bool(extra)
+                + [f"tensors the checkpoint lacks: {refused} (allow_missing decides which may be)"]
+                * bool(refused)
+            )
+        )
+    return manifest, missing
+
+
+def _fill_by_name(directory: Path, manifest: dict, sharded):
+    """Each rank copies the saved ranges of its shard's tensor pieces, reading each saved slice once
+    per unit that needs it."""
+    where = {t["name"]: (i, t["offset"]) for i, u in enumerate(manifest["units"]) for t in u["tensors"]}
+    rank = sharded.shard.rank
+    for unit in sharded.units:
+        wanted: dict[int, list] = {}  # saved unit index -> [(saved start, saved stop, shard start)]
+        for name, t0, t1, s0 in unit.layout.pieces_in_shard(rank):
+            if name in where:
+                index, offset = where[name]
+                wanted.setdefault(index, []).append((offset + t0, offset + t1, s0))
+        for index, pieces in wanted.items():
+            lo, hi = min(a for a, _, _ in pieces), max(b for _, b, _ in pieces)
+            for seg_start, data in read_slices(directory, manifest, index, "param", lo, hi):
+                sharded.ledger.alloc("checkpoint_io", data.nbytes)
+                for a, b, s0 in pieces:
+                    x, y = max(a, seg_start), min(b, seg_start + data.size)
+                    if x < y:
+                        unit.shard[s0 + x - a : s0 + y - a] = unit.xp.asarray(
+                            data[x - seg_start : y - seg_start]
+                        )
+                sharded.ledger.free("checkpoint_io", data.nbytes)

@@ -26,7 +26,7 @@ from .accounting import MemoryLedger
 from .comm import CollectiveError, Comm
 from .layers import Module, initial_value
 from .lifecycle import Stage, UnitLifecycle
-from .partition import configuration_differs, holds_units, owned_params, per_unit, shared_parameters
+from .partition import configuration_differs, division_error, owned_params, per_unit, shard_groups
 from .pool import BufferPool
 from .tape import grad_enabled, scope
 from .unit import Unit, state_dict
@@ -41,10 +41,12 @@ class ShardedModel:
     `prefetch_after` (a unit asks for the gathers after it), `reducing` (a reduce-scatter started).
     """
 
-    def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1):
+    def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None)):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 (units gathered ahead), got {prefetch}")
-        self.comm = comm
+        self.comm = comm  # every rank: input checks, valid-target counts, the schedule check
+        # HSDP: (this rank's shard group, its replicas across groups); (comm, None) for plain FSDP
+        self.shard_comm, self.replicas = levels[0] or comm, levels[1]
         self.ledger = MemoryLedger()
         self.pool = BufferPool()
         self.prefetch_depth = prefetch
@@ -201,7 +203,8 @@ class ShardedModel:
         self._sweep_unreached()
         self._finish_reduces(keep=0)
         self._release_gathered()
-        self.comm.check_schedule()  # every rank issued the same collectives this step
+        for level in self._levels():  # every rank issued the same collectives this step, on each level
+            level.check_schedule()
 
     def backward_failed(self):
         """Backward raised part-way (tape.backward tells the scopes it cut short): finish every
@@ -248,10 +251,20 @@ class ShardedModel:
             "prefetch": self.prefetch_depth,
         }
 
+    def _levels(self) -> list[Comm]:
+        """The communicators this model's collectives run on: the world, and HSDP's two levels."""
+        return [self.comm] + [c for c in (self.shard_comm, self.replicas) if c not in (None, self.comm)]
+
     def report(self) -> list[dict]:
-        """Every rank's memory and communication ledgers (collective: call on all ranks)."""
+        """Every rank's memory and communication ledgers (collective: call on all ranks). With HSDP,
+        "comm" holds the world's collectives (checks), "comm_in_group" the gathers and reduce-scatters
+        inside the shard group and "comm_across_groups" the gradient all-reduces between groups."""
         memory = {**self.ledger.report(), "pool_bytes": self.pool.nbytes}
         mine = {"rank": self.comm.rank, "memory": memory, "comm": self.comm.ledger.report()}
+        if self.shard_comm is not self.comm:
+            mine["comm_in_group"] = self.shard_comm.ledger.report()
+        if self.replicas is not None:
+            mine["comm_across_groups"] = self.replicas.ledger.report()
         return self.comm.allgather_object(mine)
 
 
@@ -267,6 +280,7 @@ def fully_shard(
     reduce_dtype=None,
     sync_params: bool = False,
     checkpoint=False,
+    shard_size=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -287,6 +301,10 @@ def fully_shard(
     unit's forward keeps only its input, and its backward runs the forward again (with the same
     dropout masks) before the VJPs; its parameters are gathered for backward anyway, so no extra
     gather. Activations held drop to every unit's input plus one unit's activations during backward.
+    shard_size: hybrid sharding (HSDP). None shards over every rank; an int S (dividing the world
+    size) or "node" (the ranks of one node) shards inside groups of S consecutive ranks and
+    replicates across the groups: gathers and reduce-scatters stay inside a group (fast links), and
+    each gradient shard is all-reduced across the groups (1/S of the model per rank crosses them).
     """
     if model in _SHARDED:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -304,23 +322,13 @@ def fully_shard(
     owned = [(names[id(u)], owned_params(u, names[id(u)], unit_ids)) for u in units]
     owned.append(("root", owned_params(model, "", unit_ids)))
 
-    shared = shared_parameters(owned)
-    nested = [names[id(u)] for u, on in zip(units, checkpoints) if on and holds_units(u, unit_ids)]
-    error = None
-    if shared:
-        error = (
-            f"parameters shared between units {shared}: tied weights must live in one unit; put the "
-            "modules that share them in the same unit (e.g. leave both in the root)"
-        )
-    elif nested:
-        error = (
-            f"units {nested} are checkpointed but contain other units: their re-run in backward would "
-            "run those units' forward again; checkpoint the inner units instead"
-        )
+    checkpointed = [u for u, on in zip(units, checkpoints) if on]
+    error = division_error(owned, checkpointed, names, unit_ids)
     differs = configuration_differs(model, comm)  # collective: every rank, whatever `error` is
     comm.raise_if_any(error or differs, "fully_shard")
 
-    sharded = ShardedModel(model, comm, prefetch)
+    shard_comm, replicas = shard_groups(comm, shard_size)
+    sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas))
     modules = list(units) + [model]
     settings = zip(flags + [bool(reshard_root)], checkpoints + [False])
     for module, (unit_name, params), (flag, recomputed) in zip(modules, owned, settings):
@@ -330,20 +338,16 @@ def fully_shard(
         def make_unit(name, part, trainable):
             arrays = [(n, initial_value(p)) for n, p in part]  # deferred: made now, one unit at a time
             unit = Unit(
-                name, arrays, comm, ledger=sharded.ledger, pool=sharded.pool, param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype, sync_values=sync_params, trainable=trainable,
+                name, arrays, shard_comm, ledger=sharded.ledger, pool=sharded.pool, param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype, sync_values=sync_params, trainable=trainable, replicas=replicas,
             )  # fmt: skip
             return unit, part
 
         trainable = [(n, p) for n, p in params if p.requires_grad]
         frozen = [(n, p) for n, p in params if not p.requires_grad]
-        if trainable and frozen:  # two flat vectors: only the trainable one is reduced and stepped
-            main, beside = (
-                make_unit(unit_name, trainable, True),
-                make_unit(f"{unit_name}:frozen", frozen, False),
-            )
-        else:
-            main, beside = make_unit(unit_name, params, bool(trainable)), None
+        main = make_unit(unit_name, trainable or frozen, bool(trainable))
+        # a flat vector is reduced and stepped whole: frozen parameters beside trainable ones get their own
+        beside = make_unit(f"{unit_name}:frozen", frozen, False) if trainable and frozen else None
         lifecycle = UnitLifecycle(*main, sharded, flag, recomputed, frozen=beside)
         sharded.add(lifecycle, root=module is model)
         if module is not model:

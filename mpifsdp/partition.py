@@ -38,6 +38,24 @@ def holds_units(module: Module, unit_ids: set) -> bool:
     return any(id(m) in unit_ids for _, m in module.named_modules() if m is not module)
 
 
+def division_error(owned, checkpointed, names: dict, unit_ids: set) -> str | None:
+    """What is wrong with this division into units, or None: a parameter in two units, or a
+    checkpointed unit that holds other units."""
+    shared = shared_parameters(owned)
+    if shared:
+        return (
+            f"parameters shared between units {shared}: tied weights must live in one unit; put the "
+            "modules that share them in the same unit (e.g. leave both in the root)"
+        )
+    nested = [names[id(u)] for u in checkpointed if holds_units(u, unit_ids)]
+    if nested:
+        return (
+            f"units {nested} are checkpointed but contain other units: their re-run in backward would "
+            "run those units' forward again; checkpoint the inner units instead"
+        )
+    return None
+
+
 def shared_parameters(owned) -> dict:
     """{parameter name: [units]} for each parameter that more than one unit would own.
 
@@ -77,3 +95,26 @@ def configuration_differs(model: Module, comm: Comm) -> str | None:
                     f"{mine} on rank 0, {other} on rank {rank}"
                 )
     return None
+
+
+def shard_groups(comm: Comm, shard_size) -> tuple[Comm, Comm | None]:
+    """(this rank's shard group, its replicas across groups) for fully_shard(shard_size=...).
+    Collective over comm. Plain FSDP (None, or the world's size) is (comm, None)."""
+    if shard_size == "node":
+        sizes = comm.allgather_object((comm.node_id, comm.node_size))
+        if len({size for _, size in sizes}) > 1:
+            raise ValueError(
+                f"shard_size='node' needs nodes of equal size, got (first rank, size) {sorted(set(sizes))}"
+            )
+        group = comm.split(comm.node_id)
+    elif shard_size is None or shard_size == comm.size:
+        return comm, None
+    elif isinstance(shard_size, int) and shard_size >= 1 and comm.size % shard_size == 0:
+        group = comm.split(comm.rank // shard_size)
+    else:
+        raise ValueError(
+            f"shard_size={shard_size!r}: give an int that divides the {comm.size} ranks, 'node', or None"
+        )
+    if group.size == comm.size:
+        return group, None
+    return group, comm.split(group.rank)

@@ -70,8 +70,12 @@ class Unit:
         reduce_dtype=None,
         sync_values: bool = False,
         trainable: bool = True,
+        replicas=None,
     ):
-        """trainable=False: frozen parameters, gathered for compute but never given a gradient, reduced
+        """replicas: hybrid sharding (HSDP). `comm` is then this rank's shard group and `replicas` the
+        ranks holding the same shard in the other groups: each gradient shard, once reduce-scattered
+        inside the group, is all-reduced across them (the mean over every rank of both).
+        trainable=False: frozen parameters, gathered for compute but never given a gradient, reduced
         or stepped (no grad_shard: 4 bytes per shard element in fp32 instead of 16 with AdamW).
         param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
         its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
@@ -79,11 +83,14 @@ class Unit:
         sync_values: take rank 0's values (a broadcast per array); by default every rank must pass the
         same values, which is checked (a hash per rank, in the layout check's one exchange)."""
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
-        self.name, self.comm = name, comm
+        self.name, self.comm, self.replicas = name, comm, replicas
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.layout = agreed_layout(name, named_arrays, comm, dtype, check_values=not sync_values)
-        if sync_values:
-            named_arrays = [(n, self._from_rank_0(a)) for n, a in named_arrays]
+        levels = [c for c in (replicas, comm) if c is not None]
+        for level in levels:  # the same layout and values in every group too
+            self.layout = agreed_layout(name, named_arrays, level, dtype, check_values=not sync_values)
+        if sync_values:  # across groups first, then inside: every rank ends with world rank 0's values
+            for level in levels:
+                named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
         self.param_dtype = np.dtype(param_dtype or self.layout.dtype)
         self.reduce_dtype = np.dtype(reduce_dtype or self.param_dtype)
@@ -104,12 +111,12 @@ class Unit:
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
-        self._reducing = None  # (request, receive, send buffer, divisor) of a reduce-scatter in flight
+        self._reducing = None  # (request, receive, send buffer, divisor, phase) of a reduce-scatter
 
-    def _from_rank_0(self, array):
-        """Rank 0's values of `array`, on every rank (a broadcast, under the watchdog)."""
+    def _from_rank_0(self, array, comm):
+        """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
         out = array_module_of(array).array(array, copy=True, order="C")
-        self.comm.broadcast(out.reshape(-1), root=0, unit=self.name, phase="setup")
+        comm.broadcast(out.reshape(-1), root=0, unit=self.name, phase="setup")
         return out
 
     def __repr__(self):
@@ -273,13 +280,16 @@ class Unit:
         receive = self.grad_shard
         if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
             receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
-        divisor = self.comm.size if reduce == "mean" else 1
+        divisor = self.comm.size * (self.replicas.size if self.replicas else 1) if reduce == "mean" else 1
         if weight is not None:
             source *= weight
             if reduce == "mean":
-                divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=f"the weights of {self.name}")
+                what = f"the weights of {self.name}"
+                divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=what)
+                if self.replicas is not None:
+                    divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
-        self._reducing = (request, receive, source, divisor)
+        self._reducing = (request, receive, source, divisor, phase)
 
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
@@ -290,9 +300,11 @@ class Unit:
         """
         if self._reducing is None:
             return
-        request, receive, source, divisor = self._reducing
+        request, receive, source, divisor, phase = self._reducing
         self._reducing = None
         self.comm.wait(request)
+        if self.replicas is not None:  # HSDP: the group's sums, summed over the groups
+            self.replicas.all_reduce(receive, unit=self.name, phase=phase)
         if divisor != 1:
             receive /= divisor
         if receive is not self.grad_shard:

@@ -41,11 +41,12 @@ def test_train_gpt_example_runs_sharded_and_reports(comm):
     assert "one training step moved" in out and "plan per rank" in out
 
 
-def test_train_gpt_accumulates_gradients_without_sync(comm):
+def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm):
     out = run_example(
         comm, 2, ROOT / "examples" / "train_gpt.py",
         "--max_steps", 6, "--eval_every", 100, "--n_layer", 2, "--n_embd", 32, "--block_size", 32,
         "--batch_size", 4, "--grad_accum", 3, "--accum_sync", "no_sync", "--sample_tokens", 5,
+        "--recompute", "true", "--dropout", 0.1,
     )  # fmt: skip
     result = json.loads(out.strip().splitlines()[-1])
     assert result["sequences_per_step"] == 12 and result["val_loss"] < 5.55  # ln(256) at the start

@@ -1,4 +1,4 @@
-"""Parameters matched by tensor name across unit divisions: checkpoint.load_params, and
+"""Parameters matched by tensor name across unit divisions: consolidated.load_params, and
 export_safetensors of a chosen subset (what fine-tuning needs: a base checkpoint into a model that
 adds adapters or freezes part of itself, and an export without the adapters)."""
 
@@ -8,8 +8,8 @@ from conftest import agree
 from test_checkpoint import CFG, sharded, shared_dir, train
 
 from mpifsdp import CollectiveError, Param, full_state_dict, fully_shard
-from mpifsdp.checkpoint import CheckpointError, load_params, save, saved_extra
-from mpifsdp.consolidated import export_safetensors, read_safetensors_header
+from mpifsdp.checkpoint import CheckpointError, save
+from mpifsdp.consolidated import export_safetensors, load_params, read_safetensors_header, saved_extra
 from mpifsdp.models import GPT, GPTConfig
 
 

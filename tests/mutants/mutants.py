@@ -50,9 +50,9 @@ def _no_uneven_batch_check():
 
 
 def _no_tied_weight_check():
-    import mpifsdp.fsdp
+    import mpifsdp.partition
 
-    _replace(mpifsdp.fsdp, "shared_parameters", lambda owned: {})
+    _replace(mpifsdp.partition, "shared_parameters", lambda owned: {})
 
 
 def _nothing_cleaned_after_a_failed_backward():
@@ -170,15 +170,15 @@ def _errors_raised_where_they_happen():
 
 
 def _no_initial_value_check():
-    import mpifsdp.unit
+    import mpifsdp.flat
 
-    _replace(mpifsdp.unit, "_values_digest", lambda arrays: "the same everywhere")
+    _replace(mpifsdp.flat, "_values_digest", lambda arrays: "the same everywhere")
 
 
 def _no_configuration_check():
     import mpifsdp.fsdp
 
-    _replace(mpifsdp.fsdp, "_configuration_differs", lambda model, comm: None)
+    _replace(mpifsdp.fsdp, "configuration_differs", lambda model, comm: None)
 
 
 def _no_schedule_check_in_the_optimizer_step():
@@ -246,13 +246,13 @@ MUTANTS = {
     ),
     "initial_value_check": Mutant(
         _no_initial_value_check,
-        "identical initial values on every rank (unit._values_digest)",
+        "identical initial values on every rank (flat._values_digest)",
         ["tests/test_misuse.py::test_ranks_built_from_different_seeds_are_refused_or_synced"],
         ranks=2,
     ),
     "configuration_check": Mutant(
         _no_configuration_check,
-        "identical model configuration on every rank (fsdp._configuration_differs)",
+        "identical model configuration on every rank (partition.configuration_differs, as fsdp calls it)",
         ["tests/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"],
         ranks=2,
     ),
@@ -270,7 +270,7 @@ MUTANTS = {
     ),
     "tied_weights": Mutant(
         _no_tied_weight_check,
-        "tied-weight check (partition.shared_parameters, as fsdp calls it)",
+        "tied-weight check (partition.shared_parameters)",
         ["tests/test_fsdp.py::test_tied_weights_split_across_units_are_refused"],
     ),
     "checksum": Mutant(
