@@ -22,6 +22,7 @@ from .fsdp import ShardedModel, full_state_dict, fully_shard, no_sync, report, s
 from .layers import Module, deferred_init  # noqa: E402
 from .manifest import CheckpointError  # noqa: E402
 from .optim import SGD, Adam, AdamW, NonFiniteError  # noqa: E402
+from .planner import plan  # noqa: E402
 from .scaler import LossScaler  # noqa: E402
 from .schedule import CollectiveTimeout, ScheduleError  # noqa: E402
 from .tape import no_grad  # noqa: E402
@@ -57,6 +58,8 @@ __all__ = [
     "Adam",
     "SGD",
     "LossScaler",
+    # planning a job: memory, traffic, step time (python -m mpifsdp plan)
+    "plan",
     # errors
     "AbsentDataError",
     "CheckpointError",

@@ -1,4 +1,4 @@
-"""Checkpoint tools from the shell: `python -m mpifsdp inspect DIR`, `python -m mpifsdp export DIR OUT`.
+"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (planner.py).
 
 inspect: units, sizes, world size, step, and an integrity check of every slice's checksum.
 export: one consolidated .safetensors file from a checkpoint, in one process, a slice at a time.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from . import planner
 from .checkpoint import checkpoints
 from .consolidated import export_checkpoint
 from .manifest import FORMAT, MANIFEST, CheckpointError, read_manifest, verify
@@ -73,13 +74,16 @@ def main(argv=None) -> int:
     export.add_argument("dir")
     export.add_argument("out")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    planner.add_arguments(sub.add_parser("plan", help="memory, traffic and step time of a GPT on a cluster"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "plan":
+            return planner.run_cli(args)
         if args.command == "inspect":
             return _inspect(args.dir)
         print(f"wrote {_export(args.dir, args.out, args.force)}")
         return 0
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

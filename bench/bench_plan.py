@@ -1,0 +1,105 @@
+"""The planner's predicted step time vs the measured step, after probing this machine, at N = 1, 2, 4.
+
+For each N, one mpiexec job: every rank probes (Allgather and Reduce_scatter alpha and bandwidth,
+its GEMM FLOP rate, all ranks at once so shared cores are shared as in training), plans the peer
+config, then trains it and measures the median step. One JSON line per N, then a summary.
+    python bench/bench_plan.py [--sizes 1,2,4] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import PEER, gpt_config, random_batch, train_step  # noqa: E402
+
+
+def worker(steps: int):
+    import numpy as np
+
+    import mpifsdp
+    from mpifsdp import planner
+    from mpifsdp.data import rank_slice
+    from mpifsdp.models import GPT
+
+    comm = mpifsdp.Comm()
+    fits = planner.probe(comm)
+    link = (
+        planner.Link(fits["all_gather"]["alpha"], fits["all_gather"]["bandwidth"]) if fits else planner.Link()
+    )
+    flops = planner.gemm_flops()
+    config = gpt_config(PEER)
+    units, shapes = planner.gpt_units(config)
+    tokens = PEER["batch_size"] * PEER["block_size"]
+    predicted = planner.plan(
+        units, comm.size, flops=flops, intra=link, inter=link,
+        flops_per_step=planner.flops_per_step(shapes, PEER["block_size"], tokens),
+        activation_bytes=planner.gpt_activation_bytes(config, PEER["batch_size"], 4),
+    )  # fmt: skip
+    with mpifsdp.deferred_init():
+        model = GPT(config, seed=0)
+    mpifsdp.fully_shard(model, comm, units=model.blocks)
+    opt = mpifsdp.AdamW(model, lr=3e-4)
+    x, y = random_batch(PEER, PEER["batch_size"] * comm.size)
+    x, y = rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
+    times = []
+    for i in range(steps + 1):
+        comm.barrier()
+        start = time.perf_counter()
+        train_step(model, opt, x, y)
+        if i:
+            times.append(max(comm.allgather_object(time.perf_counter() - start)))
+    if comm.rank == 0:
+        measured = float(np.median(times))
+        step = predicted["time_s"]["step"]
+        line = {
+            "world_size": comm.size, "predicted_step_s": round(step, 3),
+            "measured_step_s": round(measured, 3),
+            "predicted_vs_measured": round(step / measured, 3), "gemm_gflops_per_rank": round(flops / 1e9, 1),
+            "probe": fits, "predicted": predicted["time_s"],
+        }  # fmt: skip
+        print(json.dumps(line), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.steps)
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    ratios = {}
+    for n in map(int, args.sizes.split(",")):
+        threads = str(max(1, (os.cpu_count() or 1) // n))
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+        cmd = [
+            mpiexec,
+            "-n",
+            str(n),
+            sys.executable,
+            "-m",
+            "mpi4py",
+            __file__,
+            "--worker",
+            "--steps",
+            str(args.steps),
+        ]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"N={n} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        line = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps(line), flush=True)
+        ratios[f"N{n}"] = line["predicted_vs_measured"]
+    print(json.dumps({"bench": "plan", "predicted_vs_measured": ratios}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""plan(): per-rank memory, bytes per step by level and collective, and a predicted step time, for
+any model on any cluster, before a job is queued (`python -m mpifsdp plan`, docs/scaling.md).
+
+Exact where the runtime is measurable: the shard, gradient and optimizer bytes, the gathered peaks
+and every big collective's elements use the formulas the runtime's ledgers count (tests/test_planner.py
+holds them equal at N = 1..4); the GPT activation bytes are the tape's, term by term. A model where
+we cannot measure: the step time, from an alpha-beta model of each collective (a ring: alpha per
+hop, bytes over the link's bandwidth) and a FLOP rate, with the overlap the schedule allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layers import Module, deferred_init
+from .partition import owned_params
+
+ATTENTION_BLOCK = 256  # attention.py: beyond it, the blocked path keeps one log-sum-exp per row
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level's links: the latency of one ring hop (s) and each rank's bandwidth (bytes/s)."""
+
+    alpha: float = 10e-6
+    bandwidth: float = 25e9
+
+    def ring(self, hops: int, nbytes: float) -> float:
+        """Seconds for a ring collective of `hops` steps moving `nbytes` per rank."""
+        return hops * self.alpha + nbytes / self.bandwidth if hops else 0.0
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    name: str
+    numel: int
+    trainable: bool = True
+    kept: bool = False  # the root: gathered from forward to backward, its scope around the others
+
+
+def gpt_units(config, units: str = "blocks") -> tuple[list[UnitSize], Module]:
+    """The units fully_shard(model, units=model.blocks) makes of a GPT, and the model, built
+    without memory (deferred_init: shapes only, any size)."""
+    from mpifsdp.models import GPT  # models sit above the library
+
+    with deferred_init():
+        model = GPT(config)
+    blocks = model.blocks if units == "blocks" else []
+    ids = {id(b) for b in blocks}
+    sizes = [
+        UnitSize(f"blocks.{i}", sum(p.size for _, p in owned_params(b, "", ids)))
+        for i, b in enumerate(blocks)
+    ]
+    root = sum(p.size for _, p in owned_params(model, "", ids))
+    return sizes + [UnitSize("root", root, kept=True)], model
+
+
+def _padded(numel: int, shard_size: int) -> int:
+    return -(-numel // shard_size) * shard_size
+
+
+def gpt_activation_bytes(config, batch: int, itemsize: int, checkpoint: bool = False) -> int:
+    """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
+    12 B·T·C values and 4 per token (LayerNorm statistics), and past ATTENTION_BLOCK positions the
+    attention's output and one log-sum-exp per head and token (the blocked path keeps them);
+    outside them the final LayerNorm's input and output, the logits, and per token two statistics,
+    the log-sum-exp and a one-byte mask. Checkpointed blocks keep only their input (B·T·C). Equal to
+    autodiff.graph_nbytes (tests/test_planner.py)."""
+    B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
+    block = 12 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > ATTENTION_BLOCK else 0)
+    per_block = B * T * C if checkpoint else block
+    outside = 2 * B * T * C + B * T * config.vocab_size + 3 * B * T
+    return itemsize * (config.n_layer * per_block + outside) + B * T
+
+
+def plan(
+    units: list[UnitSize],
+    world_size: int,
+    *,
+    shard_size: int | None = None,
+    ranks_per_node: int | None = None,
+    itemsize: int = 4,
+    compute_itemsize: int | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    grad_accum: int = 1,
+    no_sync: bool = False,
+    activation_bytes: int = 0,
+    flops_per_step: float = 0.0,
+    flops: float = 0.0,
+    intra: Link = Link(),
+    inter: Link = Link(),
+) -> dict:
+    """Per-rank memory (bytes), elements and bytes per optimizer step by level and collective, and
+    the predicted step time, for `units` sharded over `world_size` ranks (see the module docstring).
+
+    itemsize: of the shards, gradient shards and AdamW state (fp32 masters: 4); compute_itemsize: of
+    what is gathered and communicated (fully_shard's param_dtype = reduce_dtype, e.g. 2 for
+    bfloat16; default itemsize). Exact against the ledgers with one dtype.
+    shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
+    flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
+    """
+    S = shard_size or world_size
+    if world_size % S:
+        raise ValueError(f"shard_size {S} must divide world_size {world_size}")
+    R, node = world_size // S, ranks_per_node or world_size
+    wire = compute_itemsize or itemsize
+    kept = [u.kept or not reshard_after_forward for u in units]
+    padded = [_padded(u.numel, S) for u in units]
+    shard = [p // S for p in padded]
+    trainable = [u.trainable for u in units]
+    blocks = [p for p, k in zip(padded, kept) if not k]
+
+    outer = [u.kept for u in units]  # the root: its scope spans every other unit's backward
+    accumulating = grad_accum > 1 and not no_sync
+    trained = sum(s for s, t in zip(shard, trainable) if t)
+    memory = {
+        "param_shards": itemsize * sum(shard),
+        "grad_shards": itemsize * trained,
+        "optimizer": 2 * itemsize * trained,  # AdamW: m and v
+        "gathered_params_peak": wire * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch)),
+        "gathered_grads_peak": wire * _grads_peak(padded, shard, outer, trainable, accumulating, no_sync),
+        "activations": activation_bytes,
+    }
+    memory["total"] = sum(memory.values())
+
+    gathers = [1 if k else 2 for k in kept]  # a kept unit skips its backward gather
+    reductions = grad_accum if not no_sync else 1
+    in_group = {
+        "all_gather": grad_accum * sum(g * (S - 1) * s for g, s in zip(gathers, shard)),
+        "reduce_scatter": reductions * sum((S - 1) * s for s, t in zip(shard, trainable) if t),
+    }
+    across = {"all_reduce": reductions * sum(2 * (R - 1) * s // R for s, t in zip(shard, trainable) if t)}
+    traffic = {
+        "elements": {"in_group": in_group, "across_groups": across},
+        "bytes": {
+            "in_group": {k: v * wire for k, v in in_group.items()},
+            "across_groups": {k: v * wire for k, v in across.items()},
+        },
+    }
+
+    group_link = intra if S <= node else inter  # a group within a node, or spanning nodes
+    replica_link = inter if world_size > node else intra
+
+    def gather_s(p):  # one all_gather or reduce_scatter of a unit padded to p, inside the group
+        return group_link.ring(S - 1, wire * (S - 1) * (p // S))
+
+    def all_reduce_s(p):  # one all-reduce of its gradient shard across the groups
+        return replica_link.ring(2 * (R - 1), wire * (2 * (R - 1) * (p // S) // R)) if R > 1 else 0.0
+
+    comm_group = grad_accum * sum(g * gather_s(p) for g, p in zip(gathers, padded))
+    comm_group += reductions * sum(gather_s(p) for p, t in zip(padded, trainable) if t)
+    comm_across = reductions * sum(all_reduce_s(p) for p, t in zip(padded, trainable) if t)
+    compute = flops_per_step / flops if flops else 0.0
+    # Overlap: each unit's gathers and reduce-scatter run while other units compute, except the first
+    # unit's gather of each micro-batch and the last reduce-scatter of a step; the runtime runs the
+    # cross-group all-reduce blocking (docs/design.md, Hybrid sharding), so all of it is exposed.
+    largest_unit = max(padded, default=0)
+    fixed = grad_accum * gather_s(largest_unit) + reductions * gather_s(largest_unit)
+    exposed = min(fixed, comm_group) + comm_across + max(0.0, comm_group - fixed - compute)
+    seconds = {
+        "compute": compute,
+        "comm_in_group": comm_group,
+        "comm_across_groups": comm_across,
+        "exposed_comm": exposed,
+        "step": compute + exposed,
+    }
+    setup = {
+        "world_size": world_size, "shard_size": S, "replicas": R, "ranks_per_node": node,
+        "units": len(units), "params": sum(u.numel for u in units),
+        "itemsize": itemsize, "compute_itemsize": wire,
+        "prefetch": prefetch, "reshard_after_forward": reshard_after_forward,
+        "grad_accum": grad_accum, "no_sync": no_sync,
+        "group_link": dataclasses.asdict(group_link), "replica_link": dataclasses.asdict(replica_link),
+    }  # fmt: skip
+    return {"setup": setup, "memory_bytes": memory, "traffic": traffic, "time_s": seconds}
+
+
+def _live(blocks: list[int], prefetch: int) -> int:
+    """Resharded units gathered at once: the running one and up to `prefetch` ahead (largest first)."""
+    return sum(sorted(blocks, reverse=True)[: 1 + prefetch])
+
+
+def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bool) -> int:
+    """Full gradients at once in backward: the outer units' (the root: its scope spans the others),
+    the unit running and the one whose reduce-scatter is still in flight; with no_sync, every unit's.
+    A reduce-scatter into a shard that already holds a gradient (accumulating micro-batches) receives
+    into a shard-sized temporary first: two of those are alive with the two full gradients."""
+    full = [p for p, t in zip(padded, trainable) if t]
+    if no_sync:
+        return sum(full)
+    enclosing = sum(p for p, o, t in zip(padded, outer, trainable) if o and t)
+    inner = sorted(
+        ((p, s) for p, s, o, t in zip(padded, shard, outer, trainable) if t and not o), reverse=True
+    )
+    return enclosing + sum(p + (s if accumulating else 0) for p, s in inner[:2])
+
+
+def table(result: dict) -> str:
+    """The plan as a few readable lines (MiB, GiB/s, seconds)."""
+    mem, t, tr = result["memory_bytes"], result["time_s"], result["traffic"]["bytes"]
+    lines = [f"setup: {result['setup']}"]
+    lines += [f"memory per rank  {k:22s} {v / 2**20:12.1f} MiB" for k, v in mem.items()]
+    for level, ops in tr.items():
+        lines += [f"bytes per step   {level:13s} {op:14s} {v / 2**20:12.1f} MiB" for op, v in ops.items()]
+    lines += [f"time             {k:22s} {v:12.4f} s" for k, v in t.items()]
+    return "\n".join(lines)
+
+
+def probe(comm, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats: int = 5) -> dict:
+    """alpha and bandwidth of Allgather and Reduce_scatter on `comm` (collective), from the median
+    time at several sizes fitted to t = hops * alpha + bytes moved / bandwidth."""
+    if comm.size == 1:
+        return {}
+    fits = {}
+    for op in ("all_gather", "reduce_scatter"):
+        rows = [(comm.size - 1, (comm.size - 1) * n, _median_seconds(comm, op, n, repeats)) for n in sizes]
+        hops, moved, seconds = (np.array(c, dtype=float) for c in zip(*rows))
+        (alpha, inverse_bw), *_ = np.linalg.lstsq(np.stack([hops, moved], axis=1), seconds, rcond=None)
+        fits[op] = {"alpha": max(float(alpha), 0.0), "bandwidth": 1.0 / max(float(inverse_bw), 1e-15)}
+    return fits
+
+
+def _median_seconds(comm, op: str, nbytes: int, repeats: int) -> float:
+    shard = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    full = np.empty(shard.size * comm.size, dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        if op == "all_gather":
+            comm.all_gather(shard, full, phase="probe")
+        else:
+            comm.reduce_scatter(full, shard, phase="probe")
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def gemm_flops(repeats: int = 3, n: int = 1024) -> float:
+    """This process's fp32 GEMM rate (FLOP/s), for --probe: the compute side of a step."""
+    a = np.ones((n, n), dtype=np.float32)
+    a @ a  # warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def flops_per_step(model, block_size: int, tokens: int, checkpoint: bool = False) -> float:
+    """Training FLOPs of `tokens` tokens (GPT.flops_per_token); checkpointing adds one forward (1/3)."""
+    per_token = model.flops_per_token(block_size)
+    return per_token * tokens * (4 / 3 if checkpoint else 1)
+
+
+# -- the command line: python -m mpifsdp plan ----------------------------------------------------------
+
+
+def add_arguments(parser):
+    parser.add_argument("--gpt", nargs="*", default=[], metavar="KEY=VALUE", help="GPTConfig fields")
+    parser.add_argument("--world", type=int, default=0, help="ranks (default: this job's size)")
+    parser.add_argument("--ranks-per-node", type=int, default=0, help="default: this job's")
+    parser.add_argument("--shard-size", default="", help="HSDP group size, or 'node' (default: every rank)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--no-sync", action="store_true", help="accumulate unreduced (no_sync)")
+    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    parser.add_argument("--dtype", default="float32", help="shards, gradient shards, optimizer state")
+    parser.add_argument("--compute-bytes", type=int, default=0, help="per gathered element (2: bfloat16)")
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--intra", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S inside a node")
+    parser.add_argument("--inter", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S between nodes")
+    parser.add_argument("--flops", type=float, default=0.0, help="FLOP/s per rank")
+    parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
+    parser.add_argument("--probe", action="store_true", help="measure links and FLOP/s on this job first")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def run_cli(args) -> int:
+    import json
+
+    from mpifsdp.models import GPTConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    values = dict(item.split("=", 1) for item in args.gpt)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"--gpt: unknown fields {unknown}; GPTConfig has {sorted(fields)}")
+    config = GPTConfig(**{k: _parse(fields[k], v) for k, v in values.items()})
+    intra, inter = (Link(*map(float, spec.split(","))) for spec in (args.intra, args.inter))
+    world, per_node, flops, measured, rank = args.world, args.ranks_per_node, args.flops, {}, 0
+    if args.probe or not (world and per_node):
+        from .comm import Comm
+
+        comm = Comm()
+        world, per_node, rank = world or comm.size, per_node or comm.node_size, comm.rank
+        if args.probe:
+            measured = probe(comm)
+            if "all_gather" in measured:  # one machine here: both levels are its links
+                intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
+            flops = gemm_flops()
+            measured["flops"] = flops
+    shard_size = (
+        per_node if args.shard_size == "node" else (int(args.shard_size) if args.shard_size else None)
+    )
+    units, model = gpt_units(config)
+    itemsize = np.dtype(args.dtype).itemsize
+    tokens = args.grad_accum * args.batch * config.block_size
+    wire = args.compute_bytes or itemsize
+    result = plan(
+        units, world, shard_size=shard_size, ranks_per_node=per_node, itemsize=itemsize,
+        compute_itemsize=wire,
+        prefetch=args.prefetch, reshard_after_forward=not args.keep_gathered, grad_accum=args.grad_accum,
+        no_sync=args.no_sync, flops=flops, intra=intra, inter=inter,
+        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.checkpoint),
+        flops_per_step=flops_per_step(model, config.block_size, tokens, args.checkpoint),
+    )  # fmt: skip
+    result["setup"]["gpt"] = dataclasses.asdict(config)
+    if measured:
+        result["probe"] = measured
+    if args.memory:
+        result["fits"] = result["memory_bytes"]["total"] <= args.memory
+    if rank == 0:
+        print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+def _parse(kind, text: str):
+    """A GPTConfig field's value from its text (its annotations are strings: postponed evaluation)."""
+    kind = getattr(kind, "__name__", kind)
+    if kind == "bool":
+        return text.lower() in ("1", "true", "yes")
+    return float(text) if kind == "float" else int(text)

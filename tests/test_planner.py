@@ -1,0 +1,123 @@
+"""The planner predicts what the runtime's ledgers count, exactly (the same formulas), at N = 1..4:
+shard, gradient and optimizer bytes, the gathered peaks, every unit collective's elements per level,
+and the activation bytes the tape keeps."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpifsdp import AdamW, fully_shard, sharded_model
+from mpifsdp.autodiff import graph_nbytes
+from mpifsdp.data import rank_slice
+from mpifsdp.models import GPT, GPTConfig
+from mpifsdp.planner import Link, gpt_activation_bytes, gpt_units, plan
+
+CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10, tie_weights=False)
+ROWS = 4  # sequences per rank per micro-batch
+
+
+def _batch(step, comm):
+    rng = np.random.default_rng(step)
+    x = rng.integers(0, 37, (ROWS * comm.size, 8))
+    return rank_slice(x, comm.rank, comm.size), rank_slice(np.roll(x, 1, axis=1), comm.rank, comm.size)
+
+
+def _run(comm, shard_size, prefetch, keep, grad_accum, no_sync):
+    model = GPT(CFG, seed=0, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks, prefetch=prefetch, reshard_after_forward=not keep,
+                shard_size=shard_size)  # fmt: skip
+    sharded = sharded_model(model)
+    opt = AdamW(model, lr=1e-3)
+    for step in range(2):
+        for level in sharded._levels():
+            level.ledger.reset()
+        for j in range(grad_accum):
+            sharded.set_requires_gradient_sync(not no_sync or j == grad_accum - 1)
+            model(*_batch(10 * step + j, comm)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, sharded
+
+
+def _measured_traffic(sharded):
+    names = [u.name for u in sharded.units]
+
+    def total(ledger, op):
+        return sum(ledger.total("elements", unit=n, op=op) for n in names)
+
+    across = sharded.replicas.ledger if sharded.replicas is not None else None
+    return {
+        "in_group": {op: total(sharded.shard_comm.ledger, op) for op in ("all_gather", "reduce_scatter")},
+        "across_groups": {"all_reduce": total(across, "all_reduce") if across else 0},
+    }
+
+
+SETUPS = [  # (shard_size or None, prefetch, keep gathered, grad_accum, no_sync)
+    (None, 0, False, 1, False),
+    (None, 1, False, 1, False),
+    (None, 2, True, 1, False),
+    (None, 1, False, 2, False),
+    (None, 1, False, 3, True),
+    ("half", 1, False, 1, False),
+    ("one", 1, True, 2, True),
+]
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=str)
+def test_predictions_equal_the_ledgers(comm, setup):
+    shard, prefetch, keep, grad_accum, no_sync = setup
+    size = {"half": max(1, comm.size // 2), "one": 1, None: None}[shard]
+    if size is not None and comm.size % size:
+        pytest.skip(f"{comm.size} ranks do not split into groups of {size}")
+    model, sharded = _run(comm, size, prefetch, keep, grad_accum, no_sync)
+    units, _ = gpt_units(CFG)
+    want = plan(units, comm.size, shard_size=size, itemsize=8, prefetch=prefetch,
+                reshard_after_forward=not keep, grad_accum=grad_accum, no_sync=no_sync)  # fmt: skip
+    ledger, memory = sharded.ledger, want["memory_bytes"]
+    got = {
+        "param_shards": ledger.current["param_shard"],
+        "grad_shards": ledger.current["grad_shard"],
+        "optimizer": ledger.current["optim_state"],
+        "gathered_params_peak": ledger.peak["gathered_params"],
+        "gathered_grads_peak": ledger.peak["gathered_grads"],
+    }
+    assert got == {k: memory[k] for k in got}
+    assert _measured_traffic(sharded) == want["traffic"]["elements"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("block_size", [8, 300])  # 300: the blocked attention keeps a log-sum-exp
+def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
+    cfg = GPTConfig(vocab_size=37, block_size=block_size, n_layer=2, n_head=2, n_embd=8)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks, checkpoint=checkpoint)
+    x = np.zeros((2 * comm.size, block_size), dtype=np.int64)
+    x, y = rank_slice(x, comm.rank, comm.size), rank_slice(x, comm.rank, comm.size)
+    assert graph_nbytes(model(x, y)) == gpt_activation_bytes(cfg, 2, 8, checkpoint)
+
+
+def test_time_model_and_the_command_line(tmp_path):
+    units, _ = gpt_units(CFG)
+    slow = plan(units, 8, ranks_per_node=4, flops=1e9, flops_per_step=1e9, inter=Link(1e-3, 1e6))
+    fast = plan(units, 8, ranks_per_node=4, flops=1e9, flops_per_step=1e9, inter=Link(1e-6, 1e12))
+    hybrid = plan(
+        units, 8, ranks_per_node=4, shard_size=4, flops=1e9, flops_per_step=1e9, inter=Link(1e-3, 1e6)
+    )
+    assert fast["time_s"]["step"] == pytest.approx(1.0, rel=0.01)  # compute-bound
+    assert slow["time_s"]["step"] > fast["time_s"]["step"]
+    assert hybrid["traffic"]["bytes"]["across_groups"]["all_reduce"] > 0
+    assert hybrid["time_s"]["comm_in_group"] < slow["time_s"]["comm_in_group"]  # fast links inside a node
+    out = subprocess.run(
+        [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "n_layer=2", "n_embd=64", "--world", "4",
+         "--ranks-per-node", "2", "--shard-size", "node", "--json"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    result = json.loads(out)
+    assert result["setup"]["shard_size"] == 2 and result["setup"]["replicas"] == 2
+    bad = subprocess.run(
+        [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "bogus=1"], capture_output=True, text=True
+    )
+    assert bad.returncode == 1 and "unknown fields ['bogus']" in bad.stderr
