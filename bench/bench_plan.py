@@ -1,7 +1,8 @@
 """The planner's predicted step time vs the measured step, after probing this machine, at N = 1, 2, 4.
 
 For each N, one mpiexec job: every rank probes (Allgather and Reduce_scatter alpha and bandwidth,
-its GEMM FLOP rate, all ranks at once so shared cores are shared as in training), plans the peer
+the FLOP rate of one transformer block's forward and backward, all ranks at once so shared cores are
+shared as in training), plans the peer
 config, then trains it and measures the median step. One JSON line per N, then a summary.
     python bench/bench_plan.py [--sizes 1,2,4] [--steps 3]
 """
@@ -33,8 +34,8 @@ def worker(steps: int):
     link = (
         planner.Link(fits["all_gather"]["alpha"], fits["all_gather"]["bandwidth"]) if fits else planner.Link()
     )
-    flops = planner.gemm_flops()
     config = gpt_config(PEER)
+    flops = planner.block_flops(config, PEER["batch_size"])  # all ranks at once: shared cores shared
     units, shapes = planner.gpt_units(config)
     tokens = PEER["batch_size"] * PEER["block_size"]
     predicted = planner.plan(
@@ -61,7 +62,8 @@ def worker(steps: int):
         line = {
             "world_size": comm.size, "predicted_step_s": round(step, 3),
             "measured_step_s": round(measured, 3),
-            "predicted_vs_measured": round(step / measured, 3), "gemm_gflops_per_rank": round(flops / 1e9, 1),
+            "predicted_vs_measured": round(step / measured, 3),
+            "block_gflops_per_rank": round(flops / 1e9, 1),
             "probe": fits, "predicted": predicted["time_s"],
         }  # fmt: skip
         print(json.dumps(line), flush=True)

@@ -250,6 +250,26 @@ def gemm_flops(repeats: int = 3, n: int = 1024) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
+def block_flops(config, batch: int, repeats: int = 2) -> float:
+    """The FLOP rate one transformer block's forward and backward achieves here (training FLOPs per
+    second, as flops_per_token counts them): what a step runs at, elementwise passes and all, where
+    gemm_flops is only its GEMMs' ceiling. For --probe; builds one block of the config's width."""
+    from .autodiff import Tensor
+    from .layers import Block
+
+    rng = np.random.default_rng(0)
+    block = Block(config.n_embd, config.n_head, rng=rng, dtype=np.float32, device="cpu")
+    x = Tensor(rng.standard_normal((batch, config.block_size, config.n_embd), dtype=np.float32), True)
+    params = sum(p.size for p in block.parameters())
+    tokens = batch * config.block_size
+    work = (6 * params + 12 * config.n_embd * config.block_size) * tokens
+    (block(x) * 1.0).sum().backward()  # warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        (block(x) * 1.0).sum().backward()
+    return work * repeats / (time.perf_counter() - start)
+
+
 def flops_per_step(model, block_size: int, tokens: int, checkpoint: bool = False) -> float:
     """Training FLOPs of `tokens` tokens (GPT.flops_per_token); checkpointing adds one forward (1/3)."""
     per_token = model.flops_per_token(block_size)
@@ -302,8 +322,9 @@ def run_cli(args) -> int:
             measured = probe(comm)
             if "all_gather" in measured:  # one machine here: both levels are its links
                 intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
-            flops = gemm_flops()
+            flops = block_flops(config, args.batch)
             measured["flops"] = flops
+            measured["gemm_flops"] = gemm_flops()
     shard_size = (
         per_node if args.shard_size == "node" else (int(args.shard_size) if args.shard_size else None)
     )

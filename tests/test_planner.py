@@ -13,7 +13,7 @@ from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff import graph_nbytes
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
-from mpifsdp.planner import Link, gpt_activation_bytes, gpt_units, plan
+from mpifsdp.planner import Link, block_flops, gpt_activation_bytes, gpt_units, plan
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10, tie_weights=False)
 ROWS = 4  # sequences per rank per micro-batch
@@ -117,6 +117,7 @@ def test_time_model_and_the_command_line(tmp_path):
     ).stdout  # fmt: skip
     result = json.loads(out)
     assert result["setup"]["shard_size"] == 2 and result["setup"]["replicas"] == 2
+    assert 0 < block_flops(CFG, 2, repeats=1) < float("inf")  # what --probe takes as the compute rate
     bad = subprocess.run(
         [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "bogus=1"], capture_output=True, text=True
     )
