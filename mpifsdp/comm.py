@@ -197,13 +197,18 @@ class Comm:
         """A sum: callers divide by size for a mean."""
         self.wait(self.ireduce_scatter(full, shard, unit=unit, phase=phase))
 
-    def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
-        """In-place sum over ranks."""
+    def iall_reduce(self, array, *, unit: str = "", phase: str = "other"):
+        """Start the in-place sum over ranks of a contiguous array; returns a request (see wait)."""
         self._announce(unit, phase, "all_reduce", array.size, array.dtype)
-        self.wait(self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM))
+        request = self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
         self.ledger.record(
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
         )
+        return request
+
+    def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
+        """In-place sum over ranks."""
+        self.wait(self.iall_reduce(array, unit=unit, phase=phase))
 
     def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:
         """The sum over ranks of one float. `what` names its purpose in the collective's fingerprint, so

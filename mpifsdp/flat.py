@@ -1,5 +1,6 @@
-"""FlatLayout: where each named tensor of a unit lives in one flat, padded vector (pure metadata), and
-agreed_layout: the collective check that every rank built the same one from the same values.
+"""FlatLayout: where each named tensor of a unit lives in one flat, padded vector (pure metadata);
+agreed_layout: the collective check that every rank built the same one from the same values; and
+UnshardedParams: name -> view of a gathered vector, refused once the block that gathered it ended.
 
 The flat vector has padded_numel = ceil(numel / N) * N elements so it splits into N equal shards;
 rank r owns [r * shard_numel, (r + 1) * shard_numel). The padding tail is never part of a tensor.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,3 +157,31 @@ def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> F
         )
     comm.raise_if_any(error and f"unit {name!r} {error}", f"creating unit {name!r}")
     return layout
+
+
+class UnshardedParams(Mapping):
+    """name -> full parameter array, valid only inside `Unit.unsharded()`: after the block the
+    parameters may have changed (an optimizer step), so access is refused rather than stale."""
+
+    def __init__(self, unit: str, views: dict):
+        self._unit, self._views = unit, views
+
+    def close(self):
+        self._views = None
+
+    def _open(self) -> dict:
+        if self._views is None:
+            raise RuntimeError(
+                f"unit {self._unit!r}: its parameters were used after its `unsharded()` block, where "
+                "they may be stale; use them inside the block (keep the arrays you need from it)"
+            )
+        return self._views
+
+    def __getitem__(self, name):
+        return self._open()[name]
+
+    def __iter__(self):
+        return iter(self._open())
+
+    def __len__(self):
+        return len(self._open())

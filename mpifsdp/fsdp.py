@@ -190,9 +190,14 @@ class ShardedModel:
         self._start_gathers(self._backward_order[: self.prefetch_depth], "backward")
 
     def reducing(self, unit: Unit):
-        """A unit started its reduce-scatter: finish older ones beyond the number left in flight."""
+        """A unit started its reduce-scatter: finish older ones beyond the number left in flight.
+        With HSDP the older ones move on to their all-reduce across groups first, which then runs
+        while this unit's reduce-scatter and the next unit's backward do (twice as many in flight)."""
         self._reduces.append(unit)
-        self._finish_reduces(keep=self._max_reducing)
+        older = list(self._reduces)[: -self._max_reducing]
+        for waiting in older:
+            waiting.advance_reduce_grad()
+        self._finish_reduces(keep=self._max_reducing * (2 if self.replicas is not None else 1))
 
     def _finish_reduces(self, keep: int):
         while len(self._reduces) > keep:

@@ -156,12 +156,14 @@ def plan(
     comm_group += reductions * sum(gather_s(p) for p, t in zip(padded, trainable) if t)
     comm_across = reductions * sum(all_reduce_s(p) for p, t in zip(padded, trainable) if t)
     compute = flops_per_step / flops if flops else 0.0
-    # Overlap: each unit's gathers and reduce-scatter run while other units compute, except the first
-    # unit's gather of each micro-batch and the last reduce-scatter of a step; the runtime runs the
-    # cross-group all-reduce blocking (docs/design.md, Hybrid sharding), so all of it is exposed.
+    # Overlap: each unit's gathers, reduce-scatter and all-reduce across groups run while other units
+    # compute, except the first unit's gather of each micro-batch and the last reduction of a step.
     largest_unit = max(padded, default=0)
-    fixed = grad_accum * gather_s(largest_unit) + reductions * gather_s(largest_unit)
-    exposed = min(fixed, comm_group) + comm_across + max(0.0, comm_group - fixed - compute)
+    fixed = grad_accum * gather_s(largest_unit) + reductions * (
+        gather_s(largest_unit) + all_reduce_s(largest_unit)
+    )
+    total = comm_group + comm_across
+    exposed = min(fixed, total) + max(0.0, total - fixed - compute)
     seconds = {
         "compute": compute,
         "comm_in_group": comm_group,

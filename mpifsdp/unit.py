@@ -18,42 +18,26 @@ buffer is allocated per step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import dataclasses
 
 import numpy as np
 
 from .accounting import MemoryLedger
 from .backend import array_module_of, to_numpy
-from .flat import agreed_layout
+from .flat import UnshardedParams, agreed_layout
 from .pool import BufferPool
 
 
-class UnshardedParams(Mapping):
-    """name -> full parameter array, valid only inside `Unit.unsharded()`: after the block the
-    parameters may have changed (an optimizer step), so access is refused rather than stale."""
+@dataclasses.dataclass
+class _Reduction:
+    """A gradient reduction in flight: the reduce-scatter inside the group (source still held), then,
+    with HSDP, the all-reduce of `receive` across the groups (source None)."""
 
-    def __init__(self, unit: str, views: dict):
-        self._unit, self._views = unit, views
-
-    def close(self):
-        self._views = None
-
-    def _open(self) -> dict:
-        if self._views is None:
-            raise RuntimeError(
-                f"unit {self._unit!r}: its parameters were used after its `unsharded()` block, where "
-                "they may be stale; use them inside the block (keep the arrays you need from it)"
-            )
-        return self._views
-
-    def __getitem__(self, name):
-        return self._open()[name]
-
-    def __iter__(self):
-        return iter(self._open())
-
-    def __len__(self):
-        return len(self._open())
+    request: object
+    receive: object
+    source: object
+    divisor: float
+    phase: str
 
 
 class Unit:
@@ -111,7 +95,7 @@ class Unit:
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
-        self._reducing = None  # (request, receive, send buffer, divisor, phase) of a reduce-scatter
+        self._reducing: _Reduction | None = None  # a reduction in flight
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -289,7 +273,19 @@ class Unit:
                 if self.replicas is not None:
                     divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
-        self._reducing = (request, receive, source, divisor, phase)
+        self._reducing = _Reduction(request, receive, source, divisor, phase)
+
+    def advance_reduce_grad(self):
+        """HSDP: once the reduce-scatter inside the group is done, start the all-reduce of the
+        gradient shard across the groups without waiting for it (the sharded model calls this when the
+        next unit's reduce-scatter starts, so it overlaps that unit's backward). A no-op otherwise."""
+        r = self._reducing
+        if r is None or self.replicas is None or r.source is None:
+            return
+        self.comm.wait(r.request)
+        self._give("gathered_grads", r.source)
+        r.source = None  # across the groups now: the group's sums, summed over the groups
+        r.request = self.replicas.iall_reduce(r.receive, unit=self.name, phase=r.phase)
 
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
@@ -298,20 +294,20 @@ class Unit:
         dividing by N gives the gradient of the global-batch mean when every rank's loss is its share
         of that mean (equal batches; losses that divide by the global count, ops.mean_over_ranks).
         """
-        if self._reducing is None:
+        self.advance_reduce_grad()  # HSDP: the reduce-scatter done, the all-reduce across groups started
+        r = self._reducing
+        if r is None:
             return
-        request, receive, source, divisor, phase = self._reducing
         self._reducing = None
-        self.comm.wait(request)
-        if self.replicas is not None:  # HSDP: the group's sums, summed over the groups
-            self.replicas.all_reduce(receive, unit=self.name, phase=phase)
-        if divisor != 1:
-            receive /= divisor
-        if receive is not self.grad_shard:
-            self.grad_shard += receive
-            self._give("gathered_grads", receive)
+        (self.comm if r.source is not None else self.replicas).wait(r.request)
+        if r.source is not None:
+            self._give("gathered_grads", r.source)
+        if r.divisor != 1:
+            r.receive /= r.divisor
+        if r.receive is not self.grad_shard:
+            self.grad_shard += r.receive
+            self._give("gathered_grads", r.receive)
         self.has_grad = True
-        self._give("gathered_grads", source)
 
     def reduce_grad(self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce="mean"):
         """Reduce-scatter the gradients now: grad_shard += the mean (or, weighted, the weighted mean;

@@ -112,3 +112,21 @@ def test_node_groups_and_bad_sizes(comm, monkeypatch):
     model, _ = _hsdp(Comm(threads=None), "node")
     sharded = sharded_model(model)
     assert sharded.shard_comm.size == 1 and (sharded.replicas.size if comm.size > 1 else 1) == comm.size
+
+
+def test_the_all_reduce_across_groups_overlaps_the_next_units_backward(comm, monkeypatch):
+    """When a unit's reduce-scatter starts, the previous unit's all-reduce across groups is already
+    in flight (started, not waited for): both levels overlap backward compute."""
+    if comm.size == 1:
+        pytest.skip("one rank: no groups to reduce across")
+    model, _ = _hsdp(comm, 1)
+    sharded = sharded_model(model)
+    seen, reducing = [], type(sharded).reducing
+
+    def watch(self, unit):
+        reducing(self, unit)
+        seen.append(sorted(("across" if u._reducing.source is None else "in group") for u in self._reduces))
+
+    monkeypatch.setattr(type(sharded), "reducing", watch)
+    model(*(rank_slice(a, comm.rank, comm.size) for a in _batch(0))).backward()
+    assert ["across", "in group"] in seen, seen
