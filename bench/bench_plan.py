@@ -3,7 +3,8 @@
 For each N, one mpiexec job: every rank probes (Allgather and Reduce_scatter alpha and bandwidth,
 the FLOP rate of one transformer block's forward and backward, all ranks at once so shared cores are
 shared as in training), plans the peer
-config, then trains it and measures the median step. One JSON line per N, then a summary.
+config, then trains it and measures the median step and the peak RSS (against the plan's memory
+plus the interpreter's own). One JSON line per N, then a summary.
     python bench/bench_plan.py [--sizes 1,2,4] [--steps 3]
 """
 
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PEER, gpt_config, random_batch, train_step  # noqa: E402
+from common import PEER, current_rss_mib, gpt_config, peak_rss_mib, random_batch, train_step  # noqa: E402
 
 
 def worker(steps: int):
@@ -30,6 +31,7 @@ def worker(steps: int):
     from mpifsdp.models import GPT
 
     comm = mpifsdp.Comm()
+    baseline = current_rss_mib()  # the interpreter, NumPy, MPI: what no plan of the model counts
     fits = planner.probe(comm)
     link = (
         planner.Link(fits["all_gather"]["alpha"], fits["all_gather"]["bandwidth"]) if fits else planner.Link()
@@ -56,15 +58,18 @@ def worker(steps: int):
         train_step(model, opt, x, y)
         if i:
             times.append(max(comm.allgather_object(time.perf_counter() - start)))
+    rss = max(comm.allgather_object(peak_rss_mib()))
     if comm.rank == 0:
         measured = float(np.median(times))
+        memory = baseline + predicted["memory_bytes"]["total"] / 2**20
         step = predicted["time_s"]["step"]
         line = {
             "world_size": comm.size, "predicted_step_s": round(step, 3),
             "measured_step_s": round(measured, 3),
             "predicted_vs_measured": round(step / measured, 3),
             "block_gflops_per_rank": round(flops / 1e9, 1),
-            "probe": fits, "predicted": predicted["time_s"],
+            "predicted_rss_mib": round(memory, 1), "peak_rss_mib": round(rss, 1),
+            "rss_vs_predicted": round(rss / memory, 3), "probe": fits, "predicted": predicted["time_s"],
         }  # fmt: skip
         print(json.dumps(line), flush=True)
 
@@ -99,8 +104,8 @@ def main():
             raise SystemExit(f"N={n} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         line = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(line), flush=True)
-        ratios[f"N{n}"] = line["predicted_vs_measured"]
-    print(json.dumps({"bench": "plan", "predicted_vs_measured": ratios}))
+        ratios[f"N{n}"] = {k: line[k] for k in ("predicted_vs_measured", "rss_vs_predicted")}
+    print(json.dumps({"bench": "plan", **ratios}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ a checkpoint saved under one shape loads under any other, bit-identically.
 
 import numpy as np
 import pytest
-from test_checkpoint import shared_dir
+from test_checkpoint import shared_dir, sub_comm
 from tolerance import rel_err
 
 from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, sharded_model
@@ -130,3 +130,21 @@ def test_the_all_reduce_across_groups_overlaps_the_next_units_backward(comm, mon
     monkeypatch.setattr(type(sharded), "reducing", watch)
     model(*(rank_slice(a, comm.rank, comm.size) for a in _batch(0))).backward()
     assert ["across", "in group"] in seen, seen
+
+
+def test_a_checkpoint_saved_under_hsdp_loads_at_another_world_size(comm, tmp_path):
+    if comm.size < 4:
+        pytest.skip("saves as 2 groups of 2 and loads on 2 ranks: needs 4")
+    root = shared_dir(comm, tmp_path)
+    model, opt = _hsdp(comm, 2)
+    _train(model, opt, comm, steps=2)
+    save(f"{root}/ck", model, opt)
+    want = full_state_dict(model)
+    smaller = sub_comm(2)  # collective over every rank; None outside ranks 0 and 1
+    if smaller is not None:
+        for shard_size in (1, 2):
+            other, other_opt = _hsdp(smaller, shard_size)
+            load(f"{root}/ck", other, other_opt)
+            got = full_state_dict(other)
+            assert all(np.array_equal(got[n], want[n]) for n in want), shard_size
+    comm.barrier()
