@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from common import (  # noqa: E402
     gpt_config,
     peak_rss_mib,
     random_batch,
+    run_json,
     train_step,
 )
 
@@ -113,16 +113,6 @@ def worker(args):
         )
 
 
-def run(cmd, threads):
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    line = result.stdout.strip().splitlines()[-1]
-    print(line, flush=True)
-    return json.loads(line)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     add_config_arguments(ap)
@@ -146,9 +136,9 @@ def main():
     final = {"bench": "fsdp", "config": args.config, "set": args.set, "cores": cores, "torch": with_torch}
     for n in map(int, args.sizes.split(",")):
         threads = max(1, cores // n)
-        ours = run([mpiexec, "-n", str(n), *me], threads)
-        local = run([mpiexec, "-n", str(n), *me, "--local-comm"], threads)
-        single = run([*me, "--unsharded", "--ranks-equivalent", str(n)], cores)
+        ours = run_json([mpiexec, "-n", str(n), *me], threads)
+        local = run_json([mpiexec, "-n", str(n), *me, "--local-comm"], threads)
+        single = run_json([*me, "--unsharded", "--ranks-equivalent", str(n)], cores)
         summary = {
             "world_size": n,
             "step_vs_single": round(ours["step_s"] / single["step_s"], 3),
@@ -162,7 +152,7 @@ def main():
                 *config_arguments(args),
             ]
             torch_cmd += ["--steps", str(args.steps), "--port", str(random.randint(20000, 40000))]
-            torch = run([mpiexec, "-n", str(n), *torch_cmd], threads)
+            torch = run_json([mpiexec, "-n", str(n), *torch_cmd], threads)
             summary["tokens_per_s_vs_torch"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
             summary["peak_rss_vs_torch"] = round(
                 ours["peak_rss_mib_per_rank"] / torch["peak_rss_mib_per_rank"], 3

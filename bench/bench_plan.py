@@ -13,13 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PEER, current_rss_mib, gpt_config, peak_rss_mib, random_batch, train_step  # noqa: E402
+from common import (  # noqa: E402
+    PEER,
+    current_rss_mib,
+    gpt_config,
+    peak_rss_mib,
+    random_batch,
+    run_json,
+    train_step,
+)
 
 
 def worker(steps: int):
@@ -82,28 +89,11 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker(args.steps)
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    mpiexec = Path(sys.executable).parent / "mpiexec"
     ratios = {}
     for n in map(int, args.sizes.split(",")):
-        threads = str(max(1, (os.cpu_count() or 1) // n))
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
-        cmd = [
-            mpiexec,
-            "-n",
-            str(n),
-            sys.executable,
-            "-m",
-            "mpi4py",
-            __file__,
-            "--worker",
-            "--steps",
-            str(args.steps),
-        ]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"N={n} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        line = json.loads(done.stdout.strip().splitlines()[-1])
-        print(json.dumps(line), flush=True)
+        cmd = [mpiexec, "-n", n, sys.executable, "-m", "mpi4py", __file__, "--worker", "--steps", args.steps]
+        line = run_json(cmd, max(1, (os.cpu_count() or 1) // n))
         ratios[f"N{n}"] = {k: line[k] for k in ("predicted_vs_measured", "rss_vs_predicted")}
     print(json.dumps({"bench": "plan", **ratios}))
 

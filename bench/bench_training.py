@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PEER, gpt_config, peak_rss_mib, random_batch  # noqa: E402
+from common import PEER, gpt_config, peak_rss_mib, random_batch, run_json  # noqa: E402
 
 
 def measure(args):
@@ -89,16 +88,9 @@ def launch(run: dict, steps: int) -> dict:
     flags = ["--block-size", run["block_size"], "--micro-batch", run["micro_batch"]]
     flags += ["--grad-accum", run.get("grad_accum", 1), "--accum-sync", run.get("accum_sync", "reduce")]
     flags += ["--steps", steps] + (["--checkpoint"] if run.get("checkpoint") else [])
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--worker", *map(str, flags)]
-    threads = str(max(1, (os.cpu_count() or 1) // ranks))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    line = done.stdout.strip().splitlines()[-1]
-    print(line, flush=True)
-    return json.loads(line)
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [mpiexec, "-n", ranks, sys.executable, "-m", "mpi4py", __file__, "--worker", *flags]
+    return run_json(cmd, max(1, (os.cpu_count() or 1) // ranks))
 
 
 def main():

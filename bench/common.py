@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -113,3 +115,14 @@ def blas_kernel() -> str:
 
     info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     return f"{info[0].get('internal_api')}/{info[0].get('architecture')}" if info else "unknown"
+
+
+def run_json(cmd, threads: int) -> dict:
+    """Run a measurement with `threads` BLAS threads per process; print and return its last JSON line."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads)}
+    result = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    line = result.stdout.strip().splitlines()[-1]
+    print(line, flush=True)
+    return json.loads(line)
