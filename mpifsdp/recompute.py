@@ -5,7 +5,7 @@ fn returns) and records ONE node whose inputs are the Tensor arguments. That nod
 with recording on, then backward through the fresh graph: gradients reach the arguments (returned)
 and every Param fn used (accumulated into .grad as always). Memory: the function's activations exist
 only during its own backward, at the price of a second forward. `replay` makes the second run equal
-the first where fn draws random numbers (layers.checkpointed restores dropout's positions).
+the first where fn draws random numbers (layers.dropout_replay rewinds dropout's positions).
 
 Under FSDP (fully_shard(..., checkpoint=...)) the node is recorded inside its unit's scope, so the
 unit's parameters are gathered for backward before the re-run, as they would be anyway: no extra

@@ -69,11 +69,11 @@ class Unit:
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm, self.replicas = name, comm, replicas
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        levels = [c for c in (replicas, comm) if c is not None]
-        for level in levels:  # the same layout and values in every group too
-            self.layout = agreed_layout(name, named_arrays, level, dtype, check_values=not sync_values)
+        if replicas is not None:  # the same layout and values in every group too
+            agreed_layout(name, named_arrays, replicas, dtype, check_values=not sync_values)
+        self.layout = agreed_layout(name, named_arrays, comm, dtype, check_values=not sync_values)
         if sync_values:  # across groups first, then inside: every rank ends with world rank 0's values
-            for level in levels:
+            for level in (replicas, comm) if replicas is not None else (comm,):
                 named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
         self.param_dtype = np.dtype(param_dtype or self.layout.dtype)

@@ -10,7 +10,7 @@ import pytest
 from test_checkpoint import shared_dir, sub_comm
 from tolerance import rel_err
 
-from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, sharded_model
+from mpifsdp import AdamW, CollectiveError, Comm, full_state_dict, fully_shard, sharded_model
 from mpifsdp.checkpoint import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
@@ -148,3 +148,16 @@ def test_a_checkpoint_saved_under_hsdp_loads_at_another_world_size(comm, tmp_pat
             got = full_state_dict(other)
             assert all(np.array_equal(got[n], want[n]) for n in want), shard_size
     comm.barrier()
+
+
+def test_groups_built_from_different_values_are_refused_or_synced(comm):
+    """Each group checks its own ranks; across the groups the same shard must hold the same values."""
+    if comm.size == 1:
+        pytest.skip("one rank: nothing to differ")
+    with pytest.raises(CollectiveError, match="different parameter values"):
+        fully_shard(GPT(CFG, seed=comm.rank, dtype=np.float64), comm, shard_size=1)
+    model = GPT(CFG, seed=comm.rank, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks, shard_size=1, sync_params=True)
+    want = GPT(CFG, seed=0, dtype=np.float64).state_dict()  # world rank 0's values, everywhere
+    got = full_state_dict(model)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
