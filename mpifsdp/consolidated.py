@@ -40,9 +40,10 @@ _ST_ITEMSIZE = {
 }
 
 
-def _safetensors_header(entries) -> bytes:
-    """entries: [(name, dtype, shape)] in data order; returns the 8-byte length + JSON header."""
-    header, offset = {"__metadata__": {"format": "pt", "writer": "mpifsdp"}}, 0
+def _safetensors_header(entries, metadata: dict | None = None) -> bytes:
+    """entries: [(name, dtype, shape)] in data order; returns the 8-byte length + JSON header.
+    metadata: more string -> string entries for __metadata__ (e.g. the model's config)."""
+    header, offset = {"__metadata__": {"format": "pt", "writer": "mpifsdp", **(metadata or {})}}, 0
     for name, dtype, shape in entries:
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {

@@ -1,0 +1,47 @@
+"""A GPT exported as a Hugging Face GPT-2 directory (models/hf_gpt2.py) and loaded back. The logits
+against transformers itself are checked by bench/interop_torch.py where torch is installed."""
+
+import json
+
+import numpy as np
+import pytest
+from test_checkpoint import shared_dir
+
+from mpifsdp import fully_shard
+from mpifsdp.consolidated import read_safetensors_header
+from mpifsdp.models import GPT, GPTConfig
+from mpifsdp.models.hf_gpt2 import export_hf_gpt2, hf_name, load_hf_gpt2
+
+
+def _config(tie):
+    return GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8, tie_weights=tie)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_and_load_back(comm, tmp_path, tie):
+    root = shared_dir(comm, tmp_path)
+    plain = GPT(_config(tie), seed=1)
+    model = GPT(_config(tie), seed=1)
+    fully_shard(model, comm, units=model.blocks)  # the export gathers a sharded model
+    directory = export_hf_gpt2(f"{root}/hf", model)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["tie_word_embeddings"] is tie
+    assert (config["n_layer"], config["n_embd"], config["n_positions"]) == (2, 8, 16)
+    header, _ = read_safetensors_header(directory / "model.safetensors")
+    want = {hf_name(n): list(p.shape) for n, p in plain.named_parameters()}
+    if not tie:  # torch's nn.Linear orientation: (out, in)
+        want["lm_head.weight"] = [50, 8]
+    assert {n: e["shape"] for n, e in header.items()} == want
+    back = load_hf_gpt2(directory)
+    tokens = np.arange(12).reshape(2, 6) % 50
+    assert np.array_equal(back(tokens).data, plain(tokens).data)
+
+
+def test_the_config_travels_in_the_metadata_and_gpt2_needs_biases(tmp_path):
+    directory = export_hf_gpt2(tmp_path / "hf", GPT(_config(True), seed=1))
+    raw = (directory / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert json.loads(header["__metadata__"]["mpifsdp_gpt_config"])["n_embd"] == 8
+    no_bias = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=8, bias=False)
+    with pytest.raises(ValueError, match="biases"):
+        export_hf_gpt2(tmp_path / "nb", GPT(no_bias, seed=1))
