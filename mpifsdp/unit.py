@@ -41,6 +41,8 @@ class _Reduction:
 
 
 class Unit:
+    """One flat-sharded parameter group: this rank's shard, its gradient, gathers and reductions."""
+
     def __init__(
         self,
         name: str,

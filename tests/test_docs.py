@@ -40,3 +40,12 @@ def test_python_blocks_run_as_written(comm, tmp_path, document, ranks):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_every_public_name_is_in_the_api_reference():
+    import mpifsdp
+    import mpifsdp.extend
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [n for n in [*mpifsdp.__all__, *mpifsdp.extend.__all__] if f"### `{n}`" not in text]
+    assert not missing, f"docs/api.md lacks {missing}: add each with its signature and purpose"
