@@ -9,7 +9,7 @@ BIN     = $(VENV)/bin
 MPIRUN  = $(BIN)/mpiexec -n
 # One BLAS thread per rank in tests: ranks share the machine's cores.
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-PYTEST   = $(BIN)/python -m pytest -q
+PYTEST   = $(BIN)/python -m pytest -q --with-mpi
 
 .PHONY: install test train bench gpu-check lint format clean
 
@@ -27,7 +27,7 @@ test: install
 	$(TEST_ENV) $(PYTEST)
 	for n in 2 3 4; do \
 	  echo "== mpiexec -n $$n"; \
-	  $(TEST_ENV) timeout 900 $(MPIRUN) $$n $(BIN)/python -m mpi4py -m pytest -q || exit 1; \
+	  $(TEST_ENV) timeout 900 $(MPIRUN) $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi || exit 1; \
 	done
 
 # Two ranks, one BLAS thread each, on the stdlib corpus: about two minutes on 2 cores.

@@ -1,4 +1,5 @@
 import os
+import sys
 
 # Ranks share 2 cores here: one BLAS thread per process keeps mpiexec -n 4 from thrashing.
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -9,17 +10,41 @@ import pytest  # noqa: E402
 
 from mpifsdp.backend import array_module, gpu_available  # noqa: E402
 
+_CONFIG = None  # pytest's, for the abort below
+
 
 def pytest_configure(config):
     """Under mpiexec every rank runs pytest: give each its own temporary root, so that ranks do not
     race to clean up each other's directories (tests that need one shared directory use rank 0's)."""
     from mpi4py import MPI
 
+    global _CONFIG
+    _CONFIG = config
     world = MPI.COMM_WORLD
     if world.Get_size() > 1 and not config.option.basetemp:
         parent = f"/tmp/pytest-mpifsdp-{os.getuid()}"
         os.makedirs(parent, exist_ok=True)
         config.option.basetemp = f"{parent}/rank{world.Get_rank()}"
+
+
+def pytest_runtest_logreport(report):
+    """Under mpiexec, a test that failed on this rank ends the whole job, as `python -m mpi4py` does
+    for an exception: the other ranks may be waiting in a collective this rank will never join (a
+    failed assert between two collectives), and would otherwise hang until the watchdog fires. So
+    `mpiexec -n 4 python -m pytest --with-mpi` never hangs on a one-rank failure either."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if report.failed and world.Get_size() > 1:
+        capture = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
+        if capture is not None:  # the report must reach the terminal before the job ends
+            capture.suspend_global_capture(in_=True)
+        sys.stderr.write(
+            f"\n{report.longreprtext}\nmpifsdp tests: FAILED {report.nodeid} on rank {world.Get_rank()} "
+            f"(in {report.when}): aborting the job\n"
+        )
+        sys.stderr.flush()
+        world.Abort(1)
 
 
 @pytest.fixture(params=["cpu", "cuda"] if gpu_available() else ["cpu"])

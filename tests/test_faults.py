@@ -183,9 +183,8 @@ def test_a_nan_on_one_rank_is_seen_by_every_rank(comm, policy):
     assert opt.step() is True  # the next good step goes through
 
 
+@pytest.mark.mpi(min_size=2)
 def test_uneven_batches_are_refused_on_every_rank(comm):
-    if comm.size == 1:
-        pytest.skip("needs two ranks: runs under mpiexec in make test")
     model = GPT(CFG, seed=0)
     fully_shard(model, comm, units=model.blocks)
     rows = 3 if comm.rank == 0 else 2

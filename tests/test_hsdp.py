@@ -114,11 +114,10 @@ def test_node_groups_and_bad_sizes(comm, monkeypatch):
     assert sharded.shard_comm.size == 1 and (sharded.replicas.size if comm.size > 1 else 1) == comm.size
 
 
+@pytest.mark.mpi(min_size=2)
 def test_the_all_reduce_across_groups_overlaps_the_next_units_backward(comm, monkeypatch):
     """When a unit's reduce-scatter starts, the previous unit's all-reduce across groups is already
     in flight (started, not waited for): both levels overlap backward compute."""
-    if comm.size == 1:
-        pytest.skip("one rank: no groups to reduce across")
     model, _ = _hsdp(comm, 1)
     sharded = sharded_model(model)
     seen, reducing = [], type(sharded).reducing
@@ -132,9 +131,8 @@ def test_the_all_reduce_across_groups_overlaps_the_next_units_backward(comm, mon
     assert ["across", "in group"] in seen, seen
 
 
+@pytest.mark.mpi(min_size=4)
 def test_a_checkpoint_saved_under_hsdp_loads_at_another_world_size(comm, tmp_path):
-    if comm.size < 4:
-        pytest.skip("saves as 2 groups of 2 and loads on 2 ranks: needs 4")
     root = shared_dir(comm, tmp_path)
     model, opt = _hsdp(comm, 2)
     _train(model, opt, comm, steps=2)
@@ -150,10 +148,9 @@ def test_a_checkpoint_saved_under_hsdp_loads_at_another_world_size(comm, tmp_pat
     comm.barrier()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_groups_built_from_different_values_are_refused_or_synced(comm):
     """Each group checks its own ranks; across the groups the same shard must hold the same values."""
-    if comm.size == 1:
-        pytest.skip("one rank: nothing to differ")
     with pytest.raises(CollectiveError, match="different parameter values"):
         fully_shard(GPT(CFG, seed=comm.rank, dtype=np.float64), comm, shard_size=1)
     model = GPT(CFG, seed=comm.rank, dtype=np.float64)

@@ -66,9 +66,8 @@ def test_the_mlp_checks_its_inputs_too():
         model(np.ones((2, 3), np.float32), np.array([0, 2]))
 
 
+@pytest.mark.mpi(min_size=2)
 def test_ranks_built_from_different_seeds_are_refused_or_synced(comm):
-    if comm.size == 1:
-        pytest.skip("needs two ranks: runs under mpiexec in make test")
     with pytest.raises(CollectiveError, match="starts from different parameter values on different ranks"):
         fully_shard(GPT(CFG, seed=comm.rank), comm, units=[])
     model = fully_shard(GPT(CFG, seed=comm.rank), comm, units=[], sync_params=True)
@@ -77,18 +76,16 @@ def test_ranks_built_from_different_seeds_are_refused_or_synced(comm):
     assert all(np.array_equal(got[k], want[k]) for k in want)  # everyone has rank 0's values
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_configuration_that_differs_without_changing_shapes_is_refused(comm):
-    if comm.size == 1:
-        pytest.skip("needs two ranks: runs under mpiexec in make test")
     heads = 4 if comm.rank == 0 else 2  # n_embd 8 divides either way: no shape changes
     config = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=heads, n_embd=8)
     with pytest.raises(CollectiveError, match="configuration differs between ranks.*n_head"):
         fully_shard(GPT(config, seed=0), comm, units=[])
 
 
+@pytest.mark.mpi(min_size=2)
 def test_clipping_on_one_rank_only_is_caught_at_the_step(comm):
-    if comm.size == 1:
-        pytest.skip("needs two ranks: runs under mpiexec in make test")
     model = fully_shard(GPT(CFG, seed=0), comm, units=[])
     opt = AdamW(model, lr=1e-3)
     model(GOOD, GOOD).backward()
@@ -177,10 +174,9 @@ def test_a_loss_scaler_that_keeps_skipping_says_so(comm):
         opt.zero_grad()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_units_used_in_another_order_on_one_rank_are_caught_at_the_step(comm):
     """The framework-free path gets the same per-step check: AdamW.step compares the schedules."""
-    if comm.size == 1:
-        pytest.skip("needs two ranks: runs under mpiexec in make test")
     from mpifsdp import Unit
 
     a, b = Unit("a", {"w": np.ones(6)}, comm), Unit("b", {"w2": np.ones(6)}, comm)  # equal sizes

@@ -27,15 +27,18 @@ def test_switching_a_mechanism_off_fails_its_test(comm, name):
     mutant = MUTANTS[name]
     pythonpath = os.pathsep.join(filter(None, [str(TESTS / "mutants"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath, "MPIFSDP_MUTANT": name, "MPIFSDP_TIMEOUT": "10"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *mutant.tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", *mutant.tests]
     if mutant.ranks > 1:
         command = [mpiexec(), "-n", str(mutant.ranks), sys.executable, "-m", "mpi4py", *command[1:]]
     result = subprocess.run(command, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
-    # Caught: tests failed (or, under mpiexec, the watchdog ended the job). Not caught: exit 0, or a
+    # Caught: tests failed (under mpiexec, a failed test aborts the job: conftest.py; or the watchdog
+    # ended it). Not caught: exit 0, or a
     # run that proves nothing (exit 2, 4, 5: interrupted, usage error, no tests collected; errors
     # in setup or collection).
-    caught = result.returncode not in (0, 2, 4, 5) and re.search(r"\d+ failed|mpifsdp watchdog", output)
+    caught = result.returncode not in (0, 2, 4, 5) and re.search(
+        r"\d+ failed|mpifsdp watchdog|mpifsdp tests: FAILED", output
+    )
     assert caught and not re.search(r"\d+ errors? in ", output), (
         f"with the {mutant.mechanism} switched off, {mutant.tests} did not fail (exit {result.returncode}):\n"
         + output[-3000:]

@@ -99,10 +99,9 @@ def test_unit_errors(comm):
         Unit("mixed", {"a": np.zeros(2, np.float32), "b": np.zeros(2)}, comm)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_layouts_that_differ_between_ranks_raise_everywhere(comm):
     shape = (3, 2) if comm.rank == 0 else (2, 3)
-    if comm.size == 1:
-        pytest.skip("needs two ranks to differ: runs under mpiexec -n 2..4 in make test")
     with pytest.raises(CollectiveError, match="layout differs between ranks"):
         Unit("odd", {"w": np.zeros(shape)}, comm)
 
