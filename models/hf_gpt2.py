@@ -44,6 +44,7 @@ def hf_config(config: GPTConfig) -> dict:
         "n_layer": config.n_layer, "n_head": config.n_head, "activation_function": "gelu_new",
         "layer_norm_epsilon": 1e-5, "tie_word_embeddings": config.tie_weights,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        "bos_token_id": None, "eos_token_id": None,  # GPT-2's 50256 is outside a byte-level vocabulary
     }  # fmt: skip
 
 

@@ -30,8 +30,10 @@ def _checkpoint_in(path) -> Path:
     return found[0]
 
 
-def _export(directory, out, force: bool) -> Path:
+def _export(directory, out, force: bool, form: str = "safetensors") -> Path:
     out = Path(out)
+    if form == "hf-gpt2":
+        return _export_hf_gpt2(_checkpoint_in(directory), out, force)
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory: give the path of the .safetensors file to write")
     if not out.parent.is_dir():
@@ -39,6 +41,30 @@ def _export(directory, out, force: bool) -> Path:
     if out.exists() and not force:
         raise CheckpointError(f"{out} exists: pass --force to replace it")
     return export_checkpoint(_checkpoint_in(directory), out)
+
+
+def _export_hf_gpt2(directory: Path, out: Path, force: bool) -> Path:
+    """A train_gpt.py checkpoint (its config in `extra`) as a Hugging Face GPT-2 directory, in one process."""
+    import numpy as np
+
+    from .comm import Comm
+    from .consolidated import load_params
+    from .fsdp import fully_shard
+    from .models import GPT, GPTConfig
+    from .models.hf_gpt2 import export_hf_gpt2
+
+    if out.exists() and not (force and out.is_dir()):
+        raise CheckpointError(
+            f"{out} exists: pass --force to replace its files" if out.is_dir() else f"{out} is a file"
+        )
+    manifest = read_manifest(directory)
+    config = manifest["extra"].get("config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{directory} records no model config in its extra (train_gpt.py saves one)")
+    model = GPT(GPTConfig(**config), dtype=np.dtype(manifest["units"][0]["dtype"]))
+    fully_shard(model, Comm(threads=None), units=model.blocks)
+    load_params(directory, model)
+    return export_hf_gpt2(out, model)
 
 
 def _inspect(directory) -> int:
@@ -74,6 +100,10 @@ def main(argv=None) -> int:
     export.add_argument("dir")
     export.add_argument("out")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    export.add_argument(
+        "--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
+        help="one .safetensors file, or a Hugging Face GPT-2 directory (config.json + model.safetensors)",
+    )  # fmt: skip
     planner.add_arguments(sub.add_parser("plan", help="memory, traffic and step time of a GPT on a cluster"))
     args = parser.parse_args(argv)
     try:
@@ -81,7 +111,7 @@ def main(argv=None) -> int:
             return planner.run_cli(args)
         if args.command == "inspect":
             return _inspect(args.dir)
-        print(f"wrote {_export(args.dir, args.out, args.force)}")
+        print(f"wrote {_export(args.dir, args.out, args.force, args.format)}")
         return 0
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

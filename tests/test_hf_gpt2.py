@@ -1,13 +1,17 @@
 """A GPT exported as a Hugging Face GPT-2 directory (models/hf_gpt2.py) and loaded back. The logits
 against transformers itself are checked by bench/interop_torch.py where torch is installed."""
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from test_checkpoint import shared_dir
 
 from mpifsdp import fully_shard
+from mpifsdp.checkpoint import save
 from mpifsdp.consolidated import read_safetensors_header
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.models.hf_gpt2 import export_hf_gpt2, hf_name, load_hf_gpt2
@@ -45,3 +49,19 @@ def test_the_config_travels_in_the_metadata_and_gpt2_needs_biases(tmp_path):
     no_bias = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=8, bias=False)
     with pytest.raises(ValueError, match="biases"):
         export_hf_gpt2(tmp_path / "nb", GPT(no_bias, seed=1))
+
+
+def test_command_line_exports_a_train_gpt_checkpoint(comm, tmp_path):
+    if comm.size > 1:
+        pytest.skip("drives its own process: runs in the plain-pytest pass of make test")
+    config = _config(False)
+    model = GPT(config, seed=3)
+    fully_shard(model, comm, units=model.blocks)
+    save(tmp_path / "ck", model, extra={"config": dataclasses.asdict(config)})
+    command = [sys.executable, "-m", "mpifsdp", "export", str(tmp_path / "ck"), str(tmp_path / "hf")]
+    done = subprocess.run([*command, "--format", "hf-gpt2"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    tokens = np.arange(12).reshape(2, 6) % 50
+    assert np.array_equal(load_hf_gpt2(tmp_path / "hf")(tokens).data, GPT(config, seed=3)(tokens).data)
+    again = subprocess.run([*command, "--format", "hf-gpt2"], capture_output=True, text=True)
+    assert again.returncode == 1 and "pass --force" in again.stderr
