@@ -50,6 +50,7 @@ class TrainConfig(GPTConfig):
     eval_every: int = 200
     eval_batches: int = 8
     log_every: int = 10
+    metrics: str = ""  # a file for one JSON line per step (loss, lr, norm, time split, memory, bytes)
     sample_tokens: int = 200
     # checkpoints
     save_every: int = 0  # steps between checkpoints; 0: none
@@ -183,10 +184,14 @@ def main():
     val_loss, train_loss = float("nan"), float("nan")
     comm.barrier()
     t_start = time.perf_counter()
+    metrics = mpifsdp.StepMetrics(cfg.metrics, model) if cfg.metrics else None
     for step in range(first_step, cfg.max_steps):
         last = step == cfg.max_steps - 1
         if last:  # measure one training step's communication exactly (evaluation excluded)
             comm.ledger.reset()
+        if metrics:
+            metrics.start()
+        began = time.perf_counter()
         opt.lr = lr_at(step, cfg)
         loss = accumulate_gradients(step)
         grad_norm = opt.clip_grad_norm(cfg.grad_clip)
@@ -194,6 +199,10 @@ def main():
         opt.zero_grad()
         if last:
             step_comm = comm.ledger.report()
+        if metrics:
+            seconds = time.perf_counter() - began
+            metrics.write(step=step + 1, loss=loss, seconds=seconds, tokens=tokens_per_step, lr=opt.lr,
+                          grad_norm=grad_norm)  # fmt: skip
         if step % cfg.log_every == 0 or last:
             train_loss = comm.all_reduce_scalar(loss) / world
             tok_s = tokens_per_step * (step + 1 - first_step) / (time.perf_counter() - t_start)

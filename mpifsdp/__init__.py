@@ -21,6 +21,7 @@ from .comm import CollectiveError, Comm  # noqa: E402
 from .fsdp import ShardedModel, full_state_dict, fully_shard, no_sync, report, sharded_model  # noqa: E402
 from .layers import Module, deferred_init  # noqa: E402
 from .manifest import CheckpointError  # noqa: E402
+from .metrics import StepMetrics  # noqa: E402
 from .optim import SGD, Adam, AdamW, NonFiniteError  # noqa: E402
 from .planner import plan  # noqa: E402
 from .scaler import LossScaler  # noqa: E402
@@ -50,6 +51,7 @@ __all__ = [
     "sharded_model",
     "no_sync",
     "report",
+    "StepMetrics",
     "full_state_dict",
     "Unit",
     "state_dict",

@@ -56,12 +56,15 @@ class MemoryLedger:
 
 
 class CommLedger:
-    """Calls, elements and bytes per (unit, phase, op); elements are what one rank moves (ring volume)."""
+    """Calls, elements and bytes per (unit, phase, op); elements are what one rank moves (ring volume).
+    `wait_s`: seconds this rank spent blocked waiting for collectives (the communication compute did
+    not hide, plus the time other ranks made it wait)."""
 
     def __init__(self):
         self.calls = defaultdict(int)
         self.elements = defaultdict(int)
         self.bytes = defaultdict(int)
+        self.wait_s = 0.0
 
     def record(self, unit: str, phase: str, op: str, elements: int, itemsize: int):
         key = (unit, phase, op)
@@ -73,6 +76,7 @@ class CommLedger:
         self.calls.clear()
         self.elements.clear()
         self.bytes.clear()
+        self.wait_s = 0.0
 
     def total(self, what: str = "bytes", **match) -> int:
         """Sum of calls/elements/bytes over keys matching unit=, phase=, op= where given."""
@@ -95,6 +99,7 @@ class CommLedger:
             "bytes_by_phase": dict(by_phase),
             "bytes_by_op": dict(by_op),
             "bytes_by_unit": dict(by_unit),
+            "wait_s": self.wait_s,
         }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import numpy as np
 
@@ -187,8 +188,11 @@ class Comm:
         return self._start("reduce_scatter", launch, shard, full, unit, phase)
 
     def wait(self, request):
-        """Complete a request from iall_gather / ireduce_scatter, under the watchdog."""
+        """Complete a request from iall_gather / ireduce_scatter / iall_reduce, under the watchdog;
+        the time blocked here is counted (ledger.wait_s)."""
+        start = time.perf_counter()
         self.schedule.wait(request)
+        self.ledger.wait_s += time.perf_counter() - start
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         self.wait(self.iall_gather(shard, full, unit=unit, phase=phase))

@@ -41,15 +41,21 @@ def test_train_gpt_example_runs_sharded_and_reports(comm):
     assert "one training step moved" in out and "plan per rank" in out
 
 
-def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm):
+def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm, tmp_path):
     out = run_example(
         comm, 2, ROOT / "examples" / "train_gpt.py",
         "--max_steps", 6, "--eval_every", 100, "--n_layer", 2, "--n_embd", 32, "--block_size", 32,
         "--batch_size", 4, "--grad_accum", 3, "--accum_sync", "no_sync", "--sample_tokens", 5,
-        "--recompute", "true", "--dropout", 0.1,
+        "--recompute", "true", "--dropout", 0.1, "--metrics", tmp_path / "metrics.jsonl",
     )  # fmt: skip
     result = json.loads(out.strip().splitlines()[-1])
     assert result["sequences_per_step"] == 12 and result["val_loss"] < 5.55  # ln(256) at the start
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 7))
+    first = lines[0]
+    assert first["tokens"] == 12 * 32 and first["loss"] > 0 and len(first["peak_bytes_per_rank"]) == 2
+    assert 0 <= first["exposed_comm_s"] <= first["seconds"] and first["compute_s"] > 0
+    assert first["bytes_by_phase"]["backward"] > 0  # no_sync: the third micro-batch reduces
 
 
 def test_finetune_lora_beats_the_base_on_new_text_and_exports_a_plain_gpt(comm, tmp_path):

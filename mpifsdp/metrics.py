@@ -1,0 +1,89 @@
+"""StepMetrics: one JSON line per training step, written by rank 0 to a file the user names.
+
+Each line has what the caller measured (step, loss, lr, grad norm, tokens, seconds) and what only the
+runtime knows, from every rank's ledgers: the step split into compute and exposed communication (the
+time a rank sat blocked in collectives; the slowest rank's), peak memory per rank by category, and
+bytes moved by phase. `start()` resets the ledgers at a step's beginning; `write()` is collective (one
+small allgather), so call both on every rank.
+
+    metrics = StepMetrics("out/metrics.jsonl", model)
+    for step in ...:
+        metrics.start()
+        ... forward, backward, step ...
+        metrics.write(step=step, loss=loss.item(), seconds=dt, tokens=n, lr=lr, grad_norm=norm)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .accounting import PERSISTENT, TRANSIENT
+from .fsdp import sharded_model
+
+
+class StepMetrics:
+    def __init__(self, path, model):
+        self.sharded = sharded_model(model)
+        if self.sharded is None:
+            raise ValueError("StepMetrics needs a model fully_shard() was called on (N = 1 works too)")
+        self.comm = self.sharded.comm
+        self.path = Path(path)
+        if self.comm.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")  # one run per file: a new run starts it afresh
+
+    def _levels(self):
+        return self.sharded._levels()
+
+    def start(self):
+        """A step begins: count its collectives, waits and memory peaks from here."""
+        for level in self._levels():
+            level.ledger.reset()
+        self.sharded.ledger.reset_peaks()
+
+    def write(self, *, step: int, loss: float, seconds: float, tokens: int, **values) -> dict | None:
+        """Append this step's line (rank 0; returns it there, None elsewhere). Collective.
+
+        loss: this rank's (the line has the mean over ranks); tokens: the step's, over all ranks;
+        values: anything else to record as it is (lr, grad_norm, ...)."""
+        reports = [level.ledger.report() for level in self._levels()]
+        mine = {
+            "loss": loss,
+            "wait_s": sum(r["wait_s"] for r in reports),
+            "peak": {c: self.sharded.ledger.peak[c] for c in PERSISTENT + TRANSIENT},
+            "bytes_by_phase": _summed([r["bytes_by_phase"] for r in reports]),
+        }
+        everyone = self.comm.allgather_object(mine)
+        if self.comm.rank != 0:
+            return None
+        exposed = max(r["wait_s"] for r in everyone)
+        line = {
+            "step": step,
+            "loss": _finite(sum(r["loss"] for r in everyone) / len(everyone)),
+            **{k: _finite(v) for k, v in values.items()},
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "compute_s": max(0.0, seconds - exposed),
+            "exposed_comm_s": exposed,
+            "peak_bytes_per_rank": [r["peak"] for r in everyone],
+            "bytes_by_phase": mine["bytes_by_phase"],
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+
+def _summed(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _finite(value):
+    """JSON has no NaN or Inf: those become null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value

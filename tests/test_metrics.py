@@ -1,0 +1,43 @@
+"""StepMetrics: one JSON line per step on rank 0, with the ledgers' view of the step."""
+
+import json
+
+import numpy as np
+import pytest
+from test_checkpoint import shared_dir
+
+from mpifsdp import AdamW, StepMetrics, fully_shard
+from mpifsdp.data import rank_slice
+from mpifsdp.models import GPT, GPTConfig
+
+
+def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
+    model = GPT(cfg, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    opt = AdamW(model, lr=1e-3)
+    path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
+    metrics = StepMetrics(path, model)
+    x = rank_slice(np.zeros((4 * comm.size, 8), dtype=np.int64), comm.rank, comm.size)
+    for step in (1, 2):
+        metrics.start()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        line = metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32 * comm.size, lr=float("nan"))
+        assert (line is None) == (comm.rank != 0)
+    comm.barrier()
+    lines = [json.loads(t) for t in open(path).read().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and lines[1]["lr"] is None  # NaN is not JSON: null
+    assert len(lines[1]["peak_bytes_per_rank"]) == comm.size
+    assert lines[1]["peak_bytes_per_rank"][0]["param_shard"] > 0
+    # What one rank moved in the step's gathers (forward) and reductions (backward): (N - 1) / N of
+    # the units, so nothing at N = 1.
+    assert (lines[1]["bytes_by_phase"].get("backward", 0) > 0) == (comm.size > 1)
+    assert lines[1]["compute_s"] + lines[1]["exposed_comm_s"] == pytest.approx(0.5)
+
+
+def test_needs_a_sharded_model(tmp_path):
+    with pytest.raises(ValueError, match="fully_shard"):
+        StepMetrics(tmp_path / "m.jsonl", GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2), seed=0))
