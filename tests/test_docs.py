@@ -36,7 +36,7 @@ def test_python_blocks_run_as_written(comm, tmp_path, document, ranks):
     script.write_text("\n".join(python_blocks(document)))
     command = [sys.executable, str(script)]
     if ranks > 1:
-        command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script)]
+        command = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

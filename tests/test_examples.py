@@ -16,7 +16,7 @@ def run_example(comm, ranks, *args, timeout=300, returncode=0):
     if comm.size > 1:
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *map(str, args)]
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == returncode, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout + (result.stderr if returncode else "")

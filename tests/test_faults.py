@@ -99,7 +99,7 @@ def run_scenario(comm, tmp_path, name, env=None, timeout=120):
     script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[name]))
     start = time.monotonic()
     result = subprocess.run(
-        [mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
+        [*mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )  # fmt: skip
     elapsed = time.monotonic() - start

@@ -29,7 +29,7 @@ def test_switching_a_mechanism_off_fails_its_test(comm, name):
     env = {**os.environ, "PYTHONPATH": pythonpath, "MPIFSDP_MUTANT": name, "MPIFSDP_TIMEOUT": "10"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", *mutant.tests]
     if mutant.ranks > 1:
-        command = [mpiexec(), "-n", str(mutant.ranks), sys.executable, "-m", "mpi4py", *command[1:]]
+        command = [*mpiexec(), "-n", str(mutant.ranks), sys.executable, "-m", "mpi4py", *command[1:]]
     result = subprocess.run(command, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     # Caught: tests failed (under mpiexec, a failed test aborts the job: conftest.py; or the watchdog
