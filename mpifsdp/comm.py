@@ -69,7 +69,9 @@ class Comm:
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.ledger = CommLedger()
-        self.schedule = Schedule(self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout)
+        self.schedule = Schedule(
+            self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
+        )
         self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
         on_gpu = parse_device(device)[0] != "cpu"

@@ -105,9 +105,10 @@ class Schedule:
     the other ranks' recent fingerprints back to `mismatch` for the report."""
 
     def __init__(self, rank: int, abort, debug: bool | None = None, timeout: float | None = None,
-                 abort_on_timeout: bool = True):  # fmt: skip
+                 abort_on_timeout: bool = True, mpi_error=()):  # fmt: skip
         self.rank = rank
         self._abort = abort  # ends the job (MPI_Abort) when the watchdog fires
+        self._mpi_error = mpi_error  # the MPI binding's exception class (Comm passes it)
         self.debug = _flag("MPIFSDP_DEBUG") if debug is None else bool(debug)
         self.timeout = _seconds("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
@@ -167,9 +168,7 @@ class Schedule:
         when the sizes differ: the same mistake, so the same ScheduleError."""
         try:
             return request.Test()
-        except Exception as exc:
-            if type(exc).__module__ != "mpi4py.MPI":
-                raise
+        except self._mpi_error as exc:
             where = describe(self.current) if self.current else "a collective"
             history = "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
             raise ScheduleError(
