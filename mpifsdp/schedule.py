@@ -169,17 +169,20 @@ class Schedule:
         try:
             return request.Test()
         except self._mpi_error as exc:
-            where = describe(self.current) if self.current else "a collective"
-            history = "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
+            where, history = self._whereabouts()
             raise ScheduleError(
                 f"rank {self.rank}: MPI failed in {where} ({exc}); before it: {history}. The ranks are most "
                 "likely in different collectives (one ran a forward, backward or reduction the others did "
                 "not); MPIFSDP_DEBUG=1 names the first collective where they differ."
             ) from exc
 
-    def _stalled(self):
+    def _whereabouts(self) -> tuple[str, str]:
+        """The collective this rank is in, and the three before it, for a report."""
         where = describe(self.current) if self.current else "a collective"
-        history = "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
+        return where, "; ".join(describe(fp) for fp in list(self.recent)[:-1][-3:]) or "none"
+
+    def _stalled(self):
+        where, history = self._whereabouts()
         message = (
             f"mpifsdp watchdog: rank {self.rank} waited {self.timeout:.1f} s in {where}. "
             f"Before it: {history}. "
