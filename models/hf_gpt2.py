@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from mpifsdp import full_state_dict
-from mpifsdp.consolidated import _safetensors_header, read_safetensors_header
+from mpifsdp.consolidated import read_safetensors_header, read_tensor, safetensors_header
 from mpifsdp.fsdp import sharded_model
 
 from .gpt import GPT, GPTConfig
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
-_ST_NUMPY = {"F32": np.float32, "F64": np.float64, "F16": np.float16}
 
 
 def hf_name(name: str) -> str:
@@ -64,7 +63,7 @@ def export_hf_gpt2(directory, model: GPT) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{WEIGHTS}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(_safetensors_header(entries, metadata))
+        f.write(safetensors_header(entries, metadata))
         for array in tensors.values():
             f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes())
         f.flush()
@@ -91,9 +90,6 @@ def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
             entry = header.get(hf_name(name))
             if entry is None:
                 raise ValueError(f"{directory / WEIGHTS} has no {hf_name(name)} (for our {name})")
-            lo, hi = entry["data_offsets"]
-            f.seek(start + lo)
-            raw = np.frombuffer(f.read(hi - lo), dtype=np.dtype(_ST_NUMPY[entry["dtype"]]).newbyteorder("<"))
-            value = raw.reshape(entry["shape"])
+            value = read_tensor(f, entry, start).reshape(entry["shape"])
             p.data[...] = value.T if name == "lm_head.weight" else value
     return model

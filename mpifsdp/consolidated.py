@@ -26,6 +26,7 @@ from .checkpoint import collective, require_sharded, sharded_units
 from .manifest import CheckpointError, is_count, read_manifest, read_slices, require, unit_record
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
+_NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _ST_ITEMSIZE = {
     "F64": 8,
     "F32": 4,
@@ -40,7 +41,7 @@ _ST_ITEMSIZE = {
 }
 
 
-def _safetensors_header(entries, metadata: dict | None = None) -> bytes:
+def safetensors_header(entries, metadata: dict | None = None) -> bytes:
     """entries: [(name, dtype, shape)] in data order; returns the 8-byte length + JSON header.
     metadata: more string -> string entries for __metadata__ (e.g. the model's config)."""
     header, offset = {"__metadata__": {"format": "pt", "writer": "mpifsdp", **(metadata or {})}}, 0
@@ -74,7 +75,7 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
     comm = sharded.comm
     path = Path(path)
     entries = [e for e in _unit_entries(unit_record(u) for u in sharded.units) if include(e[0])]
-    header = _safetensors_header(entries)
+    header = safetensors_header(entries)
     offsets, data_bytes = {}, 0
     for name, dtype, shape in entries:
         offsets[name], data_bytes = data_bytes, data_bytes + math.prod(shape) * dtype.itemsize
@@ -150,6 +151,15 @@ def read_safetensors_header(path) -> tuple[dict, int]:
     return header, 8 + length
 
 
+def read_tensor(f, entry: dict, data_start: int, start: int = 0, stop: int | None = None):
+    """Elements [start, stop) (default all) of the flattened tensor a validated header `entry`
+    describes, from the open file `f`, in native byte order."""
+    dtype = np.dtype(_NUMPY_DTYPES[entry["dtype"]])
+    stop = math.prod(entry["shape"]) if stop is None else stop
+    f.seek(data_start + entry["data_offsets"][0] + start * dtype.itemsize)
+    return np.frombuffer(f.read((stop - start) * dtype.itemsize), dtype=dtype.newbyteorder("<")).astype(dtype)
+
+
 def load_safetensors(path, model, strict: bool = True):
     """Initialise `model` (sharded or not) from a .safetensors file; each rank reads only its slices.
 
@@ -163,7 +173,6 @@ def load_safetensors(path, model, strict: bool = True):
 
 def _load_safetensors(path, model, strict: bool):
     header, data_start = read_safetensors_header(path)
-    names = {v: k for k, v in _ST_DTYPES.items()}
     sharded = sharded_units(model)
     expected = (
         {
@@ -185,27 +194,24 @@ def _load_safetensors(path, model, strict: bool):
     if problems:
         raise CheckpointError(f"{path} does not fit the model: {'; '.join(problems[:5])}")
 
-    def read(f, name, t0, t1):
-        dtype = np.dtype(names[header[name]["dtype"]])
-        f.seek(data_start + header[name]["data_offsets"][0] + t0 * dtype.itemsize)
-        return np.frombuffer(f.read((t1 - t0) * dtype.itemsize), dtype=dtype.newbyteorder("<")).astype(dtype)
-
     with open(path, "rb") as f:
         if sharded is None:
             for name, p in model.named_parameters():
-                p.data[...] = p.xp.asarray(read(f, name, 0, p.size).reshape(p.shape))
+                p.data[...] = p.xp.asarray(read_tensor(f, header[name], data_start).reshape(p.shape))
             return
         for unit in sharded.units:
             unit.shard[...] = 0
             for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.shard.rank):
-                unit.shard[s0 : s0 + t1 - t0] = unit.xp.asarray(read(f, name, t0, t1))
+                unit.shard[s0 : s0 + t1 - t0] = unit.xp.asarray(
+                    read_tensor(f, header[name], data_start, t0, t1)
+                )
 
 
 def export_checkpoint(directory, path) -> Path:
     """A saved checkpoint to one .safetensors file, in one process, one slice in memory at a time."""
     directory, path = Path(directory), Path(path)
     manifest = read_manifest(directory)
-    header = _safetensors_header(_unit_entries(manifest["units"]))
+    header = safetensors_header(_unit_entries(manifest["units"]))
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     with open(tmp, "wb") as out:
         out.write(header)

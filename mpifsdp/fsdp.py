@@ -208,7 +208,7 @@ class ShardedModel:
         self._sweep_unreached()
         self._finish_reduces(keep=0)
         self._release_gathered()
-        for level in self._levels():  # every rank issued the same collectives this step, on each level
+        for level in self.levels():  # every rank issued the same collectives this step, on each level
             level.check_schedule()
 
     def backward_failed(self):
@@ -256,7 +256,7 @@ class ShardedModel:
             "prefetch": self.prefetch_depth,
         }
 
-    def _levels(self) -> list[Comm]:
+    def levels(self) -> list[Comm]:
         """The communicators this model's collectives run on: the world, and HSDP's two levels."""
         return [self.comm] + [c for c in (self.shard_comm, self.replicas) if c not in (None, self.comm)]
 
@@ -334,20 +334,20 @@ def fully_shard(
 
     shard_comm, replicas = shard_groups(comm, shard_size)
     sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas))
+
+    def make_unit(name, part, trainable):
+        arrays = [(n, initial_value(p)) for n, p in part]  # deferred: made now, one unit at a time
+        unit = Unit(
+            name, arrays, shard_comm, ledger=sharded.ledger, pool=sharded.pool, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, sync_values=sync_params, trainable=trainable, replicas=replicas,
+        )  # fmt: skip
+        return unit, part
+
     modules = list(units) + [model]
     settings = zip(flags + [bool(reshard_root)], checkpoints + [False])
     for module, (unit_name, params), (flag, recomputed) in zip(modules, owned, settings):
         if module is model and not params:
             continue  # no root unit: every parameter lives in a unit module
-
-        def make_unit(name, part, trainable):
-            arrays = [(n, initial_value(p)) for n, p in part]  # deferred: made now, one unit at a time
-            unit = Unit(
-                name, arrays, shard_comm, ledger=sharded.ledger, pool=sharded.pool, param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype, sync_values=sync_params, trainable=trainable, replicas=replicas,
-            )  # fmt: skip
-            return unit, part
-
         trainable = [(n, p) for n, p in params if p.requires_grad]
         frozen = [(n, p) for n, p in params if not p.requires_grad]
         main = make_unit(unit_name, trainable or frozen, bool(trainable))

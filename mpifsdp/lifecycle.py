@@ -60,7 +60,7 @@ class UnitLifecycle:
     ):  # fmt: skip
         self.unit = unit
         self.params = params  # [(name in the unit, Param)]
-        self.frozen = frozen  # (Unit, params) of the module's frozen parameters beside `unit`, or None
+        # frozen: (Unit, params) of the module's frozen parameters beside `unit`, or None
         self._parts = ((unit, params),) + ((frozen,) if frozen else ())
         self.units = tuple(u for u, _ in self._parts)
         self.reshard_after_forward = reshard_after_forward

@@ -34,12 +34,9 @@ class StepMetrics:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")  # one run per file: a new run starts it afresh
 
-    def _levels(self):
-        return self.sharded._levels()
-
     def start(self):
         """A step begins: count its collectives, waits and memory peaks from here."""
-        for level in self._levels():
+        for level in self.sharded.levels():
             level.ledger.reset()
         self.sharded.ledger.reset_peaks()
 
@@ -48,7 +45,7 @@ class StepMetrics:
 
         loss: this rank's (the line has the mean over ranks); tokens: the step's, over all ranks;
         values: anything else to record as it is (lr, grad_norm, ...)."""
-        reports = [level.ledger.report() for level in self._levels()]
+        reports = [level.ledger.report() for level in self.sharded.levels()]
         mine = {
             "loss": loss,
             "wait_s": sum(r["wait_s"] for r in reports),

@@ -32,7 +32,7 @@ def _run(comm, shard_size, prefetch, keep, grad_accum, no_sync):
     sharded = sharded_model(model)
     opt = AdamW(model, lr=1e-3)
     for step in range(2):
-        for level in sharded._levels():
+        for level in sharded.levels():
             level.ledger.reset()
         for j in range(grad_accum):
             sharded.set_requires_gradient_sync(not no_sync or j == grad_accum - 1)
