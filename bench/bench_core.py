@@ -27,6 +27,7 @@ from common import (  # noqa: E402
     median_time,
     peak_rss_mib,
     random_batch,
+    synchronizer,
     train_step,
 )
 
@@ -61,16 +62,19 @@ def gemm_seconds(xp, shapes, dtype, repeats):
         for b, m, k, n in shapes
     ]
     outs = [xp.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype) for a, b in pairs]
+    synchronize = synchronizer(xp)
 
     def run():
         for (a, b), out in zip(pairs, outs):
             xp.matmul(a, b, out=out)
+        synchronize()
 
     return median_time(run, repeats)
 
 
-def torch_step_seconds(cfg: dict, steps: int) -> float | None:
-    """The same model's single-process training step in torch (None where torch is not installed)."""
+def torch_step_seconds(cfg: dict, steps: int, device: str = "cpu") -> float | None:
+    """The same model's single-process training step in torch on `device` (None where torch is not
+    installed). float32 on a GPU stays IEEE float32 (torch's default: no TF32), as CuPy's."""
     if importlib.util.find_spec("torch") is None:
         return None
     import torch
@@ -78,9 +82,9 @@ def torch_step_seconds(cfg: dict, steps: int) -> float | None:
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     torch.manual_seed(0)
-    model = TorchGPT(cfg)
+    model = TorchGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    x, y = (torch.from_numpy(a) for a in random_batch(cfg, cfg["batch_size"]))
+    x, y = (torch.from_numpy(a).to(device) for a in random_batch(cfg, cfg["batch_size"]))
 
     def step():
         loss = model(x, y)
@@ -88,6 +92,8 @@ def torch_step_seconds(cfg: dict, steps: int) -> float | None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     return median_time(step, steps)
 
@@ -130,7 +136,8 @@ def main():
     model = GPT(gpt_config(cfg), seed=0, device=args.device)
     opt = AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
     x, y = (xp.asarray(a) for a in random_batch(cfg, cfg["batch_size"]))
-    step_s = median_time(lambda: train_step(model, opt, x, y), args.steps)
+    synchronize = synchronizer(xp)
+    step_s = median_time(lambda: (train_step(model, opt, x, y), synchronize()), args.steps)
     rss = peak_rss_mib()  # before the GEMM reference allocates its own arrays
     if args.profile:
         print_profile(model, opt, x, y, args.steps, step_s)
@@ -139,7 +146,7 @@ def main():
     gemm_flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
     tokens = cfg["batch_size"] * cfg["block_size"]
     model_flops = model.flops_per_token(cfg["block_size"]) * tokens
-    torch_s = None if args.no_torch or args.device != "cpu" else torch_step_seconds(cfg, args.steps)
+    torch_s = None if args.no_torch else torch_step_seconds(cfg, args.steps, args.device)
     print(
         json.dumps(
             {

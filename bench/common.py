@@ -52,6 +52,14 @@ def gpt_config(cfg: dict) -> GPTConfig:
     )
 
 
+def synchronizer(xp):
+    """A function that waits for the device's queued work (a no-op on the CPU): GPU kernels run
+    asynchronously, so a timer stopped without it measures only their launches."""
+    if xp is np:
+        return lambda: None
+    return xp.cuda.Device().synchronize
+
+
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()

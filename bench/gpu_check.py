@@ -1,10 +1,12 @@
 """GPU checks in one run (make gpu-check), printing JSON lines; never part of CI.
 
+python bench/gpu_check.py preflight         # CuPy, the GPU, NCCL, the MPI library: what is there
 python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds, one process
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
-python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16]
+python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16] [--prefetch 0]
+--device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, gpt_config, random_batch, train_step  # noqa: E402
+from common import CONFIGS, gpt_config, random_batch, synchronizer, train_step  # noqa: E402
 
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
@@ -57,18 +59,53 @@ def _losses(device, dtype, global_batch, comm=None, reverse=False, transport_com
     return np.array(out)
 
 
+def preflight(args):
+    """What the GPU run stands on, before anything is measured: fails when CuPy cannot run a kernel."""
+    from mpi4py import MPI
+
+    info = {"check": "preflight", "mpi": MPI.Get_library_version().splitlines()[0],
+            "mpi_cuda_aware": _mpi_cuda_aware()}  # fmt: skip
+    if args.device != "cpu":
+        cp = mpifsdp.array_module(args.device)
+        a = cp.arange(1 << 20, dtype=cp.float32)
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        info.update(
+            cupy=cp.__version__,
+            gpu=props["name"].decode(),
+            memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
+            kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
+            nccl=mpifsdp.backend.nccl().get_version() if mpifsdp.backend.nccl_available() else None,
+        )
+    print(json.dumps(info))
+    if info.get("kernel_ok") is False:
+        sys.exit(1)
+
+
+def _mpi_cuda_aware():
+    """The MPI library's own answer (MPIX_Query_cuda_support, MPICH and Open MPI) to whether it takes
+    device pointers; None when it has no such query."""
+    import ctypes
+
+    for name in ("libmpi.so.12", "libmpi.so.40", "libmpi.so"):  # MPICH, Open MPI, either
+        try:
+            return bool(ctypes.CDLL(name).MPIX_Query_cuda_support())
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def parity(args):
     """CPU-NumPy vs GPU-CuPy from the same seeds, float64 and float32; exits 1 beyond the bounds.
 
     float64: relative error <= F64_BOUND. float32: the bound of tests/tolerance.py, measured on this
     machine: 8x the CPU run's own reordering noise (the same run with the batch's rows reversed)
     plus 16 ulps: a GPU's kernels reorder sums, and nothing else may differ."""
-    comm = mpifsdp.Comm(device="cuda", transport=args.transport) if args.sharded else None
+    comm = mpifsdp.Comm(device=args.device, transport=args.transport) if args.sharded else None
     global_batch = 4 * (comm.size if comm else 1)
     results, ok = {}, True
     for dtype in (np.float64, np.float32):
         cpu = _losses("cpu", dtype, global_batch)
-        gpu = _losses("cuda", dtype, global_batch, comm)
+        gpu = _losses(args.device, dtype, global_batch, comm)
         err = float(np.max(np.abs(gpu - cpu) / np.abs(cpu)))
         if dtype == np.float64:
             limit = F64_BOUND
@@ -88,22 +125,26 @@ def parity(args):
 
 
 def speed(args):
-    import cupy as cp
-
     cfg = CONFIGS[args.config]
-    comm = mpifsdp.Comm(device="cuda")
+    comm = mpifsdp.Comm(device=args.device, transport=args.transport)
+    xp = mpifsdp.array_module(comm.device)
     model = GPT(gpt_config(cfg), seed=0, device=comm.device)
     dtype = None if args.dtype == "float32" else np.dtype(args.dtype)
-    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32)
+    mpifsdp.fully_shard(
+        model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32, prefetch=args.prefetch
+    )
     opt = mpifsdp.AdamW(model, lr=1e-4)
     scaler = mpifsdp.LossScaler() if dtype is not None else None
     x, y = (
-        cp.asarray(rank_slice(a, comm.rank, comm.size))
+        xp.asarray(rank_slice(a, comm.rank, comm.size))
         for a in random_batch(cfg, cfg["batch_size"] * comm.size)
     )
+    synchronize = synchronizer(xp)
+
     times = []
     for i in range(args.steps + 1):
-        cp.cuda.Device().synchronize()
+        synchronize()
+        comm.barrier()
         t0 = time.perf_counter()
         loss = model(x, y)
         if scaler:
@@ -113,12 +154,14 @@ def speed(args):
             loss.backward()
             opt.step()
         opt.zero_grad()
-        cp.cuda.Device().synchronize()
+        synchronize()
         if i:
             times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
-    tokens = cfg["batch_size"] * cfg["block_size"]
-    tflops = model.flops_per_token(cfg["block_size"]) * tokens / step_s / 1e12
+    tokens = cfg["batch_size"] * cfg["block_size"] * comm.size
+    # all ranks' tokens over the GPUs they share (make gpu-check: one node, ranks mod GPUs)
+    gpus = min(comm.size, xp.cuda.runtime.getDeviceCount()) if xp is not np else 1
+    tflops = model.flops_per_token(cfg["block_size"]) * tokens / step_s / 1e12 / gpus
     sharded = sharded_model(model)
     plan = sharded.plan()
     formula = plan["persistent"] + 2 * plan["largest_unit"] + plan["root_unit"]
@@ -126,12 +169,18 @@ def speed(args):
         "check": "speed",
         "config": args.config,
         "dtype": args.dtype,
+        "ranks": comm.size,
+        "transport": comm.transport.name,
+        "prefetch": args.prefetch,
         "params": plan["params"],
         "step_s": round(step_s, 4),
+        "steps_s": [round(t, 4) for t in times],
+        "last_loss": float(loss.item()),
         "tokens_per_s": round(tokens / step_s, 1),
         "tflops": round(tflops, 2),
         "mfu": round(tflops / PEAK_TFLOPS[args.dtype], 4),
-        "peak_device_mib": round(cp.get_default_memory_pool().total_bytes() / 2**20, 1),
+        # CuPy's pool keeps what it once held: its size is the step's high-water mark
+        "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),
         "formula_mib_without_activations": round(formula / 2**20, 1),
     }
     if comm.rank == 0:
@@ -140,14 +189,16 @@ def speed(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("check", choices=["parity", "speed"])
+    ap.add_argument("check", choices=["preflight", "parity", "speed"])
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
     ap.add_argument("--config", choices=CONFIGS, default="peer")
     ap.add_argument("--dtype", default="float32", choices=sorted(PEAK_TFLOPS))
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (0: no overlap)")
     args = ap.parse_args()
-    parity(args) if args.check == "parity" else speed(args)
+    {"preflight": preflight, "parity": parity, "speed": speed}[args.check](args)
 
 
 if __name__ == "__main__":

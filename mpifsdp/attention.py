@@ -29,7 +29,7 @@ def _attention_probabilities(q, k, scale):
     s3 = scores.reshape(-1, T, T)
 
     def work(i, lo, hi):
-        for a, b in row_slices(lo, hi, T * T):
+        for a, b in row_slices(xp, lo, hi, T * T):
             s = s3[a:b]
             s *= scale
             s += causal
@@ -51,7 +51,7 @@ def _attention_vjp(g, _, q, k, v, scale):
     gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
 
     def work(i, lo, hi):
-        for start, stop in row_slices(lo, hi, T * T):
+        for start, stop in row_slices(xp, lo, hi, T * T):
             d, a = gs3[start:stop], att3[start:stop]
             d -= (d * a).sum(axis=-1, keepdims=True)
             d *= a

@@ -66,7 +66,9 @@ class ArrayMeta:
 class Tensor:
     """An array with an optional gradient and the node that produced it."""
 
-    __array_priority__ = 100  # make `ndarray + Tensor` call Tensor.__radd__
+    # NumPy and CuPy arrays step aside for a Tensor: `ndarray + Tensor` calls Tensor.__radd__ instead
+    # of broadcasting the Tensor as an object (a priority alone ties CuPy's own and loses to it).
+    __array_ufunc__ = None
 
     def __init__(self, data, requires_grad: bool = False):
         self._data = data

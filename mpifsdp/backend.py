@@ -8,6 +8,7 @@ CPU users never need CuPy installed.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import numpy as np
@@ -20,7 +21,8 @@ def _cupy():
         return importlib.import_module("cupy")
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise RuntimeError(
-            "device 'cuda' needs CuPy: pip install 'mpifsdp[cuda]' (CUDA 12) or cupy-cuda13x (CUDA 13)"
+            "device 'cuda' needs CuPy: pip install 'mpifsdp[cuda12]' or 'mpifsdp[cuda13]' "
+            "(your CUDA major version)"
         ) from exc
 
 
@@ -35,12 +37,15 @@ def parse_device(device: str) -> tuple[str, int]:
 
 
 def array_module(device: str = CPU):
-    """The array module for a device name ('cpu', 'cuda', 'cuda:N'); selects the GPU for CuPy."""
-    kind, index = parse_device(device)
+    """The array module for a device name ('cpu', 'cuda', 'cuda:N'). 'cuda:N' makes GPU N current;
+    plain 'cuda' keeps the current one, which select_gpu chose for this rank (making GPU 0 current
+    here would move every rank of a multi-GPU node onto it)."""
+    kind, _ = parse_device(device)
     if kind == CPU:
         return np
     cp = _cupy()
-    cp.cuda.Device(index).use()
+    if ":" in str(device):
+        cp.cuda.Device(parse_device(device)[1]).use()
     return cp
 
 
@@ -71,11 +76,15 @@ def to_device(array, device: str = CPU, dtype=None):
 
 
 def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one GPU; never raises."""
+    """True when CuPy imports and sees at least one GPU. Never raises, unless MPIFSDP_REQUIRE_GPU=1
+    (make gpu-check sets it): then a broken CuPy or a missing GPU raises with its cause, instead of
+    quietly leaving only the CPU tests to pass."""
     try:
         cp = importlib.import_module("cupy")
         return cp.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    except Exception as exc:
+        if os.environ.get("MPIFSDP_REQUIRE_GPU") == "1":
+            raise RuntimeError(f"MPIFSDP_REQUIRE_GPU=1, but no GPU is usable: {exc!r}") from exc
         return False
 
 
@@ -126,14 +135,29 @@ def stream_wait_current(stream):
     stream.wait_event(_cupy().cuda.get_current_stream().record())
 
 
-class StreamRequest:
-    """Completion of work queued on a stream, as an MPI-like request (Test / Wait)."""
+_CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still running
 
-    def __init__(self, stream):
-        self.event = stream.record()
+
+def event_done(event) -> bool:
+    """Whether a CUDA event completed. Raises on any CUDA error: a failed kernel or collective must
+    surface here, not spin as "not ready" until the watchdog blames a collective instead."""
+    status = _cupy().cuda.runtime.eventQuery(event.ptr)
+    if status not in (0, _CUDA_ERROR_NOT_READY):
+        raise RuntimeError(f"CUDA error {status} while waiting for a collective's stream")
+    return status == 0
+
+
+class StreamRequest:
+    """Completion of work queued on a stream, as an MPI-like request (Test / Wait). `check` raises
+    an error the stream's library reports asynchronously (NCCL's check_async_error)."""
+
+    def __init__(self, stream, check=None):
+        self.event, self.check = stream.record(), check
 
     def Test(self):
-        if self.event.done:
+        if self.check is not None:
+            self.check()
+        if event_done(self.event):
             _cupy().cuda.get_current_stream().wait_event(self.event)
             return True
         return False

@@ -55,10 +55,11 @@ def _in_chunks(kernel, out, *inputs):
         kernel(*(a[start:stop] for a in flat), *(s[: stop - start] for s in scratch))
 
 
-def row_slices(lo: int, hi: int, row_elements: int):
-    """Sub-ranges of rows [lo, hi) of about CHUNK elements: a kernel's passes over one stay in cache,
-    and its temporaries stay small."""
-    step = max(1, CHUNK // max(1, row_elements))
+def row_slices(xp, lo: int, hi: int, row_elements: int):
+    """Sub-ranges of rows [lo, hi) of about CHUNK elements on the CPU: a kernel's passes over one
+    stay in cache, and its temporaries stay small. On a GPU one range: each slice costs kernel
+    launches (thousands per step at vocabulary 32K), and a GPU has no cache to fit."""
+    step = max(1, CHUNK // max(1, row_elements)) if xp is np else max(1, hi - lo)
     return ((a, min(a + step, hi)) for a in range(lo, hi, step))
 
 
@@ -281,7 +282,7 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
-        for a, b in row_slices(lo, hi, flat.shape[1]):
+        for a, b in row_slices(xp, lo, hi, flat.shape[1]):
             peak = flat[a:b].max(axis=1)
             e = flat[a:b] - peak[:, None]
             xp.exp(e, out=e)

@@ -16,6 +16,8 @@ import contextlib
 import threading
 import time
 
+from .backend import synchronize
+
 
 class _Recording(threading.local):
     """Per thread: whether ops are recorded, and the scopes new nodes belong to."""
@@ -87,8 +89,11 @@ def timed(name: str, phase: str, run, *args, **kwargs):
     costs = _recording.profile
     if costs is None:
         return run(*args, **kwargs)
+    first = args[0] if args else None  # a GPU runs kernels asynchronously: the stream is drained
+    synchronize(first)  # before and after, so this primitive's kernels are timed, not the queue's
     start = time.perf_counter()
     result = run(*args, **kwargs)
+    synchronize(first)
     entry = costs.setdefault(
         name,
         dict.fromkeys(("forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"), 0),

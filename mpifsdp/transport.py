@@ -99,7 +99,7 @@ class NCCLTransport:
         self.comm.allGather(
             send.data.ptr, recv.data.ptr, send.size, backend.nccl_dtype(send.dtype), self.stream.ptr
         )
-        return backend.StreamRequest(self.stream)
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
     def ireduce_scatter(self, send, recv):
         backend.stream_wait_current(self.stream)
@@ -107,7 +107,7 @@ class NCCLTransport:
         self.comm.reduceScatter(
             send.data.ptr, recv.data.ptr, recv.size, dtype, self.nccl.NCCL_SUM, self.stream.ptr
         )
-        return backend.StreamRequest(self.stream)
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
 
 def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
