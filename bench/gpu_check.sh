@@ -42,11 +42,11 @@ MPICHECK="$MPIEXEC -n"
 if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config small --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
 run 60 $CHECK preflight --device "$DEVICE"
 # every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
-run 150 $PY -m pytest -q -p no:cacheprovider -k cuda tests/
-run 60 $CHECK parity --device "$DEVICE"
+run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/
+run 45 $CHECK parity --device "$DEVICE"
 run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py parity --device "$DEVICE" --sharded "${HOST[@]}"
 if [ "$DEVICE" != cpu ]; then
-  run 60 $MPICHECK 1 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
+  run 45 $MPICHECK 1 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
   # CUDA-aware MPI: must pass where the library says it is CUDA-aware; elsewhere a probe whose
   # failure is reported, not counted (an MPI that is not CUDA-aware may crash on device pointers)
   if grep -q '"mpi_cuda_aware": true' "$LOG"; then
@@ -60,11 +60,11 @@ if [ "$DEVICE" != cpu ]; then
 fi
 # speed and overlap: two ranks on one GPU over host staging, gathers ahead (prefetch 1) or not (0)
 for p in 1 0; do
-  run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py speed --device "$DEVICE" "${HOST[@]}" "${SPEED[@]}" --prefetch $p
+  run 45 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py speed --device "$DEVICE" "${HOST[@]}" "${SPEED[@]}" --prefetch $p
 done
-run 60 $CHECK speed --device "$DEVICE" "${SPEED[@]}"
-run 60 $CHECK speed --device "$DEVICE" "${SPEED[@]}" --dtype float16
-[ "$DEVICE" != cpu ] && run 150 $CHECK speed --config gpu350m --dtype float16 --steps 3
+run 45 $CHECK speed --device "$DEVICE" "${SPEED[@]}"
+run 45 $CHECK speed --device "$DEVICE" "${SPEED[@]}" --dtype float16
+[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3
 if [ ${#FAILED[@]} -ne 0 ]; then
   printf 'gpu-check FAILED:\n' | tee -a "$LOG"
   printf '  %s\n' "${FAILED[@]}" | tee -a "$LOG"
