@@ -20,12 +20,13 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import CONFIGS, gpt_config, random_batch, synchronizer, train_step  # noqa: E402
+from common import CONFIGS, gpt_config, median_time, random_batch, synchronizer, train_step  # noqa: E402
 
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
+from mpifsdp.tape import profile  # noqa: E402
 
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
 CONFIGS = {
@@ -141,11 +142,7 @@ def speed(args):
     )
     synchronize = synchronizer(xp)
 
-    times = []
-    for i in range(args.steps + 1):
-        synchronize()
-        comm.barrier()
-        t0 = time.perf_counter()
+    def step():
         loss = model(x, y)
         if scaler:
             scaler.scale(loss).backward()
@@ -155,6 +152,14 @@ def speed(args):
             opt.step()
         opt.zero_grad()
         synchronize()
+        return loss
+
+    times = []
+    for i in range(args.steps + 1):
+        synchronize()
+        comm.barrier()
+        t0 = time.perf_counter()
+        loss = step()
         if i:
             times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
@@ -185,11 +190,69 @@ def speed(args):
     }
     if comm.rank == 0:
         print(json.dumps(result))
+    if args.profile:
+        with profile() as costs:
+            step()
+        top = sorted(costs.items(), key=lambda kv: -(kv[1]["forward_s"] + kv[1]["backward_s"]))
+        seconds = {name: [round(c["forward_s"], 4), round(c["backward_s"], 4)] for name, c in top[:8]}
+        if comm.rank == 0:
+            print(json.dumps({"check": "profile", "config": args.config, "fwd_bwd_s": seconds}))
+
+
+def gemm(args):
+    """The GEMM ceiling a step stands on: one MLP-sized product (8192 x 1024 x 4096) by the array
+    module alone, by mpifsdp's linear primitive (forward and VJP), and by torch where installed."""
+    from mpifsdp import Tensor, ops
+
+    xp = mpifsdp.array_module(args.device)
+    synchronize = synchronizer(xp)
+    M, K, N = 8192, 1024, 4096
+    rows = []
+    for dtype in (np.float32,) if xp is np else (np.float32, np.float16):  # NumPy has no fast float16
+        rng = np.random.default_rng(0)
+        a = xp.asarray(rng.standard_normal((M, K), dtype=np.float32), dtype=dtype)
+        w = xp.asarray(rng.standard_normal((K, N), dtype=np.float32) / 32, dtype=dtype)
+        x, wt = Tensor(a, requires_grad=True), Tensor(w, requires_grad=True)
+
+        def primitive_step(x=x, wt=wt):
+            ops.linear(x, wt).sum().backward()
+
+        def timed(fn, flops):
+            seconds = min(median_time(lambda: (fn(), synchronize()), 3) for _ in range(2))
+            return round(flops / seconds / 1e12, 2)
+
+        row = {"dtype": np.dtype(dtype).name, "shape": [M, K, N]}
+        row["matmul_tflops"] = timed(lambda a=a, w=w: a @ w, 2 * M * K * N)
+        row["linear_fwd_bwd_tflops"] = timed(primitive_step, 6 * M * K * N)
+        b = Tensor(xp.zeros(N, dtype=dtype), requires_grad=True)
+        row["gelu_linear_bias_fwd_bwd_tflops"] = timed(
+            lambda x=x, wt=wt, b=b: ops.linear(x, wt, b, gelu_input=True).sum().backward(), 6 * M * K * N
+        )
+        row["torch_matmul_tflops"] = _torch_gemm_tflops(args.device, dtype, M, K, N)
+        rows.append(row)
+    print(json.dumps({"check": "gemm", "rows": rows}))
+
+
+def _torch_gemm_tflops(device, dtype, M, K, N):
+    try:
+        import torch
+    except ImportError:
+        return None
+    dev = "cuda" if device != "cpu" else "cpu"
+    a = torch.randn(M, K, device=dev).to(getattr(torch, np.dtype(dtype).name))
+    w = torch.randn(K, N, device=dev).to(a.dtype)
+
+    def run():
+        a @ w
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    return round(2 * M * K * N / median_time(run, 5) / 1e12, 2)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("check", choices=["preflight", "parity", "speed"])
+    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm"])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
@@ -197,8 +260,9 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=sorted(PEAK_TFLOPS))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (0: no overlap)")
+    ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
     args = ap.parse_args()
-    {"preflight": preflight, "parity": parity, "speed": speed}[args.check](args)
+    {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm}[args.check](args)
 
 
 if __name__ == "__main__":

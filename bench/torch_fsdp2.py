@@ -50,7 +50,7 @@ class GPT(nn.Module):
         self.ln_f, self.lm_head = nn.LayerNorm(C), nn.Linear(C, cfg["vocab_size"], bias=False)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
