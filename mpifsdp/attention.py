@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .autodiff import primitive
 from .backend import array_module_of
 from .fused import by_rows, row_slices
@@ -62,11 +64,18 @@ def _attention_vjp(g, _, q, k, v, scale):
 
 
 ATTENTION_BLOCK = 256  # queries and keys per block when T is longer: memory O(T * block) per head
+# On a GPU each block pair costs a dozen kernel launches and small GEMMs, and memory is plentiful:
+# blocks of 1024 positions there (GPT-2's whole context in one block).
+GPU_ATTENTION_BLOCK = 1024
+
+
+def attention_block(xp) -> int:
+    return ATTENTION_BLOCK if xp is np else GPU_ATTENTION_BLOCK
 
 
 def _attention_vjp_of(g, saved, q, k, v, scale=None):
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if saved is None:  # T <= ATTENTION_BLOCK: one block, probabilities recomputed whole
+    if saved is None:  # T <= attention_block: one block, probabilities recomputed whole
         return _attention_vjp(g, None, q, k, v, scale)
     return _blocked_attention_vjp(g, saved, q, k, v, scale)
 
@@ -78,14 +87,15 @@ def _attention(q, k, v, scale=None):
     inside this op and its VJP); longer sequences run block by block (flash-style) and keep the
     output and one log-sum-exp per row, so no (T, T) array exists at all."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-2] <= ATTENTION_BLOCK:
+    if q.shape[-2] <= attention_block(array_module_of(q)):
         return _attention_probabilities(q, k, scale) @ v, None
     out, lse = _blocked_attention(q, k, v, scale)
     return out, (out, lse)
 
 
-def _blocks(T: int):
-    return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
+def _blocks(xp, T: int):
+    block = attention_block(xp)
+    return [(start, min(start + block, T)) for start in range(0, T, block)]
 
 
 def _causal_scores(xp, qb, kb, q0: int, k0: int):
@@ -106,12 +116,12 @@ def _blocked_attention(q, k, v, scale):
     out, lse = xp.empty_like(q3), xp.empty(q3.shape[:2], dtype=q.dtype)
 
     def work(i, lo, hi):
-        for q0, q1 in _blocks(T):
+        for q0, q1 in _blocks(xp, T):
             qb = q3[lo:hi, q0:q1] * scale
             m = xp.full((hi - lo, q1 - q0, 1), -xp.inf, dtype=q.dtype)
             l = xp.zeros_like(m)
             acc = xp.zeros((hi - lo, q1 - q0, hs), dtype=q.dtype)
-            for k0, k1 in _blocks(q1):
+            for k0, k1 in _blocks(xp, q1):
                 s = _causal_scores(xp, qb, k3[lo:hi, k0:k1], q0, k0)
                 m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
                 s -= m_new
@@ -139,11 +149,11 @@ def _blocked_attention_vjp(g, saved, q, k, v, scale):
     dq, dk, dv = xp.zeros_like(q3), xp.zeros_like(k3), xp.zeros_like(v3)
 
     def work(i, lo, hi):
-        for q0, q1 in _blocks(T):
+        for q0, q1 in _blocks(xp, T):
             qb, gb = q3[lo:hi, q0:q1], g3[lo:hi, q0:q1]
             qs = qb * scale
             rows = (lse[lo:hi, q0:q1, None], delta[lo:hi, q0:q1, None])
-            for k0, k1 in _blocks(q1):
+            for k0, k1 in _blocks(xp, q1):
                 kb, vb = k3[lo:hi, k0:k1], v3[lo:hi, k0:k1]
                 p = _causal_scores(xp, qs, kb, q0, k0)
                 p -= rows[0]

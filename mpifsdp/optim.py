@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from . import gpu_kernels
 from .backend import array_module_of
 from .flat_optimizer import FlatOptimizer, NonFiniteError
 from .threads import for_row_blocks
@@ -48,8 +49,8 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
         s *= lr / bias1
         p[lo:hi] -= s
 
-    if xp is not np:  # a GPU updates the whole vector at once
-        update(0, p.size, xp.empty_like(p))
+    if xp is not np:  # a GPU updates the whole vector in one kernel
+        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps)
         return
 
     def block(i, lo, hi):

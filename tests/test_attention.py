@@ -22,21 +22,22 @@ def _qkv(T, heads=(2, 3), hs=8, seed=0):
     return [rng.standard_normal((*heads, T, hs)) for _ in range(3)]
 
 
-def test_blocked_attention_equals_the_one_block_path(monkeypatch):
-    q, k, v = _qkv(50)  # 50 = 3 blocks of 16 and a partial one
-    g = np.random.default_rng(1).standard_normal(q.shape)
+def test_blocked_attention_equals_the_one_block_path(monkeypatch, xp):
+    q, k, v = (xp.asarray(a) for a in _qkv(50))  # 50 = 3 blocks of 16 and a partial one
+    g = xp.asarray(np.random.default_rng(1).standard_normal(q.shape))
     want, _ = ATTENTION.forward(q, k, v)
     want_grads = ATTENTION.vjp(g, None, q, k, v)
     monkeypatch.setattr(attention, "ATTENTION_BLOCK", 16)
+    monkeypatch.setattr(attention, "GPU_ATTENTION_BLOCK", 16)
     got, saved = ATTENTION.forward(q, k, v)
     assert saved is not None  # the blocked path ran
     got_grads = ATTENTION.vjp(g, saved, q, k, v)
     # Both sum the same terms in another order: each output is a weighted sum over <= T terms, so the
     # difference is bounded by T float64 roundings of the largest term (|values| <= max|v| or max|g|).
-    bound = 50 * np.finfo(np.float64).eps * 4 * max(abs(v).max(), abs(g).max())
-    assert abs(got - want).max() <= bound
+    bound = 50 * np.finfo(np.float64).eps * 4 * float(max(abs(v).max(), abs(g).max()))
+    assert float(abs(got - want).max()) <= bound
     for a, b in zip(got_grads, want_grads):
-        assert abs(a - b).max() <= bound * abs(q).max() * abs(k).max()
+        assert float(abs(a - b).max()) <= bound * float(abs(q).max() * abs(k).max())
 
 
 def test_blocked_attention_vjp_against_central_differences(small_blocks):
