@@ -3,9 +3,10 @@ softmax and its backward, and optim.py's AdamW update.
 
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
 launch and a trip through device memory, so the same arithmetic is done in one kernel that reads
-each element once. The formulas and their order of operations are the NumPy ones (float16 computes
-in float32, as NumPy's float16 ufuncs do); tests/test_gpu_kernels.py holds each against its NumPy
-twin. Kernels are compiled by CuPy on first use and cached; nothing here imports CuPy.
+each element once. The formulas are the NumPy ones; float16 computes in float32 and rounds once (the
+NumPy path rounds after every pass). tests/test_gpu_kernels.py holds both paths to the same float64
+formulas, and the attention and parity checks to each other. Kernels are compiled by CuPy on first
+use and cached; nothing here imports CuPy.
 """
 
 from __future__ import annotations
