@@ -34,9 +34,11 @@ test: install
 	  $(TEST_ENV) timeout 900 $(MPIRUN) $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi || exit 1; \
 	done
 
-# Two ranks, one BLAS thread each, on the stdlib corpus: about two minutes on 2 cores.
+# Two ranks, one BLAS thread each, on the stdlib corpus: about two minutes on 2 cores. Metrics and
+# their pictures (loss, throughput, memory, communication) land in out/train/.
 train: install
-	OMP_NUM_THREADS=1 OPENBLAS_THREAD_TIMEOUT=4 $(MPIRUN) $(NP) $(BIN)/python -m mpi4py examples/train_gpt.py
+	OMP_NUM_THREADS=1 OPENBLAS_THREAD_TIMEOUT=4 $(MPIRUN) $(NP) $(BIN)/python -m mpi4py examples/train_gpt.py \
+	  --metrics out/train/metrics.jsonl
 
 # Benchmarks print JSON lines. Some machines set OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS
 # builds; they slow a current NumPy's GEMMs ~2x, so benchmarks run without them (tests keep them).

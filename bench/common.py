@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from mpifsdp import Comm
-from mpifsdp.accounting import peak_rss_bytes
+from mpifsdp.accounting import current_rss_bytes, peak_rss_bytes
 from mpifsdp.models import GPTConfig
 
 # The configuration every benchmark (ours and the peers') uses.
@@ -114,8 +114,7 @@ class LocalComm(Comm):
 
 
 def current_rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return current_rss_bytes() / 2**20
 
 
 def blas_kernel() -> str:

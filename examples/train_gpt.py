@@ -5,7 +5,9 @@
     python examples/train_gpt.py --device cuda                        # one process on a GPU
     mpiexec -n 2 python -m mpi4py examples/train_gpt.py --grad_accum 4 --accum_sync no_sync
 
-Any TrainConfig field is a flag. Rank 0 prints; the last line is one JSON object with the results.
+Any TrainConfig field is a flag. Rank 0 prints, with a tqdm progress bar on stderr where tqdm is
+installed (also under mpiexec, where stdout is no TTY); the last line of stdout is one JSON object with
+the results. --metrics run.jsonl writes a line per step; `python -m mpifsdp.pictures run.jsonl` draws it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
-from mpifsdp import checkpoint, sharded_model
+from mpifsdp import checkpoint, pictures, sharded_model
 from mpifsdp.accounting import mib, peak_rss_bytes
 from mpifsdp.data import TextData, rank_slice
 from mpifsdp.models import GPT, GPTConfig
@@ -121,12 +123,32 @@ def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str 
     return path, extra["step"]
 
 
+def progress_bar(total: int, done: int, rank: int):
+    """tqdm on rank 0 where it is installed (it draws without a TTY as well: under mpiexec rank 0's
+    output is a pipe); None otherwise, and the log lines are the only progress."""
+    if rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=done, unit="step", mininterval=1.0, file=sys.stderr, dynamic_ncols=True)
+
+
+def draw_pictures(metrics_path: str) -> str:
+    """The run's PNGs beside its metrics file (mpifsdp.pictures), where matplotlib is installed."""
+    try:
+        paths = pictures.draw(metrics_path)
+    except ImportError:  # no matplotlib: say how to get the pictures later
+        return f"pictures: pip install 'mpifsdp[viz]', then python -m mpifsdp.pictures {metrics_path}"
+    return "pictures: " + ", ".join(str(p) for p in paths)
+
+
 def main():
     cfg = parse_config()
     comm = mpifsdp.Comm(device=cfg.device)  # on a GPU: this rank's GPU, and how collectives move
     rank, world = comm.rank, comm.size
     say = print if rank == 0 else (lambda *a, **k: None)
-    tty = sys.stdout.isatty()
     xp = mpifsdp.array_module(comm.device)
 
     data = TextData(cfg.data or None)
@@ -185,6 +207,8 @@ def main():
     comm.barrier()
     t_start = time.perf_counter()
     metrics = mpifsdp.StepMetrics(cfg.metrics, model) if cfg.metrics else None
+    bar = progress_bar(cfg.max_steps, first_step, rank)
+    log = (lambda text: bar.write(text, file=sys.stdout)) if bar else say  # lines above the bar
     for step in range(first_step, cfg.max_steps):
         last = step == cfg.max_steps - 1
         if last:  # measure one training step's communication exactly (evaluation excluded)
@@ -206,24 +230,30 @@ def main():
         if step % cfg.log_every == 0 or last:
             train_loss = comm.all_reduce_scalar(loss) / world
             tok_s = tokens_per_step * (step + 1 - first_step) / (time.perf_counter() - t_start)
-            line = (
-                f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.4f} | norm {grad_norm:.2f} "
-                f"| lr {opt.lr:.2e} | {tok_s:,.0f} tok/s | peak RSS {mib(peak_rss_bytes()):.0f} MiB"
-            )
-            if tty:
-                bar = "#" * int(30 * (step + 1) / cfg.max_steps)
-                say(f"\r[{bar:<30}] {line}", end="", flush=True)
-            elif step % (cfg.log_every * 10) == 0 or last:
-                say(line, flush=True)
+            if bar:
+                bar.set_postfix_str(f"loss {train_loss:.4f}, {tok_s:,.0f} tok/s", refresh=False)
+            if step % (cfg.log_every * 10) == 0 or last:
+                log(
+                    f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.4f} | norm {grad_norm:.2f} "
+                    f"| lr {opt.lr:.2e} | {tok_s:,.0f} tok/s | peak RSS {mib(peak_rss_bytes()):.0f} MiB"
+                )
+        if bar:
+            bar.update(1)
         if (step > 0 and step % cfg.eval_every == 0) or last:
             val_loss = evaluate()
-            say(f"{chr(10) if tty else ''}step {step + 1}: val loss {val_loss:.4f}", flush=True)
+            log(f"step {step + 1}: val loss {val_loss:.4f}")
+            if metrics:
+                metrics.note(step=step + 1, val_loss=val_loss)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
             # the data position is the step: batches are a pure function of (seed, step)
             extra = {"config": dataclasses.asdict(model_config)}
             path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, extra, keep=cfg.keep)
-            say(f"saved {path}", flush=True)
+            log(f"saved {path}")
     elapsed = time.perf_counter() - t_start
+    if bar:
+        bar.close()
+    if metrics and rank == 0:
+        say(f"metrics: {cfg.metrics}; " + draw_pictures(cfg.metrics))
 
     prompt = np.frombuffer(b"def ", dtype=np.uint8)[None, :].astype(np.int64)
     sample = model.generate(

@@ -9,8 +9,10 @@ and bytes, so tests can hold memory and traffic to the formulas exactly (docs/de
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import time
 from collections import defaultdict
 
 PERSISTENT = ("param_shard", "grad_shard", "optim_state")
@@ -18,22 +20,44 @@ TRANSIENT = ("gathered_params", "gathered_grads", "checkpoint_io")
 
 
 class MemoryLedger:
-    """Current and peak bytes per category, and the peak of their sum."""
+    """Current and peak bytes per category, and the peak of their sum. Between start_timeline() and
+    stop_timeline() every change is also recorded with its time (a step's memory as a picture)."""
 
     def __init__(self):
         self.current = defaultdict(int)
         self.peak = defaultdict(int)
         self.peak_total = 0
+        self.timeline: list | None = None
+        self._t0 = 0.0
 
     def alloc(self, category: str, nbytes: int):
         self.current[category] += nbytes
         self.peak[category] = max(self.peak[category], self.current[category])
         self.peak_total = max(self.peak_total, self.total())
+        self._record(category)
 
     def free(self, category: str, nbytes: int):
         self.current[category] -= nbytes
         if self.current[category] < 0:
             raise AssertionError(f"memory ledger: freed more {category} bytes than were allocated")
+        self._record(category)
+
+    def start_timeline(self):
+        """From now on, record [seconds since now, category, its bytes after, process RSS bytes] at
+        every allocation and free, after one such entry per category for where it starts. The RSS
+        holds what the ledger does not see (activations)."""
+        self.timeline, self._t0 = [], time.perf_counter()
+        for category in PERSISTENT + TRANSIENT:
+            self._record(category)
+
+    def stop_timeline(self) -> list:
+        events, self.timeline = self.timeline or [], None
+        return events
+
+    def _record(self, category: str):
+        if self.timeline is not None:
+            seconds = round(time.perf_counter() - self._t0, 6)
+            self.timeline.append([seconds, category, self.current[category], current_rss_bytes()])
 
     def total(self) -> int:
         return sum(self.current.values())
@@ -105,6 +129,15 @@ class CommLedger:
 
 def mib(nbytes: float) -> float:
     return round(nbytes / 2**20, 2)
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident memory now (Linux's /proc; None where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
 def peak_rss_bytes() -> int:

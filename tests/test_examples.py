@@ -12,13 +12,16 @@ from test_abort import mpiexec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_example(comm, ranks, *args, timeout=300, returncode=0):
+def run_example(comm, ranks, *args, timeout=300, returncode=0, progress=None):
+    """The example's stdout (and stderr when it failed); progress: a list that receives its stderr."""
     if comm.size > 1:
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == returncode, result.stdout[-2000:] + result.stderr[-3000:]
+    if progress is not None:
+        progress.append(result.stderr)
     return result.stdout + (result.stderr if returncode else "")
 
 
@@ -30,15 +33,18 @@ def test_sharded_numpy_example_fits_the_oscillators(comm):
 
 
 def test_train_gpt_example_runs_sharded_and_reports(comm):
+    stderr = []
     out = run_example(
         comm, 2, ROOT / "examples" / "train_gpt.py",
         "--max_steps", 30, "--eval_every", 15, "--n_layer", 2, "--n_embd", 32, "--block_size", 32,
-        "--batch_size", 8, "--sample_tokens", 20, "--warmup_steps", 5,
+        "--batch_size", 8, "--sample_tokens", 20, "--warmup_steps", 5, progress=stderr,
     )  # fmt: skip
     result = json.loads(out.strip().splitlines()[-1])
     assert result["world_size"] == 2 and result["steps"] == 30
     assert result["val_loss"] < 4.0  # from ln(256) = 5.55 at the start
     assert "one training step moved" in out and "plan per rank" in out
+    # tqdm's bar (the test extra installs it) is drawn although stderr is a pipe here, as under mpiexec
+    assert "30/30" in stderr[0] and "tok/s" in stderr[0], stderr[0][-500:]
 
 
 def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm, tmp_path):
@@ -50,8 +56,13 @@ def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations
     )  # fmt: skip
     result = json.loads(out.strip().splitlines()[-1])
     assert result["sequences_per_step"] == 12 and result["val_loss"] < 5.55  # ln(256) at the start
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    every = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in every if "tokens" in m]
     assert [m["step"] for m in lines] == list(range(1, 7))
+    assert [m["timeline_step"] for m in every if "timeline_step" in m] == [2]
+    assert [m["step"] for m in every if "val_loss" in m] == [6]  # the last step evaluates
+    for name in ("loss.png", "throughput.png", "memory.png", "comm.png"):  # drawn beside the metrics
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
     first = lines[0]
     assert first["tokens"] == 12 * 32 and first["loss"] > 0 and len(first["peak_bytes_per_rank"]) == 2
     assert 0 <= first["exposed_comm_s"] <= first["seconds"] and first["compute_s"] > 0

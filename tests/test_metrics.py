@@ -27,15 +27,50 @@ def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
         opt.zero_grad()
         line = metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32 * comm.size, lr=float("nan"))
         assert (line is None) == (comm.rank != 0)
+    metrics.note(step=2, val_loss=3.5)
     comm.barrier()
-    lines = [json.loads(t) for t in open(path).read().splitlines()]
+    every = [json.loads(t) for t in open(path).read().splitlines()]
+    lines = [m for m in every if "loss" in m]
     assert [m["step"] for m in lines] == [1, 2] and lines[1]["lr"] is None  # NaN is not JSON: null
+    assert every[-1]["val_loss"] == 3.5 and every[-1]["time_s"] >= lines[1]["time_s"] > 0
     assert len(lines[1]["peak_bytes_per_rank"]) == comm.size
     assert lines[1]["peak_bytes_per_rank"][0]["param_shard"] > 0
     # What one rank moved in the step's gathers (forward) and reductions (backward): (N - 1) / N of
     # the units, so nothing at N = 1.
     assert (lines[1]["bytes_by_phase"].get("backward", 0) > 0) == (comm.size > 1)
     assert lines[1]["compute_s"] + lines[1]["exposed_comm_s"] == pytest.approx(0.5)
+
+
+def test_the_second_step_records_every_ranks_memory_timeline_and_bytes_per_unit(comm, tmp_path):
+    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
+    model = GPT(cfg, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    opt = AdamW(model, lr=1e-3)
+    path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
+    metrics = StepMetrics(path, model)
+    x = rank_slice(np.zeros((4 * comm.size, 8), dtype=np.int64), comm.rank, comm.size)
+    for step in (1, 2, 3):
+        metrics.start()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32)
+    comm.barrier()
+    every = [json.loads(t) for t in open(path).read().splitlines()]
+    timelines = [m for m in every if "timeline_step" in m]
+    assert [m["timeline_step"] for m in timelines] == [2]  # one step only: the second
+    step2 = next(m for m in every if m.get("step") == 2)
+    events = timelines[0]["memory_events"]
+    assert len(events) == comm.size
+    for rank, rank_events in enumerate(events):
+        gathered = [b for _, category, b, _ in rank_events if category == "gathered_params"]
+        times = [t for t, *_ in rank_events]
+        assert times == sorted(times) and gathered[-1] == 0  # every gather was freed by the step's end
+        assert max(gathered) == step2["peak_bytes_per_rank"][rank]["gathered_params"]  # the ledger's peak
+    by_unit = timelines[0]["bytes_by_unit_phase"]
+    for phase, nbytes in step2["bytes_by_phase"].items():
+        assert sum(phases.get(phase, 0) for phases in by_unit.values()) == nbytes
 
 
 def test_needs_a_sharded_model(tmp_path):
