@@ -85,8 +85,7 @@ def _attention_vjp_of(g, saved, q, k, v, scale=None):
     return _blocked_attention_vjp(g, saved, q, k, v, scale)
 
 
-@primitive("attention", vjp=_attention_vjp_of)
-def _attention(q, k, v, scale=None):
+def _causal_attention(q, k, v, scale=None):
     """Causal scaled dot-product attention on (B, nh, T, hs). Up to ATTENTION_BLOCK positions it keeps
     nothing beyond q, k, v (backward recomputes the (B, nh, T, T) probabilities, which exist only
     inside this op and its VJP); longer sequences run block by block (flash-style) and keep the
@@ -96,6 +95,40 @@ def _attention(q, k, v, scale=None):
         return _attention_probabilities(q, k, scale) @ v, None
     out, lse = _blocked_attention(q, k, v, scale)
     return out, (out, lse)
+
+
+primitive("attention", vjp=_attention_vjp_of)(_causal_attention)
+
+
+def split_heads(qkv, n_head: int):
+    """q, k, v as (B, nh, T, hs) views of the fused projection (B, T, 3C): no copy."""
+    B, T, C3 = qkv.shape
+    return qkv.reshape(B, T, 3, n_head, C3 // (3 * n_head)).transpose(2, 0, 3, 1, 4)
+
+
+def _attention_qkv_vjp(g, saved, qkv, n_head, scale=None):
+    """The three head gradients written into one (B, T, 3C) array (no zero-filled slices to sum)."""
+    xp = array_module_of(qkv)
+    B, T, C = g.shape
+    g_heads = g.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+    grads = _attention_vjp_of(g_heads, saved, *split_heads(qkv, n_head), scale)
+    gqkv = xp.empty_like(qkv)
+    gqkv_heads = split_heads(gqkv, n_head)
+    for i, grad in enumerate(grads):
+        gqkv_heads[i] = grad
+    return (gqkv,)
+
+
+@primitive("attention_qkv", vjp=_attention_qkv_vjp)
+def _attention_qkv(qkv, n_head, scale=None):
+    """Causal attention from the fused q/k/v projection (B, T, 3C) to the heads' outputs side by side
+    (B, T, C). The heads are views of the projection, so no slicing, reshape or transpose of q, k and
+    v is recorded, and backward returns one (B, T, 3C) gradient."""
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_head):
+        raise ValueError(f"attention_qkv: {C3} features are not 3 x {n_head} heads of equal size")
+    y, saved = _causal_attention(*split_heads(qkv, n_head), scale)
+    return y.transpose(0, 2, 1, 3).reshape(B, T, C3 // 3), saved
 
 
 def _blocks(xp, T: int):

@@ -313,16 +313,9 @@ class CausalSelfAttention(Module):
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
     def forward(self, x):
-        B, T, C = x.shape
-        hs = C // self.n_head
-        qkv = self.c_attn(x)  # (B, T, 3C)
-
-        def heads(t):  # (B, T, C) -> (B, nh, T, hs)
-            return t.reshape(B, T, self.n_head, hs).transpose(0, 2, 1, 3)
-
-        q, k, v = (heads(qkv[..., i * C : (i + 1) * C]) for i in range(3))
-        y = ops.attention(q, k, v, scale=1.0 / math.sqrt(hs))  # (B, nh, T, hs)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        qkv = self.c_attn(x)  # (B, T, 3C): q, k, v side by side, each n_head heads of hs
+        hs = x.shape[-1] // self.n_head
+        y = ops.attention_qkv(qkv, self.n_head, scale=1.0 / math.sqrt(hs))  # (B, T, C), heads side by side
         return self.drop(self.c_proj(y))
 
 

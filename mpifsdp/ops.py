@@ -363,6 +363,11 @@ def attention(q, k, v, scale=None) -> Tensor:
     return apply("attention", q, k, v, scale=scale)
 
 
+def attention_qkv(qkv, n_head: int, scale=None) -> Tensor:
+    """Causal attention of the (B, T, 3C) fused projection [q | k | v], heads side by side: (B, T, C)."""
+    return apply("attention_qkv", qkv, n_head=n_head, scale=scale)
+
+
 def dropout(x, p: float, seed: int) -> Tensor:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")

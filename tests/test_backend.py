@@ -1,0 +1,77 @@
+"""The GPU-facing parts of backend.py that can be checked without a GPU: a stand-in for CuPy records
+what they ask of it (make gpu-check runs them on a real device)."""
+
+import types
+
+import pytest
+
+from mpifsdp import backend
+
+
+class FakeCupy:
+    """The pieces of cupy that backend.py touches: Device(i).use(), runtime.eventQuery, streams."""
+
+    def __init__(self, event_status=0):
+        self.used, self.waited = [], []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def use(self):
+                fake.used.append(self.index)
+
+        class Stream:
+            def wait_event(self, event):
+                fake.waited.append(event)
+
+        self.cuda = types.SimpleNamespace(
+            Device=Device,
+            runtime=types.SimpleNamespace(eventQuery=lambda ptr: event_status, getDeviceCount=lambda: 2),
+            get_current_stream=Stream,
+        )
+
+
+def test_plain_cuda_keeps_the_ranks_gpu_and_cuda_n_selects_n(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setattr(backend, "_cupy", lambda: fake)
+    assert backend.array_module("cuda") is fake and fake.used == []  # select_gpu's choice stays
+    backend.array_module("cuda:1")
+    assert fake.used == [1]
+
+
+@pytest.mark.parametrize("status, done", [(0, True), (600, False)])
+def test_an_event_is_done_or_not_ready(monkeypatch, status, done):
+    monkeypatch.setattr(backend, "_cupy", lambda: FakeCupy(status))
+    assert backend.event_done(types.SimpleNamespace(ptr=1)) is done
+
+
+def test_a_cuda_error_while_waiting_raises_instead_of_spinning(monkeypatch):
+    monkeypatch.setattr(backend, "_cupy", lambda: FakeCupy(700))  # cudaErrorIllegalAddress
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        backend.event_done(types.SimpleNamespace(ptr=1))
+
+
+def test_a_stream_request_raises_the_librarys_asynchronous_error(monkeypatch):
+    monkeypatch.setattr(backend, "_cupy", lambda: FakeCupy(600))
+    stream = types.SimpleNamespace(record=lambda: types.SimpleNamespace(ptr=1))
+    assert backend.StreamRequest(stream).Test() is False
+
+    def nccl_failed():
+        raise RuntimeError("NCCL error: unhandled system error")
+
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        backend.StreamRequest(stream, check=nccl_failed).Test()
+
+
+def test_a_required_gpu_that_is_missing_raises_with_its_cause(monkeypatch):
+    def no_cupy(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(backend.importlib, "import_module", no_cupy)
+    monkeypatch.delenv("MPIFSDP_REQUIRE_GPU", raising=False)
+    assert backend.gpu_available() is False
+    monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", "1")
+    with pytest.raises(RuntimeError, match="MPIFSDP_REQUIRE_GPU=1, but no GPU is usable.*cupy"):
+        backend.gpu_available()
