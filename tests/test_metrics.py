@@ -11,24 +11,31 @@ from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
 
-def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
-    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
-    model = GPT(cfg, seed=0)
+def train_with_metrics(comm, tmp_path, steps: int, **write_values) -> tuple[str, list]:
+    """A small sharded GPT trained `steps` steps under StepMetrics; the file (one for all ranks) and
+    what write() returned on this rank."""
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10), seed=0)
     fully_shard(model, comm, units=model.blocks)
-    opt = AdamW(model, lr=1e-3)
+    opt = AdamW(model, lr=1e-2)
     path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
     metrics = StepMetrics(path, model)
-    x = rank_slice(np.zeros((4 * comm.size, 8), dtype=np.int64), comm.rank, comm.size)
-    for step in (1, 2):
+    x = rank_slice(np.arange(32 * comm.size).reshape(-1, 8) % 37, comm.rank, comm.size)
+    returned = []
+    for step in range(1, steps + 1):
         metrics.start()
         loss = model(x, x)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        line = metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32 * comm.size, lr=float("nan"))
-        assert (line is None) == (comm.rank != 0)
-    metrics.note(step=2, val_loss=3.5)
+        returned.append(metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32, **write_values))
+        metrics.note(step=step, val_loss=3.5)
     comm.barrier()
+    return path, returned
+
+
+def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
+    path, returned = train_with_metrics(comm, tmp_path, 2, lr=float("nan"))
+    assert all((line is None) == (comm.rank != 0) for line in returned)
     every = [json.loads(t) for t in open(path).read().splitlines()]
     lines = [m for m in every if "loss" in m]
     assert [m["step"] for m in lines] == [1, 2] and lines[1]["lr"] is None  # NaN is not JSON: null
@@ -42,25 +49,11 @@ def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
 
 
 def test_the_second_step_records_every_ranks_memory_timeline_and_bytes_per_unit(comm, tmp_path):
-    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
-    model = GPT(cfg, seed=0)
-    fully_shard(model, comm, units=model.blocks)
-    opt = AdamW(model, lr=1e-3)
-    path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
-    metrics = StepMetrics(path, model)
-    x = rank_slice(np.zeros((4 * comm.size, 8), dtype=np.int64), comm.rank, comm.size)
-    for step in (1, 2, 3):
-        metrics.start()
-        loss = model(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32)
-    comm.barrier()
+    path, _ = train_with_metrics(comm, tmp_path, 3)
     every = [json.loads(t) for t in open(path).read().splitlines()]
     timelines = [m for m in every if "timeline_step" in m]
     assert [m["timeline_step"] for m in timelines] == [2]  # one step only: the second
-    step2 = next(m for m in every if m.get("step") == 2)
+    step2 = next(m for m in every if m.get("step") == 2 and "loss" in m)
     events = timelines[0]["memory_events"]
     assert len(events) == comm.size
     for rank, rank_events in enumerate(events):

@@ -4,13 +4,9 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from test_checkpoint import shared_dir
+from test_metrics import train_with_metrics
 
-from mpifsdp import AdamW, StepMetrics, fully_shard
-from mpifsdp.data import rank_slice
-from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.pictures import read_run
 
 pytest.importorskip("matplotlib")  # the viz extra; make test installs it (the test extra names it)
@@ -18,28 +14,8 @@ pytest.importorskip("matplotlib")  # the viz extra; make test installs it (the t
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _run_file(comm, tmp_path, steps=3):
-    cfg = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)
-    model = GPT(cfg, seed=0)
-    fully_shard(model, comm, units=model.blocks)
-    opt = AdamW(model, lr=1e-2)
-    path = f"{shared_dir(comm, tmp_path)}/run.jsonl"
-    metrics = StepMetrics(path, model)
-    x = rank_slice(np.arange(8 * 4 * comm.size).reshape(-1, 8) % 37, comm.rank, comm.size)
-    for step in range(1, steps + 1):
-        metrics.start()
-        loss = model(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        metrics.write(step=step, loss=loss.item(), seconds=0.1, tokens=32 * comm.size)
-        metrics.note(step=step, val_loss=loss.item())
-    comm.barrier()
-    return path
-
-
 def test_the_report_draws_four_pngs_from_a_run(comm, tmp_path):
-    path = _run_file(comm, tmp_path)
+    path, _ = train_with_metrics(comm, tmp_path, 3)
     run = read_run(path)
     assert len(run["steps"]) == 3 and len(run["notes"]) == 3 and run["timeline"]["timeline_step"] == 2
     if comm.rank == 0:  # drawing is one process's job
