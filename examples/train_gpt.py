@@ -208,7 +208,11 @@ def main():
     t_start = time.perf_counter()
     metrics = mpifsdp.StepMetrics(cfg.metrics, model) if cfg.metrics else None
     bar = progress_bar(cfg.max_steps, first_step, rank)
-    log = (lambda text: bar.write(text, file=sys.stdout)) if bar else say  # lines above the bar
+
+    def log(text: str):  # rank 0's lines, above the bar, flushed: stdout is a pipe under mpiexec
+        (bar.write if bar else say)(text, file=sys.stdout)
+        sys.stdout.flush()
+
     for step in range(first_step, cfg.max_steps):
         last = step == cfg.max_steps - 1
         if last:  # measure one training step's communication exactly (evaluation excluded)
