@@ -141,7 +141,9 @@ def test_tape_holds_no_view_of_gathered_parameters(comm):
         held += [i._data for i in t._node.inputs if isinstance(i._data, np.ndarray)]
         stack += list(t._node.inputs)
     leaks = sum(np.shares_memory(a, b) for a in held for b in buffers)
-    assert len(held) > 50 and leaks == 0, f"{leaks} tape arrays alias gathered parameters"
+    # the walk reached the graph: at least every Linear's kept input (four per block, and the head)
+    assert len(held) >= 4 * CFG.n_layer + 1, len(held)
+    assert leaks == 0, f"{leaks} tape arrays alias gathered parameters"
     loss.backward()
 
 
