@@ -172,7 +172,7 @@ def _blocked_attention(q, k, v, scale):
             out[lo:hi, q0:q1] = acc / l
             lse[lo:hi, q0:q1] = (m + xp.log(l))[..., 0]
 
-    by_rows(xp, q3.shape[0], T * hs, work)
+    by_rows(xp, q3.shape[0], T * hs, work, calls_blas=True)
     return out.reshape(q.shape), lse
 
 
@@ -204,5 +204,5 @@ def _blocked_attention_vjp(g, saved, q, k, v, scale):
                 dq[lo:hi, q0:q1] += ds @ kb
                 dk[lo:hi, k0:k1] += swap_last(ds) @ qb
 
-    by_rows(xp, q3.shape[0], T * hs, work)
+    by_rows(xp, q3.shape[0], T * hs, work, calls_blas=True)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

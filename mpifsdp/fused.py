@@ -29,10 +29,11 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def by_rows(xp, n_rows: int, row_elements: int, work) -> int:
-    """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU."""
+def by_rows(xp, n_rows: int, row_elements: int, work, calls_blas: bool = False) -> int:
+    """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU. calls_blas:
+    work runs GEMMs (threads.for_row_blocks then keeps BLAS to one thread per block)."""
     if xp is np:
-        return for_row_blocks(n_rows, row_elements, work)
+        return for_row_blocks(n_rows, row_elements, work, calls_blas)
     work(0, 0, n_rows)
     return 1
 

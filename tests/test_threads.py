@@ -95,3 +95,26 @@ def test_import_makes_openblas_threads_sleep_unless_the_user_chose(comm):
         run_env = env if given is None else {**env, "OPENBLAS_THREAD_TIMEOUT": given}
         done = subprocess.run([sys.executable, "-c", show], env=run_env, capture_output=True, text=True)
         assert done.stdout.strip() == want, done.stderr[-2000:]
+
+
+def test_blocks_that_run_gemms_run_them_on_one_blas_thread_each():
+    """Threaded blocks that call BLAS (blocked attention) run it single-threaded, then BLAS gets its
+    threads back: BLAS's own threads on top of ours oversubscribe the cores (threads.one_blas_thread)."""
+    from mpifsdp.threads import for_row_blocks, set_elementwise_threads
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
+
+    seen = []
+    with threadpool_limits(2, user_api="blas"):
+        set_elementwise_threads(2)
+        try:
+            for calls_blas in (False, True):
+                seen.clear()
+                blocks = for_row_blocks(1 << 12, 1 << 10, lambda i, lo, hi: seen.append(blas_threads()),
+                                        calls_blas=calls_blas)  # fmt: skip
+                assert blocks == 2 and len(seen) == 2
+                assert all(t == ([1] if calls_blas else [2]) for t in seen), (calls_blas, seen)
+            assert blas_threads() == [2]  # restored after the section
+        finally:
+            set_elementwise_threads(1)
