@@ -28,10 +28,10 @@ def _attention_probabilities(q, k, scale):
     xp = array_module_of(q)
     T = q.shape[-2]
     scores = q @ swap_last(k)
-    if xp is not np and gpu_kernels.causal_softmax_(scores.reshape(-1, T, T), scale):
+    s3 = scores.reshape(-1, T, T)
+    if xp is not np and gpu_kernels.causal_softmax_(s3, scale):
         return scores
     causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
-    s3 = scores.reshape(-1, T, T)
 
     def work(i, lo, hi):
         for a, b in row_slices(xp, lo, hi, T * T):

@@ -40,12 +40,12 @@ def array_module(device: str = CPU):
     """The array module for a device name ('cpu', 'cuda', 'cuda:N'). 'cuda:N' makes GPU N current;
     plain 'cuda' keeps the current one, which select_gpu chose for this rank (making GPU 0 current
     here would move every rank of a multi-GPU node onto it)."""
-    kind, _ = parse_device(device)
+    kind, index = parse_device(device)
     if kind == CPU:
         return np
     cp = _cupy()
     if ":" in str(device):
-        cp.cuda.Device(parse_device(device)[1]).use()
+        cp.cuda.Device(index).use()
     return cp
 
 

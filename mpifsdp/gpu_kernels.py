@@ -19,6 +19,8 @@ import numpy as np
 
 from .backend import array_module_of
 
+log = logging.getLogger(__name__)
+
 _C = math.sqrt(2.0 / math.pi)  # GELU (tanh form): u = c (x + k x^3), gelu = x sigmoid(2u)
 _K = 0.044715
 
@@ -136,7 +138,6 @@ _ROW_TYPES = {
     np.float32: ("float", "float"),
     np.float64: ("double", "double"),
 }
-log = logging.getLogger(__name__)
 
 
 @functools.cache

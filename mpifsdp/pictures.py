@@ -90,8 +90,8 @@ def draw_memory(plt, timeline, out: Path) -> Path:
     for rank, (ax, events) in enumerate(zip(axes[:, 0], ranks)):
         end = max(t for t, *_ in events)
         for category in dict.fromkeys(category for _, category, _, _ in events):
-            points = [(t, b / MIB) for t, c, b, _ in events if c == category] + [(end, None)]
-            points[-1] = (end, points[-2][1])  # each line runs to the step's end
+            points = [(t, b / MIB) for t, c, b, _ in events if c == category]
+            points.append((end, points[-1][1]))  # each line runs to the step's end
             ax.step(*zip(*points), where="post", label=category)
         ax.set_ylabel(f"rank {rank}: ledger MiB")
         ax.legend(fontsize="small", loc="upper left")
