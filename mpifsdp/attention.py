@@ -3,7 +3,8 @@
 Up to ATTENTION_BLOCK positions the (B, nh, T, T) probabilities are built whole inside the op and
 recomputed in its VJP; longer sequences run block by block with an online softmax (flash-style), so
 no (T, T) array exists and memory grows with T, not T². On the CPU both split their heads across
-this rank's threads (fused.by_rows) and their softmax passes over cache-sized pieces.
+this rank's threads (fused.by_rows), each block running its GEMMs with BLAS on one thread, and their
+softmax passes run over cache-sized pieces.
 """
 
 from __future__ import annotations
@@ -23,49 +24,79 @@ def swap_last(a):
     return a.swapaxes(-1, -2)
 
 
-def _attention_probabilities(q, k, scale):
-    """softmax(q k^T * scale + causal mask) on (B, nh, T, T), built in place block by block."""
-    xp = array_module_of(q)
+def matmul_into(xp, a, b, out):
+    """out[...] = a @ b; on the CPU written in place, also into a strided view (a head of the fused
+    projection), with no temporary."""
+    if xp is np:
+        np.matmul(a, b, out=out)
+    else:
+        out[...] = a @ b
+
+
+def _probabilities(xp, q, k, scale):
+    """softmax(q k^T * scale + causal mask) on (B, heads, T, T), built in place."""
     T = q.shape[-2]
     scores = q @ swap_last(k)
     s3 = scores.reshape(-1, T, T)
     if xp is not np and gpu_kernels.causal_softmax_(s3, scale):
         return scores
     causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
-
-    def work(i, lo, hi):
-        for a, b in row_slices(xp, lo, hi, T * T):
-            s = s3[a:b]
-            s *= scale
-            s += causal
-            s -= s.max(axis=-1, keepdims=True)
-            xp.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-
-    by_rows(xp, s3.shape[0], T * T, work)
+    for a, b in row_slices(xp, 0, s3.shape[0], T * T):
+        s = s3[a:b]
+        s *= scale
+        s += causal
+        s -= s.max(axis=-1, keepdims=True)
+        xp.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
     return scores
 
 
-def _attention_vjp(g, _, q, k, v, scale):
-    """Recomputes the probabilities from q and k (one small batched GEMM) instead of keeping them."""
-    xp = array_module_of(g)
-    att = _attention_probabilities(q, k, scale)
-    gv = swap_last(att) @ g
-    gs = g @ swap_last(v)  # d att, turned into d scores in place: att * (gatt - rowsum(gatt * att))
-    T = att.shape[-1]
-    gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
-    if xp is not np and gpu_kernels.softmax_backward_(gs3, att3, scale):
-        return gs @ k, swap_last(gs) @ q, gv
+def _by_heads(xp, q, work):
+    """work(i, lo, hi) over blocks of heads (axis 1 of (B, heads, T, hs)), in parallel on the CPU with
+    BLAS on one thread per block: one head's GEMMs (T x hs) are too small for BLAS's own threads to
+    pay, and the softmax passes between them then run in parallel too."""
+    B, heads, T = q.shape[:3]
+    by_rows(xp, heads, B * T * T, work, calls_blas=True)
+
+
+def _whole_attention(q, k, v, scale):
+    """The output as a (B, heads, T, hs) view of a (B, T, heads, hs) array: the heads side by side, as
+    attention_qkv returns them, with no copy."""
+    xp = array_module_of(q)
+    B, heads, T, hs = q.shape
+    out = xp.empty((B, T, heads, hs), dtype=q.dtype).transpose(0, 2, 1, 3)
 
     def work(i, lo, hi):
-        for start, stop in row_slices(xp, lo, hi, T * T):
-            d, a = gs3[start:stop], att3[start:stop]
-            d -= (d * a).sum(axis=-1, keepdims=True)
-            d *= a
-            d *= scale
+        h = slice(lo, hi)
+        matmul_into(xp, _probabilities(xp, q[:, h], k[:, h], scale), v[:, h], out[:, h])
 
-    by_rows(xp, gs3.shape[0], T * T, work)
-    return gs @ k, swap_last(gs) @ q, gv
+    _by_heads(xp, q, work)
+    return out
+
+
+def _attention_vjp(g, q, k, v, scale, grads):
+    """Recomputes the probabilities from q and k (one small batched GEMM) instead of keeping them;
+    writes d q, d k, d v into `grads`."""
+    xp = array_module_of(g)
+    gq, gk, gv = grads
+    T = q.shape[-2]
+
+    def work(i, lo, hi):
+        h = slice(lo, hi)
+        att = _probabilities(xp, q[:, h], k[:, h], scale)
+        matmul_into(xp, swap_last(att), g[:, h], gv[:, h])
+        gs = g[:, h] @ swap_last(v[:, h])  # d att, turned into d scores in place
+        gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
+        if xp is np or not gpu_kernels.softmax_backward_(gs3, att3, scale):
+            for a, b in row_slices(xp, 0, gs3.shape[0], T * T):  # att (gatt - rowsum(gatt att))
+                d, p = gs3[a:b], att3[a:b]
+                d -= (d * p).sum(axis=-1, keepdims=True)
+                d *= p
+                d *= scale
+        matmul_into(xp, gs, k[:, h], gq[:, h])
+        matmul_into(xp, swap_last(gs), q[:, h], gk[:, h])
+
+    _by_heads(xp, q, work)
 
 
 ATTENTION_BLOCK = 256  # queries and keys per block when T is longer: memory O(T * block) per head
@@ -78,11 +109,17 @@ def attention_block(xp) -> int:
     return ATTENTION_BLOCK if xp is np else GPU_ATTENTION_BLOCK
 
 
-def _attention_vjp_of(g, saved, q, k, v, scale=None):
+def _attention_vjp_of(g, saved, q, k, v, scale=None, grads=None):
+    """(d q, d k, d v), written into `grads` where given (three arrays of q's shape)."""
+    xp = array_module_of(g)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    grads = grads or tuple(xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))
     if saved is None:  # T <= attention_block: one block, probabilities recomputed whole
-        return _attention_vjp(g, None, q, k, v, scale)
-    return _blocked_attention_vjp(g, saved, q, k, v, scale)
+        _attention_vjp(g, q, k, v, scale, grads)
+    else:
+        for grad, blocked in zip(grads, _blocked_attention_vjp(g, saved, q, k, v, scale)):
+            grad[...] = blocked
+    return grads
 
 
 def _causal_attention(q, k, v, scale=None):
@@ -92,7 +129,7 @@ def _causal_attention(q, k, v, scale=None):
     output and one log-sum-exp per row, so no (T, T) array exists at all."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     if q.shape[-2] <= attention_block(array_module_of(q)):
-        return _attention_probabilities(q, k, scale) @ v, None
+        return _whole_attention(q, k, v, scale), None
     out, lse = _blocked_attention(q, k, v, scale)
     return out, (out, lse)
 
@@ -111,11 +148,10 @@ def _attention_qkv_vjp(g, saved, qkv, n_head, scale=None):
     xp = array_module_of(qkv)
     B, T, C = g.shape
     g_heads = g.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
-    grads = _attention_vjp_of(g_heads, saved, *split_heads(qkv, n_head), scale)
     gqkv = xp.empty_like(qkv)
-    gqkv_heads = split_heads(gqkv, n_head)
-    for i, grad in enumerate(grads):
-        gqkv_heads[i] = grad
+    _attention_vjp_of(
+        g_heads, saved, *split_heads(qkv, n_head), scale, grads=tuple(split_heads(gqkv, n_head))
+    )
     return (gqkv,)
 
 
