@@ -21,16 +21,20 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
     """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read).
 
     Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
-    PyTorch's AdamW. The update runs slice by slice (in parallel over the rank's threads on the CPU)
-    with one slice-sized temporary: no buffer of the model's size is allocated per step. A zero
-    gradient where m and v are zero leaves p unchanged, which keeps FSDP padding at zero (docs/design.md,
-    invariant 2).
+    PyTorch's AdamW. The update, decay included, runs slice by slice (in parallel over the rank's
+    threads on the CPU) with one slice-sized temporary: no buffer of the model's size is allocated
+    per step, and p is read and written once. A zero gradient where m and v are zero leaves p
+    unchanged, which keeps FSDP padding at zero (docs/design.md, invariant 2).
     """
     xp = array_module_of(p)
-    if weight_decay:
-        for start, stop in decay_segments:
-            p[start:stop] *= 1.0 - lr * weight_decay
+    decay = 1.0 - lr * weight_decay
+    segments = list(decay_segments) if weight_decay else []
     bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    if xp is not np:  # a GPU decays, then updates the whole vector in one kernel
+        for start, stop in segments:
+            p[start:stop] *= decay
+        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps)
+        return
 
     def update(lo, hi, s):
         s = s[: hi - lo]
@@ -47,11 +51,10 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
         s += eps
         xp.divide(ms, s, out=s)
         s *= lr / bias1
+        for start, stop in segments:  # the decay, while this slice of p is in cache
+            if start < hi and lo < stop:
+                p[max(start, lo) : min(stop, hi)] *= decay
         p[lo:hi] -= s
-
-    if xp is not np:  # a GPU updates the whole vector in one kernel
-        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps)
-        return
 
     def block(i, lo, hi):
         s = np.empty(min(SLICE, hi - lo), dtype=p.dtype)

@@ -43,6 +43,35 @@ def test_adamw_matches_reference(rng):
         assert p.grad is None
 
 
+def test_decay_segments_that_cross_slices_and_thread_blocks(rng):
+    """The decay is applied slice by slice as each slice is updated (optim.SLICE elements, split over
+    threads): exactly inside the segments, whatever slice or block boundary they straddle."""
+    from mpifsdp import optim
+    from mpifsdp.threads import row_blocks, set_elementwise_threads
+
+    n = 8 * optim.SLICE + 1234  # two thread blocks, the second not starting on a slice boundary
+    segments = [(100, optim.SLICE + 7), (2 * optim.SLICE - 3, 2 * optim.SLICE + 5), (n // 2 - 5, n // 2 + 5)]
+    segments.append((n - 10, n))
+    p0, g, m0 = rng.standard_normal(n), rng.standard_normal(n), rng.standard_normal(n)
+    v0 = rng.random(n)
+    lr, wd, b1, b2, eps, step = 0.01, 0.1, 0.9, 0.95, 1e-8, 3
+    inside = np.zeros(n, dtype=bool)
+    for start, stop in segments:
+        inside[start:stop] = True
+    m = b1 * m0 + (1 - b1) * g  # the same operations in the same order: bit-identical
+    v = b2 * v0 + (1 - b2) * (g * g)
+    denom = np.sqrt(v) / np.sqrt(1 - b2**step) + eps
+    want = np.where(inside, p0 * (1 - lr * wd), p0) - (m / denom) * (lr / (1 - b1**step))
+    for threads in (1, 2):
+        set_elementwise_threads(threads)
+        assert len(row_blocks(n, 1)) == threads
+        p, mm, vv = p0.copy(), m0.copy(), v0.copy()
+        optim.adamw_update(p, g, mm, vv, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step,
+                           decay_segments=segments, weight_decay=wd)  # fmt: skip
+        np.testing.assert_array_equal(p, want, err_msg=f"{threads} threads")
+    set_elementwise_threads(1)
+
+
 def test_params_without_grad_are_left_alone(rng):
     a, b = Param(rng.standard_normal(3), "a"), Param(rng.standard_normal(3), "b")
     before = b.data.copy()
