@@ -50,6 +50,7 @@ bench: install
 	$(BENCH) bench/bench_fsdp.py --config peer
 	$(BENCH) bench/bench_training.py
 	$(BENCH) bench/bench_plan.py
+	$(BENCH) bench/growth_table.py
 	$(BENCH) bench/scaling_table.py
 
 # On a machine with a GPU and CuPy: all GPU checks in one command, logs in $(OUT) (default out/gpu).

@@ -1,9 +1,11 @@
 """Single-process training step of the peer-config GPT vs plain GEMMs of the same shapes, and vs torch.
 
 Prints one JSON line: step time, achieved GFLOP/s, the GFLOP/s of xp.matmul running exactly the
-GEMMs a step performs (measured in the same run), and their ratio (1.0 = zero framework overhead);
-where torch is installed (not a dependency), the same model's single-process step in torch with the
-same threads (bench/torch_fsdp2.py's GPT). --profile adds one line per primitive: its forward and
+GEMMs a step performs, and their ratio (1.0 = zero framework overhead); where torch is installed (not
+a dependency), the same model's single-process step in torch with the same threads
+(bench/torch_fsdp2.py's GPT). The three take turns, one round each per --steps (interleaved_times):
+ratios are medians of per-round ratios, with their range, so a machine whose speed drifts during
+the run compares like with like. --profile adds one line per primitive: its forward and
 backward seconds per step and share of the step, largest first; "outside" is everything else
 (optimizer, clipping, Python).
     python bench/bench_core.py [--config peer|small] [--set block_size=1024 ...] [--steps 5] [--profile]
@@ -15,6 +17,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -23,10 +26,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     add_config_arguments,
     config_from,
+    gemm_runner,
     gpt_config,
-    median_time,
+    interleaved_times,
     peak_rss_mib,
     random_batch,
+    step_gemm_shapes,
     synchronizer,
     train_step,
 )
@@ -37,46 +42,10 @@ from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.tape import profile  # noqa: E402
 
 
-def step_gemm_shapes(cfg: dict) -> list[tuple[int, int, int, int]]:
-    """(batch, M, K, N) of every matmul in one forward + backward of the GPT."""
-    B, T, C, L, V, H = (
-        cfg[k] for k in ("batch_size", "block_size", "n_embd", "n_layer", "vocab_size", "n_head")
-    )
-    M, hs = B * T, C // H
-    linears = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * L + [(C, V)]
-    shapes = []
-    for K, N in linears:  # forward, grad input, grad weight
-        shapes += [(1, M, K, N), (1, M, N, K), (1, K, M, N)]
-    for _ in range(L):  # attention: q k^T and att v forward; four GEMMs backward
-        shapes += [(B * H, T, hs, T), (B * H, T, T, hs)] + [(B * H, T, T, hs), (B * H, T, hs, T)] * 2
-    return shapes
-
-
-def gemm_seconds(xp, shapes, dtype, repeats):
-    """Seconds for every GEMM of `shapes`, on operands made once per distinct shape (random values:
-    a GPU multiplies zeros faster)."""
-    rng = np.random.default_rng(0)
-    operands = {}
-    for shape in dict.fromkeys(shapes):
-        b, m, k, n = shape
-        a = xp.asarray(rng.standard_normal((b, m, k), dtype=np.float32), dtype=dtype)
-        w = xp.asarray(rng.standard_normal((b, k, n), dtype=np.float32), dtype=dtype)
-        operands[shape] = (a, w, xp.empty((b, m, n), dtype=dtype))
-    pairs = [operands[shape][:2] for shape in shapes]
-    outs = [operands[shape][2] for shape in shapes]
-    synchronize = synchronizer(xp)
-
-    def run():
-        for (a, b), out in zip(pairs, outs):
-            xp.matmul(a, b, out=out)
-        synchronize()
-
-    return median_time(run, repeats)
-
-
-def torch_step_seconds(cfg: dict, steps: int, device: str = "cpu") -> float | None:
-    """The same model's single-process training step in torch on `device` (None where torch is not
-    installed). float32 on a GPU stays IEEE float32 (torch's default: no TF32), as CuPy's."""
+def torch_step_runner(cfg: dict, device: str = "cpu"):
+    """A function running the same model's single-process training step in torch on `device` (None
+    where torch is not installed). float32 on a GPU stays IEEE float32 (torch's default: no TF32), as
+    CuPy's."""
     if importlib.util.find_spec("torch") is None:
         return None
     import torch
@@ -97,7 +66,7 @@ def torch_step_seconds(cfg: dict, steps: int, device: str = "cpu") -> float | No
         if device != "cpu":
             torch.cuda.synchronize()
 
-    return median_time(step, steps)
+    return step
 
 
 def print_profile(model, opt, x, y, steps: int, step_s: float):
@@ -139,16 +108,31 @@ def main():
     opt = AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
     x, y = (xp.asarray(a) for a in random_batch(cfg, cfg["batch_size"]))
     synchronize = synchronizer(xp)
-    step_s = median_time(lambda: (train_step(model, opt, x, y), synchronize()), args.steps)
-    rss = peak_rss_mib()  # before the GEMM reference allocates its own arrays
+
+    def step():
+        train_step(model, opt, x, y)
+        synchronize()
+
+    step()
+    rss = peak_rss_mib()  # before the GEMM reference and torch allocate their own arrays
+    shapes = step_gemm_shapes(cfg)
+    runs = {"step": step, "gemm": gemm_runner(xp, shapes, np.float32)}
+    torch_step = None if args.no_torch else torch_step_runner(cfg, args.device)
+    if torch_step:
+        runs["torch"] = torch_step
+    times = interleaved_times(runs, args.steps)
+    step_s, gemm_s = (statistics.median(times[k]) for k in ("step", "gemm"))
+    per_round = {"step_vs_gemm": [g / s for g, s in zip(times["gemm"], times["step"])]}
+    if torch_step:
+        per_round["step_vs_torch"] = [s / t for s, t in zip(times["step"], times["torch"])]
+    ratios = {k: round(statistics.median(v), 3) for k, v in per_round.items()}
+    spread = {k: [round(min(v), 3), round(max(v), 3)] for k, v in per_round.items()}
     if args.profile:
         print_profile(model, opt, x, y, args.steps, step_s)
-    shapes = step_gemm_shapes(cfg)
-    gemm_s = gemm_seconds(xp, shapes, np.float32, args.steps)
     gemm_flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
     tokens = cfg["batch_size"] * cfg["block_size"]
     model_flops = model.flops_per_token(cfg["block_size"]) * tokens
-    torch_s = None if args.no_torch else torch_step_seconds(cfg, args.steps, args.device)
+    torch_s = torch_step and statistics.median(times["torch"])
     print(
         json.dumps(
             {
@@ -162,11 +146,13 @@ def main():
                 "step_gflops": round(model_flops / step_s / 1e9, 2),
                 "gemm_gflops": round(gemm_flops / gemm_s / 1e9, 2),
                 "gemm_s": round(gemm_s, 4),
-                "step_vs_gemm": round(gemm_s / step_s, 3),
+                "step_vs_gemm": ratios["step_vs_gemm"],
                 "peak_rss_mib": round(rss, 1),
                 "block_size": cfg["block_size"],
                 "torch_step_s": torch_s and round(torch_s, 4),
-                "step_vs_torch": torch_s and round(step_s / torch_s, 3),
+                "step_vs_torch": ratios.get("step_vs_torch"),
+                "ratio_range": spread,
+                "rounds": args.steps,
             }
         )
     )

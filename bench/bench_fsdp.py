@@ -29,10 +29,12 @@ from common import (  # noqa: E402
     config_arguments,
     config_from,
     current_rss_mib,
+    gemm_seconds,
     gpt_config,
     peak_rss_mib,
     random_batch,
     run_json,
+    step_gemm_shapes,
     train_step,
 )
 
@@ -79,6 +81,11 @@ def worker(args):
     loss.backward()
     sharded = mpifsdp.sharded_model(model)
     runtime = (sharded.ledger.peak_total if sharded else 16 * model.num_params()) / 2**20
+    gemm_s = None
+    if args.gemm:  # every rank at once, as in the step: the GEMMs of one rank's share of the batch
+        comm.mpi.Barrier()
+        shapes = step_gemm_shapes({**cfg, "batch_size": global_batch // (1 if args.unsharded else N)})
+        gemm_s = comm.mpi.allreduce(gemm_seconds(np, shapes, np.float32, args.steps), op=MPI.MAX)
     if comm.rank == 0:
         tokens = global_batch * cfg["block_size"]
         step_s = float(np.median(times))
@@ -108,6 +115,7 @@ def worker(args):
                     },
                     "rss_vs_terms": round(rss / formula, 3),
                 }
+                | ({"gemm_s": round(gemm_s, 4), "step_vs_gemm": round(gemm_s / step_s, 3)} if gemm_s else {})
             ),
             flush=True,
         )
@@ -121,6 +129,7 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--no-torch", action="store_true", help="skip PyTorch FSDP2 even if torch is installed")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)  # growth_table.py
     ap.add_argument("--unsharded", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--local-comm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ranks-equivalent", type=int, default=1, help=argparse.SUPPRESS)

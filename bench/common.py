@@ -71,6 +71,65 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def step_gemm_shapes(cfg: dict) -> list[tuple[int, int, int, int]]:
+    """(batch, M, K, N) of every matmul in one forward + backward of the GPT."""
+    B, T, C, L, V, H = (
+        cfg[k] for k in ("batch_size", "block_size", "n_embd", "n_layer", "vocab_size", "n_head")
+    )
+    M, hs = B * T, C // H
+    linears = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] * L + [(C, V)]
+    shapes = []
+    for K, N in linears:  # forward, grad input, grad weight
+        shapes += [(1, M, K, N), (1, M, N, K), (1, K, M, N)]
+    for _ in range(L):  # attention: q k^T and att v forward; four GEMMs backward
+        shapes += [(B * H, T, hs, T), (B * H, T, T, hs)] + [(B * H, T, T, hs), (B * H, T, hs, T)] * 2
+    return shapes
+
+
+def gemm_runner(xp, shapes, dtype):
+    """A function running every GEMM of `shapes`, on operands made once per distinct shape (random
+    values: a GPU multiplies zeros faster)."""
+    rng = np.random.default_rng(0)
+    operands = {}
+    for shape in dict.fromkeys(shapes):
+        b, m, k, n = shape
+        a = xp.asarray(rng.standard_normal((b, m, k), dtype=np.float32), dtype=dtype)
+        w = xp.asarray(rng.standard_normal((b, k, n), dtype=np.float32), dtype=dtype)
+        operands[shape] = (a, w, xp.empty((b, m, n), dtype=dtype))
+    pairs = [operands[shape][:2] for shape in shapes]
+    outs = [operands[shape][2] for shape in shapes]
+    synchronize = synchronizer(xp)
+
+    def run():
+        for (a, b), out in zip(pairs, outs):
+            xp.matmul(a, b, out=out)
+        synchronize()
+
+    return run
+
+
+def gemm_seconds(xp, shapes, dtype, repeats):
+    """Median seconds for every GEMM of `shapes` (gemm_runner)."""
+    return median_time(gemm_runner(xp, shapes, dtype), repeats)
+
+
+def interleaved_times(runs: dict, rounds: int) -> dict:
+    """Seconds of each function per round, the functions taking turns (the first rotating each
+    round) after one warm-up each: on a machine whose speed drifts from minute to minute, each round
+    compares them under the same conditions, so ratios are taken per round."""
+    names = list(runs)
+    for run in runs.values():
+        run()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            time.sleep(0.05)  # BLAS and OpenMP threads of the previous run stop spinning
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def peak_rss_mib() -> float:
     return peak_rss_bytes() / 2**20
 
