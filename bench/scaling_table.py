@@ -31,7 +31,8 @@ def predict(config, world, shard_size, flops=FLOPS, intra=INTRA, inter=INTER):
     return plan(
         units, world, shard_size=shard_size, ranks_per_node=NODE, itemsize=4, compute_itemsize=2,
         flops=flops, flops_per_step=flops_per_step(model, config.block_size, tokens, checkpoint=True),
-        activation_bytes=gpt_activation_bytes(config, 1, 2, checkpoint=True), intra=intra, inter=inter,
+        activation_bytes=gpt_activation_bytes(config, 1, 2, checkpoint=True, device="cuda"),
+        intra=intra, inter=inter,
     )  # fmt: skip
 
 

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import attention
 from .layers import Module, deferred_init
 from .partition import owned_params
-
-ATTENTION_BLOCK = 256  # attention.py: beyond it, the blocked path keeps one log-sum-exp per row
 
 
 @dataclass(frozen=True)
@@ -63,15 +62,21 @@ def _padded(numel: int, shard_size: int) -> int:
     return -(-numel // shard_size) * shard_size
 
 
-def gpt_activation_bytes(config, batch: int, itemsize: int, checkpoint: bool = False) -> int:
+def gpt_activation_bytes(
+    config, batch: int, itemsize: int, checkpoint: bool = False, device: str = "cpu"
+) -> int:
     """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
-    12 B·T·C values and 4 per token (LayerNorm statistics), and past ATTENTION_BLOCK positions the
-    attention's output and one log-sum-exp per head and token (the blocked path keeps them);
+    12 B·T·C values and 4 per token (LayerNorm statistics), and past the attention block (256
+    positions on the CPU, 1024 on a GPU: attention.py) the attention's output and one log-sum-exp
+    per head and token (the blocked path keeps them);
     outside them the final LayerNorm's input and output, the logits, and per token two statistics,
     the log-sum-exp and a one-byte mask. Checkpointed blocks keep only their input (B·T·C). Equal to
     autodiff.graph_nbytes (tests/test_planner.py)."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
-    block = 12 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > ATTENTION_BLOCK else 0)
+    whole = attention.ATTENTION_BLOCK if device == "cpu" else attention.GPU_ATTENTION_BLOCK
+    block = 12 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
     per_block = B * T * C if checkpoint else block
     outside = 2 * B * T * C + B * T * config.vocab_size + 3 * B * T
     return itemsize * (config.n_layer * per_block + outside) + B * T
@@ -290,6 +295,7 @@ def add_arguments(parser):
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--no-sync", action="store_true", help="accumulate unreduced (no_sync)")
     parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model computes")
     parser.add_argument("--dtype", default="float32", help="shards, gradient shards, optimizer state")
     parser.add_argument("--compute-bytes", type=int, default=0, help="per gathered element (2: bfloat16)")
     parser.add_argument("--prefetch", type=int, default=1)
@@ -339,7 +345,7 @@ def run_cli(args) -> int:
         compute_itemsize=wire,
         prefetch=args.prefetch, reshard_after_forward=not args.keep_gathered, grad_accum=args.grad_accum,
         no_sync=args.no_sync, flops=flops, intra=intra, inter=inter,
-        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.checkpoint),
+        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.checkpoint, args.device),
         flops_per_step=flops_per_step(model, config.block_size, tokens, args.checkpoint),
     )  # fmt: skip
     result["setup"]["gpt"] = dataclasses.asdict(config)

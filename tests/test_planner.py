@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import mpifsdp.attention as attention
 from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff import graph_nbytes
 from mpifsdp.data import rank_slice
@@ -97,6 +98,21 @@ def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
     x = np.zeros((2 * comm.size, block_size), dtype=np.int64)
     x, y = rank_slice(x, comm.rank, comm.size), rank_slice(x, comm.rank, comm.size)
     assert graph_nbytes(model(x, y)) == gpt_activation_bytes(cfg, 2, 8, checkpoint)
+
+
+def test_activation_bytes_on_a_gpu_use_its_attention_block(monkeypatch):
+    """A GPU runs attention whole up to GPU_ATTENTION_BLOCK positions (nothing extra kept): the
+    prediction for device="cuda" is the tape's when the CPU's block is made that large."""
+    cfg = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8)
+    monkeypatch.setattr(attention, "ATTENTION_BLOCK", attention.GPU_ATTENTION_BLOCK)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    x = np.zeros((2, cfg.block_size), dtype=np.int64)
+    want = graph_nbytes(model(x, x))
+    assert gpt_activation_bytes(cfg, 2, 8, device="cuda") == want
+    monkeypatch.undo()
+    assert gpt_activation_bytes(cfg, 2, 8) > want  # the CPU's blocked path keeps more
+    with pytest.raises(ValueError, match="'gpu' is not 'cpu' or 'cuda"):
+        gpt_activation_bytes(cfg, 2, 8, device="gpu")
 
 
 def test_time_model_and_the_command_line(tmp_path):
