@@ -199,6 +199,12 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
 # -- LayerNorm ------------------------------------------------------------------------------------
 
 
+def row_dots(xp, a, b):
+    """sum(a * b) along the last axis of 2-D arrays: on the CPU with no (rows, C) temporary
+    (einsum); on a GPU as a product and a sum (CuPy's einsum is not measured there)."""
+    return np.einsum("ij,ij->i", a, b) if xp is np else (a * b).sum(axis=-1)
+
+
 def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
     """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std."""
     mean, rstd = saved
@@ -213,12 +219,14 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
         gc = g2[lo:hi]
         xhat = x2[lo:hi] - mean[lo:hi]
         xhat *= rstd[lo:hi]
-        parts[i] = ((gc * xhat).sum(axis=0), gc.sum(axis=0))
-        gxhat = gc * w
+        gw_part = np.einsum("ij,ij->j", gc, xhat) if xp is np else (gc * xhat).sum(axis=0)
+        parts[i] = (gw_part, gc.sum(axis=0))
+        gxhat = gc * w  # gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat))
+        projection = row_dots(xp, gxhat, xhat)[:, None]
+        projection *= 1.0 / C
         out = gx2[lo:hi]
         xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
-        gxhat *= xhat
-        xhat *= gxhat.mean(axis=-1, keepdims=True)
+        xhat *= projection
         out -= xhat
         out *= rstd[lo:hi]
 
@@ -242,7 +250,7 @@ def _layer_norm(x, w, b=None, eps=1e-5):
         o = o2[lo:hi]
         mean[lo:hi] = x2[lo:hi].mean(axis=-1, keepdims=True)
         xp.subtract(x2[lo:hi], mean[lo:hi], out=o)
-        rstd[lo:hi] = 1.0 / xp.sqrt((o * o).mean(axis=-1, keepdims=True) + eps)
+        rstd[lo:hi, 0] = 1.0 / xp.sqrt(row_dots(xp, o, o) / C + eps)
         o *= rstd[lo:hi]
         o *= w
         if b is not None:
