@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from mpifsdp import AdamW  # noqa: E402
 from mpifsdp.backend import array_module  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.tape import profile  # noqa: E402
+from mpifsdp.threads import elementwise_threads  # noqa: E402
 
 
 def torch_step_runner(cfg: dict, device: str = "cpu"):
@@ -51,7 +53,7 @@ def torch_step_runner(cfg: dict, device: str = "cpu"):
     import torch
     from torch_fsdp2 import GPT as TorchGPT
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(elementwise_threads())  # ours: all cores, or OMP_NUM_THREADS where set
     torch.manual_seed(0)
     model = TorchGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -69,11 +71,15 @@ def torch_step_runner(cfg: dict, device: str = "cpu"):
     return step
 
 
-def print_profile(model, opt, x, y, steps: int, step_s: float):
-    """Per primitive: forward and backward seconds per step, and their share of the step."""
+def print_profile(model, opt, x, y, steps: int, synchronize):
+    """Per primitive: forward and backward seconds per step, and their share of the profiled steps'
+    own time (this machine's speed drifts between the timed rounds and these steps)."""
     with profile() as costs:
+        t0 = time.perf_counter()
         for _ in range(steps):
             train_step(model, opt, x, y)
+        synchronize()
+        step_s = (time.perf_counter() - t0) / steps
     rows = sorted(costs.items(), key=lambda kv: -(kv[1]["forward_s"] + kv[1]["backward_s"]))
     inside = 0.0
     for name, c in rows:
@@ -87,6 +93,7 @@ def print_profile(model, opt, x, y, steps: int, step_s: float):
         json.dumps(
             {
                 "primitive": "outside",
+                "step_s": round(step_s, 4),
                 "seconds": round(step_s - inside, 4),
                 "share": round(1 - inside / step_s, 3),
             }
@@ -128,7 +135,7 @@ def main():
     ratios = {k: round(statistics.median(v), 3) for k, v in per_round.items()}
     spread = {k: [round(min(v), 3), round(max(v), 3)] for k, v in per_round.items()}
     if args.profile:
-        print_profile(model, opt, x, y, args.steps, step_s)
+        print_profile(model, opt, x, y, args.steps, synchronize)
     gemm_flops = sum(2 * b * m * k * n for b, m, k, n in shapes)
     tokens = cfg["batch_size"] * cfg["block_size"]
     model_flops = model.flops_per_token(cfg["block_size"]) * tokens
@@ -140,6 +147,7 @@ def main():
                 "config": args.config,
                 "set": args.set,
                 "device": args.device,
+                "threads": elementwise_threads(),
                 "params": model.num_params(),
                 "step_s": round(step_s, 4),
                 "tokens_per_s": round(tokens / step_s, 1),

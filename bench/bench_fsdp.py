@@ -5,7 +5,10 @@ local copies (exposed communication = the difference); the single-process unshar
 global batch with all cores; and, where torch is installed, the same model under PyTorch FSDP2 with
 gloo (bench/torch_fsdp2.py). One JSON line per run, then one summary line per N and a final one.
     python bench/bench_fsdp.py [--config peer|small] [--set block_size=1024 batch_size=2 ...] [--steps 5]
-        [--sizes 1,2,4] [--prefetch 1]
+        [--sizes 1,2,4] [--prefetch 1] [--repeats 1]
+With --repeats R the four runs of each N take turns R times and each ratio is the median of the
+per-round ratios, with its range: on a machine whose speed drifts, a ratio of runs minutes apart
+can be off by 1.5x (measured here: FSDP2 at N = 2 took 7.7 s in one run, 12.2 s in the next).
 On machines that set OPENBLAS_CORETYPE for old OpenBLAS builds, run it as
 `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/bench_fsdp.py` (make bench does).
 """
@@ -17,6 +20,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -121,12 +125,31 @@ def worker(args):
         )
 
 
+def round_ratios(rounds: dict) -> dict:
+    """Each comparison's ratio in every round (runs of one round ran minutes, not hours, apart)."""
+    ours = rounds["ours"]
+    ratios = {
+        "step_vs_single": [o["step_s"] / s["step_s"] for o, s in zip(ours, rounds["single"])],
+        "exposed_comm_fraction": [
+            max(0.0, 1 - local["step_s"] / o["step_s"]) for o, local in zip(ours, rounds["local"])
+        ],
+    }
+    if "torch" in rounds:
+        pairs = list(zip(ours, rounds["torch"]))
+        ratios["tokens_per_s_vs_torch"] = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in pairs]
+        ratios["peak_rss_vs_torch"] = [
+            o["peak_rss_mib_per_rank"] / t["peak_rss_mib_per_rank"] for o, t in pairs
+        ]
+    return ratios
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     add_config_arguments(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sizes", default="1,2,4")
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds in which the runs take turns")
     ap.add_argument("--no-torch", action="store_true", help="skip PyTorch FSDP2 even if torch is installed")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--gemm", action="store_true", help=argparse.SUPPRESS)  # growth_table.py
@@ -145,14 +168,10 @@ def main():
     final = {"bench": "fsdp", "config": args.config, "set": args.set, "cores": cores, "torch": with_torch}
     for n in map(int, args.sizes.split(",")):
         threads = max(1, cores // n)
-        ours = run_json([mpiexec, "-n", str(n), *me], threads)
-        local = run_json([mpiexec, "-n", str(n), *me, "--local-comm"], threads)
-        single = run_json([*me, "--unsharded", "--ranks-equivalent", str(n)], cores)
-        summary = {
-            "world_size": n,
-            "step_vs_single": round(ours["step_s"] / single["step_s"], 3),
-            "exposed_comm_fraction": round(max(0.0, ours["step_s"] - local["step_s"]) / ours["step_s"], 3),
-            "rss_vs_terms": ours["rss_vs_terms"],
+        runs = {
+            "ours": ([mpiexec, "-n", str(n), *me], threads),
+            "local": ([mpiexec, "-n", str(n), *me, "--local-comm"], threads),
+            "single": ([*me, "--unsharded", "--ranks-equivalent", str(n)], cores),
         }
         if with_torch:
             torch_cmd = [
@@ -160,12 +179,19 @@ def main():
                 str(Path(__file__).parent / "torch_fsdp2.py"),
                 *config_arguments(args),
             ]
-            torch_cmd += ["--steps", str(args.steps), "--port", str(random.randint(20000, 40000))]
-            torch = run_json([mpiexec, "-n", str(n), *torch_cmd], threads)
-            summary["tokens_per_s_vs_torch"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
-            summary["peak_rss_vs_torch"] = round(
-                ours["peak_rss_mib_per_rank"] / torch["peak_rss_mib_per_rank"], 3
-            )
+            runs["torch"] = ([mpiexec, "-n", str(n), *torch_cmd, "--steps", str(args.steps)], threads)
+        rounds = {name: [] for name in runs}
+        for r in range(args.repeats):  # the runs take turns: each round compares like with like
+            for name in list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]:
+                cmd, run_threads = runs[name]
+                port = ["--port", str(random.randint(20000, 40000))] if name == "torch" else []
+                rounds[name].append(run_json([*cmd, *port], run_threads))
+        summary = {"world_size": n, "rounds": args.repeats}
+        for key, values in round_ratios(rounds).items():
+            summary[key] = round(statistics.median(values), 3)
+            if args.repeats > 1:
+                summary[key + "_range"] = [round(min(values), 3), round(max(values), 3)]
+        summary["rss_vs_terms"] = rounds["ours"][-1]["rss_vs_terms"]
         print(json.dumps({"bench": "fsdp-summary", **summary}), flush=True)
         final[f"N{n}"] = summary
     print(json.dumps(final))
