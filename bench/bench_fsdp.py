@@ -33,7 +33,7 @@ from common import (  # noqa: E402
     config_arguments,
     config_from,
     current_rss_mib,
-    gemm_seconds,
+    gemm_runner,
     gpt_config,
     peak_rss_mib,
     random_batch,
@@ -68,28 +68,36 @@ def worker(args):
         mpifsdp.fully_shard(model, comm, units=model.blocks, prefetch=args.prefetch)
         x, y = rank_slice(x, comm.rank, N), rank_slice(y, comm.rank, N)
     opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
-    times = []
-    for i in range(args.steps + 1):  # the first step warms buffers and caches
+
+    def timed(fn) -> float:
         comm.mpi.Barrier()
         t0 = time.perf_counter()
-        if i == args.steps:
-            comm.ledger.reset()
+        fn()
+        return comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+    # Warm-up: buffers, caches and the optimizer state (from the first step on). With --gemm, the
+    # peak RSS is read before the GEMM reference's operands exist, so it is the training step's.
+    for _ in range(2 if args.gemm else 1):
         train_step(model, opt, x, y)
-        dt = comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if i:
-            times.append(dt)
-    rss = max(comm.allgather_object(peak_rss_mib()))
+    rss = max(comm.allgather_object(peak_rss_mib())) if args.gemm else None
+    gemm = None
+    if args.gemm:  # the GEMMs of one rank's share of the batch, on every rank at once, as in the step
+        shapes = step_gemm_shapes({**cfg, "batch_size": global_batch // (1 if args.unsharded else N)})
+        gemm = gemm_runner(np, shapes, np.float32)
+    times, gemm_times = [], []
+    for i in range(args.steps):  # with --gemm, step and GEMMs take turns: a ratio per round
+        if i == args.steps - 1:
+            comm.ledger.reset()
+        times.append(timed(lambda: train_step(model, opt, x, y)))
+        if gemm:
+            gemm_times.append(timed(gemm))
+    rss = rss or max(comm.allgather_object(peak_rss_mib()))
     comm_bytes = comm.ledger.total("bytes")  # of the last timed step
     loss = model(x, y)  # one more forward, to weigh what the tape keeps
     activations = graph_nbytes(loss) / 2**20
     loss.backward()
     sharded = mpifsdp.sharded_model(model)
     runtime = (sharded.ledger.peak_total if sharded else 16 * model.num_params()) / 2**20
-    gemm_s = None
-    if args.gemm:  # every rank at once, as in the step: the GEMMs of one rank's share of the batch
-        comm.mpi.Barrier()
-        shapes = step_gemm_shapes({**cfg, "batch_size": global_batch // (1 if args.unsharded else N)})
-        gemm_s = comm.mpi.allreduce(gemm_seconds(np, shapes, np.float32, args.steps), op=MPI.MAX)
     if comm.rank == 0:
         tokens = global_batch * cfg["block_size"]
         step_s = float(np.median(times))
@@ -119,7 +127,14 @@ def worker(args):
                     },
                     "rss_vs_terms": round(rss / formula, 3),
                 }
-                | ({"gemm_s": round(gemm_s, 4), "step_vs_gemm": round(gemm_s / step_s, 3)} if gemm_s else {})
+                | (
+                    {
+                        "gemm_s": round(float(np.median(gemm_times)), 4),
+                        "step_vs_gemm": round(float(np.median(np.divide(gemm_times, times))), 3),
+                    }
+                    if gemm
+                    else {}
+                )
             ),
             flush=True,
         )

@@ -108,11 +108,6 @@ def gemm_runner(xp, shapes, dtype):
     return run
 
 
-def gemm_seconds(xp, shapes, dtype, repeats):
-    """Median seconds for every GEMM of `shapes` (gemm_runner)."""
-    return median_time(gemm_runner(xp, shapes, dtype), repeats)
-
-
 def interleaved_times(runs: dict, rounds: int) -> dict:
     """Seconds of each function per round, the functions taking turns (the first rotating each
     round) after one warm-up each: on a machine whose speed drifts from minute to minute, each round

@@ -3,7 +3,8 @@ heads of 64) and N = 1, 2, 4 ranks, each with the GEMM-only time of one rank's s
 
 Every rank keeps the peer config's batch (8 sequences of 128 per rank) and gets cores / N BLAS
 threads, as bench_fsdp.py; the GEMM-only time is the same rank's GEMMs (xp.matmul on operands of the
-step's shapes) timed on all ranks at once after the steps, so the two share the machine the same way.
+step's shapes) on all ranks at once, taking turns with the steps (`bench_fsdp.py --worker --gemm`),
+so the two share the machine the same way; `step_vs_gemm` is the median of the per-round ratios.
 `step_vs_gemm` = GEMM time / step time: what is left is the framework (elementwise passes, Python)
 and exposed communication. Prints one JSON line per run, then a Markdown table.
     python bench/growth_table.py [--steps 2] [--sizes 1,2,4] [--widths 256,512,768,1024]
