@@ -199,10 +199,12 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
 # -- LayerNorm ------------------------------------------------------------------------------------
 
 
-def row_dots(xp, a, b):
-    """sum(a * b) along the last axis of 2-D arrays: on the CPU with no (rows, C) temporary
-    (einsum); on a GPU as a product and a sum (CuPy's einsum is not measured there)."""
-    return np.einsum("ij,ij->i", a, b) if xp is np else (a * b).sum(axis=-1)
+def sum_of_products(xp, a, b, axis: int):
+    """(a * b).sum(axis) of 2-D arrays: on the CPU with no (rows, C) temporary (einsum); on a GPU as a
+    product and a sum (CuPy's einsum is not measured there)."""
+    if xp is not np:
+        return (a * b).sum(axis=axis)
+    return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
 
 
 def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
@@ -219,10 +221,9 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
         gc = g2[lo:hi]
         xhat = x2[lo:hi] - mean[lo:hi]
         xhat *= rstd[lo:hi]
-        gw_part = np.einsum("ij,ij->j", gc, xhat) if xp is np else (gc * xhat).sum(axis=0)
-        parts[i] = (gw_part, gc.sum(axis=0))
+        parts[i] = (sum_of_products(xp, gc, xhat, axis=0), gc.sum(axis=0))
         gxhat = gc * w  # gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat))
-        projection = row_dots(xp, gxhat, xhat)[:, None]
+        projection = sum_of_products(xp, gxhat, xhat, axis=1)[:, None]
         projection *= 1.0 / C
         out = gx2[lo:hi]
         xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
@@ -250,7 +251,7 @@ def _layer_norm(x, w, b=None, eps=1e-5):
         o = o2[lo:hi]
         mean[lo:hi] = x2[lo:hi].mean(axis=-1, keepdims=True)
         xp.subtract(x2[lo:hi], mean[lo:hi], out=o)
-        rstd[lo:hi, 0] = 1.0 / xp.sqrt(row_dots(xp, o, o) / C + eps)
+        rstd[lo:hi, 0] = 1.0 / xp.sqrt(sum_of_products(xp, o, o, axis=1) / C + eps)
         o *= rstd[lo:hi]
         o *= w
         if b is not None:
