@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     run_json,
     step_gemm_shapes,
     train_step,
+    turn_order,
 )
 
 
@@ -197,7 +198,7 @@ def main():
             runs["torch"] = ([mpiexec, "-n", str(n), *torch_cmd, "--steps", str(args.steps)], threads)
         rounds = {name: [] for name in runs}
         for r in range(args.repeats):  # the runs take turns: each round compares like with like
-            for name in list(runs)[r % len(runs) :] + list(runs)[: r % len(runs)]:
+            for name in turn_order(list(runs), r):
                 cmd, run_threads = runs[name]
                 port = ["--port", str(random.randint(20000, 40000))] if name == "torch" else []
                 rounds[name].append(run_json([*cmd, *port], run_threads))

@@ -108,6 +108,12 @@ def gemm_runner(xp, shapes, dtype):
     return run
 
 
+def turn_order(names: list, round_index: int) -> list:
+    """`names` rotated by the round: each takes every place in turn, so none always runs first."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def interleaved_times(runs: dict, rounds: int) -> dict:
     """Seconds of each function per round, the functions taking turns (the first rotating each
     round) after one warm-up each: on a machine whose speed drifts from minute to minute, each round
@@ -117,7 +123,7 @@ def interleaved_times(runs: dict, rounds: int) -> dict:
         run()
     times = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in turn_order(names, r):
             time.sleep(0.05)  # BLAS and OpenMP threads of the previous run stop spinning
             t0 = time.perf_counter()
             runs[name]()

@@ -20,22 +20,21 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from common import run_json  # noqa: E402
 
-LAYERS_PER_WIDTH = {256: 4, 512: 8, 768: 12, 1024: 16}
-HEAD_SIZE = 64
+HEAD_SIZE = 64  # and one layer per 64 features: 4/8/12/16 layers at 256/512/768/1024
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--sizes", default="1,2,4")
-    ap.add_argument("--widths", default=",".join(map(str, LAYERS_PER_WIDTH)))
+    ap.add_argument("--widths", default="256,512,768,1024")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     bench_fsdp = str(Path(__file__).parent / "bench_fsdp.py")
     rows = []
     for width in map(int, args.widths.split(",")):
-        layers = LAYERS_PER_WIDTH.get(width) or width // 64
+        layers = width // HEAD_SIZE
         settings = [f"n_embd={width}", f"n_layer={layers}", f"n_head={width // HEAD_SIZE}"]
         for n in map(int, args.sizes.split(",")):
             cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", bench_fsdp, "--worker", "--gemm"]

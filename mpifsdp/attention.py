@@ -113,12 +113,13 @@ def _attention_vjp_of(g, saved, q, k, v, scale=None, grads=None):
     """(d q, d k, d v), written into `grads` where given (three arrays of q's shape)."""
     xp = array_module_of(g)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    if saved is not None:  # past attention_block: the blocked path's own arrays, copied where asked
+        blocked = _blocked_attention_vjp(g, saved, q, k, v, scale)
+        for grad, value in zip(grads or (), blocked):
+            grad[...] = value
+        return grads or blocked
     grads = grads or tuple(xp.empty(a.shape, dtype=a.dtype) for a in (q, k, v))
-    if saved is None:  # T <= attention_block: one block, probabilities recomputed whole
-        _attention_vjp(g, q, k, v, scale, grads)
-    else:
-        for grad, blocked in zip(grads, _blocked_attention_vjp(g, saved, q, k, v, scale)):
-            grad[...] = blocked
+    _attention_vjp(g, q, k, v, scale, grads)  # one block, probabilities recomputed whole
     return grads
 
 
