@@ -273,12 +273,13 @@ def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     weight = (valid * (g / count)).astype(logits.dtype)[:, None]
     grad = xp.empty_like(flat)
 
-    def work(i, lo, hi):
-        out = grad[lo:hi]
-        xp.subtract(flat[lo:hi], lse[lo:hi, None], out=out)
-        xp.exp(out, out=out)
-        out[xp.arange(hi - lo), picked[lo:hi]] -= 1
-        out *= weight[lo:hi]
+    def work(i, lo, hi):  # in slices of rows: the three passes over a slice stay in cache
+        for a, b in row_slices(xp, lo, hi, flat.shape[1]):
+            out = grad[a:b]
+            xp.subtract(flat[a:b], lse[a:b, None], out=out)
+            xp.exp(out, out=out)
+            out[xp.arange(b - a), picked[a:b]] -= 1
+            out *= weight[a:b]
 
     by_rows(xp, flat.shape[0], flat.shape[1], work)
     return (grad.reshape(logits.shape),)
