@@ -9,7 +9,17 @@ import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
 from mpifsdp.backend import array_module, to_numpy
-from mpifsdp.layers import Block, Dropout, Embedding, LayerNorm, Linear, Module, ids_problem
+from mpifsdp.layers import (
+    Block,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    Module,
+    fusable,
+    ids_problem,
+    norm_and_project,
+)
 
 
 @dataclass
@@ -50,11 +60,13 @@ class GPT(Module):
         x = self.drop(self.wte(idx) + self.wpe(xp.arange(T)))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
-        if self.lm_head is None:
-            logits = ops.linear(x, self.wte.weight, transpose_w=True)  # tied: (B, T, vocab)
+        ln, table = self.ln_f, self.wte.weight
+        if self.lm_head is not None:  # the final LayerNorm fused into the head where it can be
+            logits = norm_and_project(ln, self.lm_head, x)
+        elif fusable(ln, LayerNorm):  # tied: (B, T, vocab)
+            logits = ops.layer_norm_linear(x, ln.weight, ln.bias, table, eps=ln.eps, transpose_w=True)
         else:
-            logits = self.lm_head(x)
+            logits = ops.linear(ln(x), table, transpose_w=True)
         if targets is None:
             return logits
         # the loss in at least float32, also when the model computes in float16 (mixed precision)

@@ -294,9 +294,10 @@ class MLP(Module):
         self.c_proj = Linear(4 * n_embd, n_embd, bias, std=proj_std, **kw)
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
-    def forward(self, x):
+    def forward(self, x, norm: LayerNorm | None = None):
+        """norm: the block's LayerNorm, fused into c_fc (its output is not stored)."""
         # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
-        h = self.c_fc(x)
+        h = norm_and_project(norm, self.c_fc, x)
         return self.drop(self.c_proj(h, gelu_input=True))
 
 
@@ -312,15 +313,17 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(n_embd, n_embd, bias, std=proj_std, **kw)
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
-    def forward(self, x):
-        qkv = self.c_attn(x)  # (B, T, 3C): q, k, v side by side, each n_head heads of hs
+    def forward(self, x, norm: LayerNorm | None = None):
+        """norm: the block's LayerNorm, fused into c_attn (its output is not stored)."""
+        qkv = norm_and_project(norm, self.c_attn, x)  # (B, T, 3C): q, k, v side by side, n_head heads each
         hs = x.shape[-1] // self.n_head
         y = ops.attention_qkv(qkv, self.n_head, scale=1.0 / math.sqrt(hs))  # (B, T, C), heads side by side
         return self.drop(self.c_proj(y))
 
 
 class Block(Module):
-    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); each LayerNorm runs fused
+    into the projection after it, so its output is recomputed in backward instead of stored."""
 
     def __init__(self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype, device):
         kw = dict(rng=rng, dtype=dtype, device=device)
@@ -330,8 +333,24 @@ class Block(Module):
         self.mlp = MLP(n_embd, bias, dropout, proj_std, **kw)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(x, norm=self.ln_1)
+        return x + self.mlp(x, norm=self.ln_2)
+
+
+def fusable(module: Module, cls: type) -> bool:
+    """module runs cls's own forward, unwrapped: its call may be fused with a neighbour's. A subclass
+    that overrides forward (a LoRA adapter) or a module with hooks (a unit of its own) is called."""
+    return type(module).forward is cls.forward and module._forward_wrapper is None
+
+
+def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
+    """linear(norm(x)); one op (layer_norm_linear: norm's output recomputed in backward, not stored)
+    where both are fusable, else the two calls, so a subclass's forward sees what it always saw."""
+    if norm is None:
+        return linear(x)
+    if fusable(norm, LayerNorm) and fusable(linear, Linear):
+        return ops.layer_norm_linear(x, norm.weight, norm.bias, linear.weight, linear.bias, eps=norm.eps)
+    return linear(norm(x))
 
 
 def set_training(model: Module, training: bool):
@@ -351,5 +370,7 @@ __all__ = [
     "CausalSelfAttention",
     "Block",
     "Tensor",
+    "fusable",
+    "norm_and_project",
     "set_training",
 ]

@@ -354,6 +354,13 @@ def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:
     return apply("layer_norm", *args, eps=eps)
 
 
+def layer_norm_linear(x, ln_weight, ln_bias, weight, bias=None, eps=1e-5, transpose_w=False) -> Tensor:
+    """linear(layer_norm(x)) as one op: the normalized x is recomputed in backward, not stored."""
+    args = [a for a in (x, ln_weight, ln_bias, weight, bias) if a is not None]
+    settings = dict(ln_bias=ln_bias is not None, bias=bias is not None, eps=eps, transpose_w=transpose_w)
+    return apply("layer_norm_linear", *args, **settings)
+
+
 def embedding(weight, idx) -> Tensor:
     idx = idx.data if isinstance(idx, Tensor) else idx
     return apply("embedding", weight, idx=idx)

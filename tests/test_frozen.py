@@ -99,21 +99,28 @@ def test_frozen_parameters_sharded_match_the_reference_and_stay_bit_identical(co
 
 
 def test_frozen_weight_gradient_is_not_computed(monkeypatch):
-    """The linear VJP is told which inputs need a gradient: a frozen weight's GEMM never runs."""
-    calls = []  # (needs, returned gradients) of every linear VJP
-    prim = PRIMITIVES["linear"]
+    """The linear VJPs (alone, and with a LayerNorm fused in) are told which inputs need a gradient:
+    a frozen weight's GEMM never runs."""
+    calls = []  # (needs and returned gradients from the weight on) of every linear VJP
 
-    def recording_vjp(g, saved, *arrays, needs, **settings):
-        grads = prim.vjp(g, saved, *arrays, needs=needs, **settings)
-        calls.append((needs, grads))
-        return grads
+    def recording(name):
+        prim = PRIMITIVES[name]
 
-    monkeypatch.setitem(PRIMITIVES, "linear", dataclasses.replace(prim, vjp=recording_vjp))
+        def vjp(g, saved, *arrays, needs, **settings):
+            grads = prim.vjp(g, saved, *arrays, needs=needs, **settings)
+            weight = 2 + settings["ln_bias"] if name == "layer_norm_linear" else 1  # its index
+            calls.append((needs[weight:], grads[weight:]))
+            return grads
+
+        monkeypatch.setitem(PRIMITIVES, name, dataclasses.replace(prim, vjp=vjp))
+
+    recording("linear")
+    recording("layer_norm_linear")
     model = _model()
     model(*_batch(0)).backward()
-    frozen = [grads for needs, grads in calls if not needs[1]]
+    frozen = [grads for needs, grads in calls if not needs[0]]
     assert len(frozen) == 6  # both attentions (c_attn, c_proj), blocks.1.mlp.c_fc, the tied lm_head
-    assert all(g is None for grads in frozen for g in grads[1:])  # weight (and bias) skipped
+    assert all(g is None for grads in frozen for g in grads)  # weight (and bias) skipped
 
 
 def test_unfreezing_after_fully_shard_is_refused(comm):

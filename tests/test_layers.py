@@ -6,7 +6,7 @@ import pytest
 import mpifsdp
 from mpifsdp import Tensor
 from mpifsdp.extend import check_grad
-from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear
+from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, norm_and_project
 
 F64 = dict(dtype=np.float64)
 
@@ -101,3 +101,70 @@ def test_parameters_are_named_by_the_module_tree_from_construction():
     untied.lm_head.weight = untied.wte.weight  # tied after construction, as nanoGPT does
     assert untied.wte.weight.name == "wte.weight"  # the name where it is first found, not 'weight'
     assert untied.blocks[0].attn.c_proj.bias.name == "blocks.0.attn.c_proj.bias"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_fused_into_linear_is_the_two_ops_bit_for_bit_and_keeps_less(bias):
+    """norm_and_project(ln, lin, x) recomputes ln(x) in backward from the same passes as its forward: every
+    value and gradient equals linear(ln(x)) exactly (float32, rows over several threads' blocks), a
+    frozen weight gets no gradient, and the tape keeps x instead of x and ln(x)."""
+    from mpifsdp.autodiff import graph_nbytes
+    from mpifsdp.threads import elementwise_threads, set_elementwise_threads
+
+    rng = np.random.default_rng(0)
+    kw = dict(dtype=np.float32)
+    ln, lin = LayerNorm(64, bias, **kw), Linear(64, 48, bias, rng=rng, **kw)
+    ln.weight.data[:] = rng.standard_normal(64)
+    if bias:
+        ln.bias.data[:] = rng.standard_normal(64)
+    x0 = rng.standard_normal((4, 2100, 64)).astype(np.float32)  # 8400 rows: blocks on 2 threads
+    R = rng.standard_normal((4, 2100, 48)).astype(np.float32)
+    params = [p for p in (ln.weight, ln.bias, lin.weight, lin.bias) if p is not None]
+    previous = elementwise_threads()
+    set_elementwise_threads(2)
+    try:
+        results = []
+        for fused in (False, True):
+            for p in params:
+                p.grad = None
+            x = Tensor(x0.copy(), requires_grad=True)
+            out = norm_and_project(ln, lin, x) if fused else lin(ln(x))
+            loss = (out * R).sum()
+            kept = graph_nbytes(loss)
+            loss.backward()
+            results.append((out.data, x.grad, [p.grad for p in params], kept))
+    finally:
+        set_elementwise_threads(previous)
+    (o1, gx1, gp1, kept1), (o2, gx2, gp2, kept2) = results
+    np.testing.assert_array_equal(o2, o1)
+    np.testing.assert_array_equal(gx2, gx1)
+    for a, b in zip(gp1, gp2):
+        np.testing.assert_array_equal(b, a)
+    assert kept1 - kept2 == x0.nbytes  # ln(x) is no longer kept
+    lin.weight.requires_grad = False
+    lin.weight.grad = ln.weight.grad = None
+    (norm_and_project(ln, lin, Tensor(x0)) * R).sum().backward()
+    assert lin.weight.grad is None and ln.weight.grad is not None
+
+
+def test_a_linear_subclass_with_its_own_forward_still_sees_the_normalized_input():
+    """norm_and_project fuses only the library's own forward: a subclass (a LoRA adapter) that
+    overrides it is called as before, on ln(x), and so is a LayerNorm subclass."""
+    rng = np.random.default_rng(0)
+    seen = []
+
+    class Recording(Linear):
+        def forward(self, x, gelu_input=False):
+            seen.append(x.data)
+            return super().forward(x, gelu_input)
+
+    class Shifted(LayerNorm):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    x = Tensor(rng.standard_normal((3, 8)))
+    ln, lin = LayerNorm(8, **F64), Recording(8, 4, rng=rng, **F64)
+    np.testing.assert_array_equal(norm_and_project(ln, lin, x).data, lin(ln(x)).data)
+    np.testing.assert_array_equal(seen[0], ln(x).data)
+    plain = Linear(8, 4, rng=rng, **F64)
+    np.testing.assert_array_equal(norm_and_project(Shifted(8, **F64), plain, x).data, plain(ln(x) + 1.0).data)

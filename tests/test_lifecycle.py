@@ -112,11 +112,11 @@ def test_a_backward_that_raised_part_way_does_not_block_the_next_step(comm, monk
         model = GPT(cfg, seed=0)
         fully_shard(model, comm, units=model.blocks)
         if fails:
-            good = PRIMITIVES["layer_norm"]
+            good = PRIMITIVES["layer_norm_linear"]  # the blocks' LayerNorms, fused into c_attn and c_fc
             broken = good.__class__(good.name, good.forward, lambda *a, **k: 1 / 0, good.reads_inputs)
-            monkeypatch.setitem(PRIMITIVES, "layer_norm", broken)
+            monkeypatch.setitem(PRIMITIVES, "layer_norm_linear", broken)
             loss = model(ids, ids)
-            monkeypatch.setitem(PRIMITIVES, "layer_norm", good)
+            monkeypatch.setitem(PRIMITIVES, "layer_norm_linear", good)
             with pytest.raises(ZeroDivisionError):
                 loss.backward()
             sharded = sharded_model(model)  # cleaned up at once (ShardedModel.backward_failed)

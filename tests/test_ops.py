@@ -68,6 +68,10 @@ CASES = {
         ((_r(2, 3, 5),), {"targets": np.array([[0, -1, 4], [2, 2, -1]]), "ignore_index": -1}),
     ],
     "layer_norm": [((_r(3, 4, 6), _r(6), _r(6)), {"eps": 1e-5}), ((_r(5, 7), _r(7)), {"eps": 1e-5})],
+    "layer_norm_linear": [
+        ((_r(2, 3, 6), _r(6), _r(6), _r(6, 4), _r(4)), {"ln_bias": True, "bias": True, "eps": 1e-5}),
+        ((_r(5, 7), _r(7), _r(4, 7)), {"ln_bias": False, "bias": False, "transpose_w": True}),
+    ],
     "embedding": [((_r(7, 3),), {"idx": np.array([[0, 6, 2], [2, 2, 5]])})],
     "attention": [
         ((_r(2, 3, 5, 4), _r(2, 3, 5, 4), _r(2, 3, 5, 4)), {}),
