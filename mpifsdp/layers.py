@@ -333,8 +333,13 @@ class Block(Module):
         self.mlp = MLP(n_embd, bias, dropout, proj_std, **kw)
 
     def forward(self, x):
-        x = x + self.attn(x, norm=self.ln_1)
-        return x + self.mlp(x, norm=self.ln_2)
+        x = x + _after_norm(self.ln_1, self.attn, CausalSelfAttention, x)
+        return x + _after_norm(self.ln_2, self.mlp, MLP, x)
+
+
+def _after_norm(norm, module, cls, x):
+    """module(norm(x)), norm handed to the module to fuse where it runs cls's own forward."""
+    return module(x, norm=norm) if fusable(module, cls) else module(norm(x))
 
 
 def fusable(module: Module, cls: type) -> bool:

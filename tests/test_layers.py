@@ -147,9 +147,10 @@ def test_layernorm_fused_into_linear_is_the_two_ops_bit_for_bit_and_keeps_less(b
     assert lin.weight.grad is None and ln.weight.grad is not None
 
 
-def test_a_linear_subclass_with_its_own_forward_still_sees_the_normalized_input():
-    """norm_and_project fuses only the library's own forward: a subclass (a LoRA adapter) that
-    overrides it is called as before, on ln(x), and so is a LayerNorm subclass."""
+def test_a_subclass_with_its_own_forward_still_sees_the_normalized_input():
+    """LayerNorms are fused only into the library's own forwards: a Linear subclass (a LoRA adapter)
+    or an MLP subclass that overrides forward is called as before, on ln(x); a LayerNorm subclass
+    runs its own forward too."""
     rng = np.random.default_rng(0)
     seen = []
 
@@ -168,3 +169,13 @@ def test_a_linear_subclass_with_its_own_forward_still_sees_the_normalized_input(
     np.testing.assert_array_equal(seen[0], ln(x).data)
     plain = Linear(8, 4, rng=rng, **F64)
     np.testing.assert_array_equal(norm_and_project(Shifted(8, **F64), plain, x).data, plain(ln(x) + 1.0).data)
+
+    class OwnMLP(MLP):  # a block's sublayer with a forward of its own gets the normalized input too
+        def forward(self, x):
+            seen.append(x.data)
+            return super().forward(x)
+
+    block = Block(8, 2, rng=rng, **F64, device="cpu")
+    block.mlp = OwnMLP(8, rng=rng, **F64)
+    block(Tensor(rng.standard_normal((2, 3, 8))))
+    assert np.allclose(seen[-1].mean(axis=-1), 0) and np.allclose(seen[-1].std(axis=-1), 1, atol=1e-3)
