@@ -180,6 +180,19 @@ def test_parameter_used_outside_its_unit_names_it(comm):
         model.blocks[1].ln_1(Tensor(np.ones((1, 2, 10), np.float32)))
 
 
+def test_layernorms_that_are_units_of_their_own_are_called_not_fused(comm):
+    """A block fuses its LayerNorm into the next projection only while the LayerNorm has no hooks:
+    made a unit of its own, it is called (its gather runs), and the loss is the unsharded one."""
+    ids = np.arange(16).reshape(2, 8) % CFG.vocab_size
+    expected = GPT(CFG, seed=0)(ids, ids).item()
+    model = GPT(CFG, seed=0)
+    fully_shard(model, comm, units=[block.ln_1 for block in model.blocks] + [model.ln_f])
+    loss = model(ids, ids)
+    loss.backward()
+    assert loss.item() == expected  # every rank the same batch: the same arithmetic as unsharded
+    assert all(np.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 class Tied(Module):
     def __init__(self):
         rng = np.random.default_rng(0)
