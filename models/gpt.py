@@ -16,9 +16,9 @@ from mpifsdp.layers import (
     LayerNorm,
     Linear,
     Module,
-    fusable,
     ids_problem,
     norm_and_project,
+    norm_then_linear,
 )
 
 
@@ -60,13 +60,10 @@ class GPT(Module):
         x = self.drop(self.wte(idx) + self.wpe(xp.arange(T)))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        ln, table = self.ln_f, self.wte.weight
-        if self.lm_head is not None:  # the final LayerNorm fused into the head where it can be
-            logits = norm_and_project(ln, self.lm_head, x)
-        elif fusable(ln, LayerNorm):  # tied: (B, T, vocab)
-            logits = ops.layer_norm_linear(x, ln.weight, ln.bias, table, eps=ln.eps, transpose_w=True)
+        if self.lm_head is None:  # tied, the final LayerNorm fused into the head where it can be
+            logits = norm_then_linear(self.ln_f, x, self.wte.weight, transpose_w=True)  # (B, T, vocab)
         else:
-            logits = ops.linear(ln(x), table, transpose_w=True)
+            logits = norm_and_project(self.ln_f, self.lm_head, x)
         if targets is None:
             return logits
         # the loss in at least float32, also when the model computes in float16 (mixed precision)

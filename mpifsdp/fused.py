@@ -301,8 +301,7 @@ def _layer_norm_linear_vjp(
     needs = needs or (True,) * len(arrays)
     n_ln = 2 + ln_bias
     y = _layer_norm_again(x, *saved, ln_w, ln_b)
-    lin_needs = (any(needs[:n_ln]), *needs[n_ln:], False)
-    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=lin_needs[:3])
+    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=(any(needs[:n_ln]), *needs[n_ln:]))
     del y
     ln = _layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps) if gy is not None else (None,) * n_ln
     return (*ln, *lin)

@@ -348,13 +348,23 @@ def fusable(module: Module, cls: type) -> bool:
     return type(module).forward is cls.forward and module._forward_wrapper is None
 
 
+def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = False):
+    """linear(norm(x), weight, bias): one op (layer_norm_linear: norm's output recomputed in backward,
+    not stored) where norm is fusable, else norm's own call first (a tied head's weight, say)."""
+    if fusable(norm, LayerNorm):
+        return ops.layer_norm_linear(
+            x, norm.weight, norm.bias, weight, bias, eps=norm.eps, transpose_w=transpose_w
+        )
+    return ops.linear(norm(x), weight, bias, transpose_w=transpose_w)
+
+
 def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
-    """linear(norm(x)); one op (layer_norm_linear: norm's output recomputed in backward, not stored)
-    where both are fusable, else the two calls, so a subclass's forward sees what it always saw."""
+    """linear(norm(x)), fused where both are fusable (norm_then_linear), else the two calls, so a
+    subclass's forward sees what it always saw."""
     if norm is None:
         return linear(x)
-    if fusable(norm, LayerNorm) and fusable(linear, Linear):
-        return ops.layer_norm_linear(x, norm.weight, norm.bias, linear.weight, linear.bias, eps=norm.eps)
+    if fusable(linear, Linear):
+        return norm_then_linear(norm, x, linear.weight, linear.bias)
     return linear(norm(x))
 
 
@@ -376,6 +386,7 @@ __all__ = [
     "Block",
     "Tensor",
     "fusable",
+    "norm_then_linear",
     "norm_and_project",
     "set_training",
 ]
