@@ -6,8 +6,9 @@ a dependency), the same model's single-process step in torch with the same threa
 (bench/torch_fsdp2.py's GPT). The three take turns, one round each per --steps (interleaved_times):
 ratios are medians of per-round ratios, with their range, so a machine whose speed drifts during
 the run compares like with like. --profile adds one line per primitive: its forward and
-backward seconds per step and share of the step, largest first; "outside" is everything else
-(optimizer, clipping, Python).
+backward seconds per step and share of the step, largest first, with the bytes of the arrays each
+phase reads and writes (forward_mib, backward_mib: the least traffic it can have) and their rate
+(gb_per_s); "outside" is everything else (optimizer, clipping, Python).
     python bench/bench_core.py [--config peer|small] [--set block_size=1024 ...] [--steps 5] [--profile]
 """
 
@@ -88,6 +89,10 @@ def print_profile(model, opt, x, y, steps: int, synchronize):
         line = {"primitive": name, "forward_s": round(fwd, 4), "backward_s": round(bwd, 4)}
         line |= {"share": round((fwd + bwd) / step_s, 3), "calls": c["forward_calls"] // steps}
         line["forward_mib"] = round(c["forward_bytes"] / steps / 2**20, 1)
+        line["backward_mib"] = round(c["backward_bytes"] / steps / 2**20, 1)
+        # the least memory traffic over the time: near the memory's bandwidth, a pass bound by it
+        moved = (c["forward_bytes"] + c["backward_bytes"]) / steps
+        line["gb_per_s"] = round(moved / max(fwd + bwd, 1e-9) / 1e9, 1)
         print(json.dumps(line))
     print(
         json.dumps(

@@ -75,8 +75,10 @@ def fresh_recording():
 @contextlib.contextmanager
 def profile():
     """`with profile() as costs:` every primitive's forward and VJP timed while inside: costs[name] =
-    {"forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"} (bytes: of the
-    outputs). What a step spends outside primitives (optimizer, communication) is the rest."""
+    {"forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls", "backward_bytes"}.
+    Bytes: of the distinct arrays a phase reads and writes (its array arguments and results), the
+    least memory traffic it can have, so bytes / seconds tells a pass bound by memory from one
+    bound by arithmetic. What a step spends outside primitives (optimizer, communication) is the rest."""
     previous, _recording.profile = _recording.profile, {}
     try:
         yield _recording.profile
@@ -95,14 +97,22 @@ def timed(name: str, phase: str, run, *args, **kwargs):
     result = run(*args, **kwargs)
     synchronize(first)
     entry = costs.setdefault(
-        name,
-        dict.fromkeys(("forward_s", "forward_calls", "forward_bytes", "backward_s", "backward_calls"), 0),
+        name, dict.fromkeys((f"{p}_{k}" for p in ("forward", "backward") for k in ("s", "calls", "bytes")), 0)
     )
     entry[f"{phase}_s"] += time.perf_counter() - start
     entry[f"{phase}_calls"] += 1
-    if phase == "forward":
-        entry["forward_bytes"] += getattr(result[0], "nbytes", 0)
+    entry[f"{phase}_bytes"] += sum(a.nbytes for a in _arrays_in((args, result), {}).values())
     return result
+
+
+def _arrays_in(value, found: dict) -> dict:
+    """found, with every array in value (nested in tuples and lists) added once, by identity."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _arrays_in(v, found)
+    elif hasattr(value, "nbytes") and hasattr(value, "shape"):
+        found[id(value)] = value
+    return found
 
 
 class Node:

@@ -137,7 +137,21 @@ def test_profile_times_each_primitive_forward_and_backward():
         loss.backward()
     assert set(costs) == {"mul", "sum"}
     mul = costs["mul"]
-    assert (mul["forward_calls"], mul["backward_calls"], mul["forward_bytes"]) == (1, 1, 24)
+    assert (mul["forward_calls"], mul["backward_calls"]) == (1, 1)
+    # bytes read and written: w (3 float64), 2.0 (a 0-d array) and the product; backward: the
+    # product's gradient, w, 2.0 and the gradients of both
+    assert (mul["forward_bytes"], mul["backward_bytes"]) == (24 + 8 + 24, 24 + 24 + 8 + 24 + 8)
     assert mul["forward_s"] >= 0 and mul["backward_s"] >= 0
     (w * 2.0).sum().backward()  # outside the block: nothing more is recorded
     assert costs["mul"]["forward_calls"] == 1
+
+
+def test_profile_counts_an_array_used_twice_once():
+    from mpifsdp.tape import profile
+
+    w = Param(np.ones(3), "w")
+    with profile() as costs:
+        (w * w).sum().backward()
+    # forward: w once and the product; backward: the product's gradient, w once, and the two
+    # gradients (one for each operand: distinct arrays)
+    assert (costs["mul"]["forward_bytes"], costs["mul"]["backward_bytes"]) == (24 + 24, 24 + 24 + 24 + 24)
