@@ -325,6 +325,11 @@ class Unit:
         for name, g in grads.items():
             if name not in views:
                 raise KeyError(f"unit {self.name!r} has no tensor {name!r}")
+            if not hasattr(g, "shape"):  # a list, a scalar, None: say so, not an AttributeError
+                raise TypeError(
+                    f"unit {self.name!r}: gradient {name!r} is {type(g).__name__}, not an array; give an "
+                    f"array of shape {views[name].shape} (zeros where the tensor gets no gradient)"
+                )
             if tuple(g.shape) != views[name].shape:
                 raise ValueError(
                     f"unit {self.name!r}: gradient {name!r} has shape {tuple(g.shape)}, "

@@ -93,6 +93,10 @@ def test_unit_errors(comm):
         unit.reduce_grad({"w": np.zeros((7, 3))})
     with pytest.raises(ValueError, match=r"gradient 'w' has shape \(3, 7\), expected \(7, 3\)"):
         unit.reduce_grad({"w": np.zeros((3, 7)), "b": np.zeros(2)})
+    with pytest.raises(TypeError, match=r"gradient 'b' is NoneType, not an array; .* shape \(2,\)"):
+        unit.reduce_grad({"w": np.zeros((7, 3)), "b": None})
+    with pytest.raises(TypeError, match=r"gradient 'b' is list, not an array"):
+        unit.reduce_grad({"w": np.zeros((7, 3)), "b": [0.0, 0.0]})
     with pytest.raises(CollectiveError, match="unit 'empty' has no parameters"):
         Unit("empty", {}, comm)
     with pytest.raises(CollectiveError, match="one dtype"):
