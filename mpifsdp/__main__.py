@@ -1,4 +1,4 @@
-"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (planner.py).
+"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (plan_cli.py).
 
 inspect: units, sizes, world size, step, and an integrity check of every slice's checksum.
 export: one consolidated .safetensors file from a checkpoint, in one process, a slice at a time.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import planner
+from . import plan_cli
 from .checkpoint import checkpoints
 from .consolidated import export_checkpoint
 from .manifest import FORMAT, MANIFEST, CheckpointError, read_manifest, verify
@@ -104,11 +104,11 @@ def main(argv=None) -> int:
         "--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
         help="one .safetensors file, or a Hugging Face GPT-2 directory (config.json + model.safetensors)",
     )  # fmt: skip
-    planner.add_arguments(sub.add_parser("plan", help="memory, traffic and step time of a GPT on a cluster"))
+    plan_cli.add_arguments(sub.add_parser("plan", help="memory, traffic and step time of a GPT on a cluster"))
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
-            return planner.run_cli(args)
+            return plan_cli.run_cli(args)
         if args.command == "inspect":
             return _inspect(args.dir)
         print(f"wrote {_export(args.dir, args.out, args.force, args.format)}")

@@ -28,6 +28,10 @@ class Link:
     alpha: float = 10e-6
     bandwidth: float = 25e9
 
+    def __post_init__(self):
+        if not (self.alpha >= 0 and self.bandwidth > 0):  # NaN fails both
+            raise ValueError(f"Link: alpha {self.alpha} s must be >= 0, bandwidth {self.bandwidth} B/s > 0")
+
     def ring(self, hops: int, nbytes: float) -> float:
         """Seconds for a ring collective of `hops` steps moving `nbytes` per rank."""
         return hops * self.alpha + nbytes / self.bandwidth if hops else 0.0
@@ -74,6 +78,7 @@ def gpt_activation_bytes(
     autodiff.graph_nbytes (tests/test_planner.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
+    _require_at_least("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
     B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
     whole = attention.ATTENTION_BLOCK if device == "cpu" else attention.GPU_ATTENTION_BLOCK
     block = 10 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
@@ -109,6 +114,12 @@ def plan(
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     """
+    _require_at_least(
+        "plan", world_size=(world_size, 1), shard_size=(shard_size or 1, 1),
+        ranks_per_node=(ranks_per_node or 1, 1), itemsize=(itemsize, 1),
+        compute_itemsize=(compute_itemsize or 1, 1), prefetch=(prefetch, 0), grad_accum=(grad_accum, 1),
+        activation_bytes=(activation_bytes, 0), flops_per_step=(flops_per_step, 0), flops=(flops, 0),
+    )  # fmt: skip
     S = shard_size or world_size
     if world_size % S:
         raise ValueError(f"shard_size {S} must divide world_size {world_size}")
@@ -181,10 +192,19 @@ def plan(
         "units": len(units), "params": sum(u.numel for u in units),
         "itemsize": itemsize, "compute_itemsize": wire,
         "prefetch": prefetch, "reshard_after_forward": reshard_after_forward,
-        "grad_accum": grad_accum, "no_sync": no_sync,
+        "grad_accum": grad_accum, "no_sync": no_sync, "flops": flops,
         "group_link": dataclasses.asdict(group_link), "replica_link": dataclasses.asdict(replica_link),
     }  # fmt: skip
     return {"setup": setup, "memory_bytes": memory, "traffic": traffic, "time_s": seconds}
+
+
+def _require_at_least(where: str, **values):
+    """ValueError naming every name=(value, least) whose value is below its least (or NaN): a plan of
+    -3 ranks or a negative FLOP rate would otherwise come out as a table of plausible numbers."""
+    bad = [f"{name} = {value!r} (must be >= {least})" for name, (value, least) in values.items()
+           if not value >= least]  # fmt: skip
+    if bad:
+        raise ValueError(f"{where}: {'; '.join(bad)}")
 
 
 def _live(blocks: list[int], prefetch: int) -> int:
@@ -205,17 +225,6 @@ def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bo
         ((p, s) for p, s, o, t in zip(padded, shard, outer, trainable) if t and not o), reverse=True
     )
     return enclosing + sum(p + (s if accumulating else 0) for p, s in inner[:2])
-
-
-def table(result: dict) -> str:
-    """The plan as a few readable lines (MiB, GiB/s, seconds)."""
-    mem, t, tr = result["memory_bytes"], result["time_s"], result["traffic"]["bytes"]
-    lines = [f"setup: {result['setup']}"]
-    lines += [f"memory per rank  {k:22s} {v / 2**20:12.1f} MiB" for k, v in mem.items()]
-    for level, ops in tr.items():
-        lines += [f"bytes per step   {level:13s} {op:14s} {v / 2**20:12.1f} MiB" for op, v in ops.items()]
-    lines += [f"time             {k:22s} {v:12.4f} s" for k, v in t.items()]
-    return "\n".join(lines)
 
 
 def probe(comm, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats: int = 5) -> dict:
@@ -281,86 +290,3 @@ def flops_per_step(model, block_size: int, tokens: int, checkpoint: bool = False
     """Training FLOPs of `tokens` tokens (GPT.flops_per_token); checkpointing adds one forward (1/3)."""
     per_token = model.flops_per_token(block_size)
     return per_token * tokens * (4 / 3 if checkpoint else 1)
-
-
-# -- the command line: python -m mpifsdp plan ----------------------------------------------------------
-
-
-def add_arguments(parser):
-    parser.add_argument("--gpt", nargs="*", default=[], metavar="KEY=VALUE", help="GPTConfig fields")
-    parser.add_argument("--world", type=int, default=0, help="ranks (default: this job's size)")
-    parser.add_argument("--ranks-per-node", type=int, default=0, help="default: this job's")
-    parser.add_argument("--shard-size", default="", help="HSDP group size, or 'node' (default: every rank)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--no-sync", action="store_true", help="accumulate unreduced (no_sync)")
-    parser.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model computes")
-    parser.add_argument("--dtype", default="float32", help="shards, gradient shards, optimizer state")
-    parser.add_argument("--compute-bytes", type=int, default=0, help="per gathered element (2: bfloat16)")
-    parser.add_argument("--prefetch", type=int, default=1)
-    parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
-    parser.add_argument("--intra", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S inside a node")
-    parser.add_argument("--inter", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S between nodes")
-    parser.add_argument("--flops", type=float, default=0.0, help="FLOP/s per rank")
-    parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
-    parser.add_argument("--probe", action="store_true", help="measure links and FLOP/s on this job first")
-    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-
-
-def run_cli(args) -> int:
-    import json
-
-    from mpifsdp.models import GPTConfig
-
-    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
-    values = dict(item.split("=", 1) for item in args.gpt)
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise ValueError(f"--gpt: unknown fields {unknown}; GPTConfig has {sorted(fields)}")
-    config = GPTConfig(**{k: _parse(fields[k], v) for k, v in values.items()})
-    intra, inter = (Link(*map(float, spec.split(","))) for spec in (args.intra, args.inter))
-    world, per_node, flops, measured, rank = args.world, args.ranks_per_node, args.flops, {}, 0
-    if args.probe or not (world and per_node):
-        from .comm import Comm
-
-        comm = Comm()
-        world, per_node, rank = world or comm.size, per_node or comm.node_size, comm.rank
-        if args.probe:
-            measured = probe(comm)
-            if "all_gather" in measured:  # one machine here: both levels are its links
-                intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
-            flops = block_flops(config, args.batch)
-            measured["flops"] = flops
-            measured["gemm_flops"] = gemm_flops()
-    shard_size = (
-        per_node if args.shard_size == "node" else (int(args.shard_size) if args.shard_size else None)
-    )
-    units, model = gpt_units(config)
-    itemsize = np.dtype(args.dtype).itemsize
-    tokens = args.grad_accum * args.batch * config.block_size
-    wire = args.compute_bytes or itemsize
-    result = plan(
-        units, world, shard_size=shard_size, ranks_per_node=per_node, itemsize=itemsize,
-        compute_itemsize=wire,
-        prefetch=args.prefetch, reshard_after_forward=not args.keep_gathered, grad_accum=args.grad_accum,
-        no_sync=args.no_sync, flops=flops, intra=intra, inter=inter,
-        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.checkpoint, args.device),
-        flops_per_step=flops_per_step(model, config.block_size, tokens, args.checkpoint),
-    )  # fmt: skip
-    result["setup"]["gpt"] = dataclasses.asdict(config)
-    if measured:
-        result["probe"] = measured
-    if args.memory:
-        result["fits"] = result["memory_bytes"]["total"] <= args.memory
-    if rank == 0:
-        print(json.dumps(result) if args.json else table(result))
-    return 0
-
-
-def _parse(kind, text: str):
-    """A GPTConfig field's value from its text (its annotations are strings: postponed evaluation)."""
-    kind = getattr(kind, "__name__", kind)
-    if kind == "bool":
-        return text.lower() in ("1", "true", "yes")
-    return float(text) if kind == "float" else int(text)

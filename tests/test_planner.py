@@ -138,3 +138,58 @@ def test_time_model_and_the_command_line(tmp_path):
         [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "bogus=1"], capture_output=True, text=True
     )
     assert bad.returncode == 1 and "unknown fields ['bogus']" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ({"world_size": 0}, "world_size = 0"),
+        ({"world_size": -3}, "world_size = -3"),
+        ({"grad_accum": 0}, "grad_accum = 0"),
+        ({"prefetch": -1}, "prefetch = -1"),
+        ({"ranks_per_node": -1}, "ranks_per_node = -1"),
+        ({"flops": -1.0}, "flops = -1.0"),
+        ({"flops": float("nan")}, "flops = nan"),
+        ({"itemsize": 0}, "itemsize = 0"),
+    ],
+)
+def test_plan_names_a_value_it_cannot_plan_for(bad, named):
+    units, _ = gpt_units(CFG)
+    kwargs = {"world_size": 4, **bad}
+    with pytest.raises(ValueError, match=f"plan: {named} "):
+        plan(units, kwargs.pop("world_size"), **kwargs)
+    with pytest.raises(ValueError, match="bandwidth -5.0 B/s > 0"):
+        Link(1e-6, -5.0)
+    with pytest.raises(ValueError, match="batch = 0"):
+        gpt_activation_bytes(CFG, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--gpt", "n_layer=abc"], "--gpt n_layer=abc: n_layer takes an integer"),
+        (["--gpt", "n_layer"], "--gpt n_layer: give KEY=VALUE pairs"),
+        (["--dtype", "int8"], "--dtype int8: the shards' dtype is float16, float32 or float64"),
+        (["--intra", "abc"], "--intra abc: give ALPHA_S,BYTES_PER_S"),
+        (["--shard-size", "abc"], "--shard-size abc: give a group size"),
+        (["--memory", "-5"], "--memory -5.0: give the device's bytes"),
+        (["--batch", "0"], "batch = 0"),
+    ],
+)
+def test_the_command_line_names_a_bad_argument(capsys, arguments, message):
+    from mpifsdp.__main__ import main
+
+    assert main(["plan", "--world", "4", "--ranks-per-node", "2", *arguments]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_the_table_says_when_compute_time_is_unknown(capsys):
+    from mpifsdp.__main__ import main
+
+    assert main(["plan", "--world", "4", "--ranks-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "compute                     unknown (give --flops FLOP_PER_S, or --probe)" in out
+    assert "step                   >=" in out and "(communication alone)" in out
+    assert main(["plan", "--world", "4", "--ranks-per-node", "2", "--flops", "1e12"]) == 0
+    out = capsys.readouterr().out
+    assert "unknown" not in out and "communication alone" not in out
