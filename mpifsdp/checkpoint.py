@@ -11,6 +11,7 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -112,7 +113,8 @@ def collective(comm, action, what: str, root: int | None = None):
 def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     """Write a checkpoint of `model` (and `optimizer`) to `directory`, atomically. Collective.
 
-    Every rank writes only its own slices; `extra` (JSON-serializable: step, data position, RNG seeds)
+    Every rank writes only its own slices; `extra` (JSON: step, data position, RNG seeds; NumPy
+    scalars become Python numbers, anything else JSON cannot hold fails before a byte is written)
     goes into the manifest. An existing `directory` is replaced only once the new one is complete. A
     failed save (disk full, no permission, ...) raises CheckpointError on every rank and leaves
     nothing behind but what was there before.
@@ -120,6 +122,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     sharded = require_sharded(model)
     comm = sharded.comm
     final = Path(directory)
+    extra = collective(comm, lambda: _plain_json(extra or {}), f"saving to {final}")
     collective(comm, lambda: publish.prepare(final), f"saving to {final}", root=0)
     staging = collective(
         comm, lambda: publish.staging_dir(final, comm), f"creating a directory next to {final}"
@@ -136,7 +139,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             # every rank's file is on disk (agreed above)
             "files": [r for r in comm.allgather_object(record) if r is not None],
             "optimizer": None if optimizer is None else optimizer.summary(),
-            "extra": extra or {},
+            "extra": extra,
         }
 
         def complete():
@@ -148,6 +151,27 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
         collective(comm, lambda: publish.remove_ours(staging), "cleaning up", root=0)
         raise
     return final
+
+
+def _plain_json(extra: dict) -> dict:
+    """`extra` as the manifest will hold it, checked before anything is written: NumPy scalars (a
+    step counter of np.int64, a loss of np.float32) become Python numbers; an array or any other
+    object is an error naming it (an error found while writing the manifest would come after the
+    rank files, on one rank only)."""
+
+    def plain(value):
+        if isinstance(value, np.generic):
+            return value.item()
+        hint = " (an array: pass .tolist())" if isinstance(value, np.ndarray) else ""
+        raise CheckpointError(
+            f"extra holds a {type(value).__name__}{hint}: the manifest keeps JSON (numbers, strings, "
+            "lists, dicts with string keys)"
+        )
+
+    try:
+        return json.loads(json.dumps(extra, default=plain))
+    except (TypeError, ValueError) as error:  # e.g. a dict key that is a tuple
+        raise CheckpointError(f"extra cannot be kept as JSON: {error}") from None
 
 
 def _optimizer_state(optimizer, sharded) -> dict:
@@ -271,7 +295,8 @@ def _fill(directory: Path, manifest: dict, sharded, optimizer):
 
 
 def save_step(root, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 3) -> Path:
-    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` step-N checkpoints.
+    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` step-N checkpoints
+    (keep=0: delete none).
 
     Pruning sees only step-N directories; it also removes incomplete staging directories of older
     steps (saves that died: never complete checkpoints)."""

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,6 +271,19 @@ def test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one(comm, t
     root = killed_during_save(comm, tmp_path, "overwrite")
     model, opt = sharded(comm, seed=3)
     assert load(root / "ck", model, opt)["step"] == 1 and opt.step_count == 1
+
+
+def test_extra_is_checked_on_every_rank_before_anything_is_written(comm, tmp_path):
+    model, opt = sharded(comm)
+    root = Path(shared_dir(comm, tmp_path))
+    last = comm.rank == comm.size - 1  # one rank's bad extra fails the save on every rank
+    bad = {"rng": np.arange(3)} if last else {}
+    with pytest.raises(CheckpointError, match=r"extra holds a ndarray \(an array: pass \.tolist\(\)\)"):
+        save(root / "ck", model, opt, extra=bad)
+    agree(comm, not any(root.iterdir()), f"left behind: {sorted(root.iterdir())}")
+    save(root / "ck", model, opt, extra={"step": np.int64(7), "loss": np.float32(0.5)})
+    extra = load(root / "ck", model, opt)
+    agree(comm, extra == {"step": 7, "loss": 0.5} and type(extra["step"]) is int, f"extra came back {extra}")
 
 
 def test_cli_inspect_and_export(comm, tmp_path):
