@@ -242,8 +242,11 @@ def load(directory, model, optimizer=None) -> dict:
         f"loading {directory}",
     )
     collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
-    if optimizer is not None and manifest["optimizer"] is not None:
-        optimizer.restore(manifest["optimizer"])
+    if optimizer is not None:  # saved without one: it starts over, not from moments of other params
+        optimizer.restore(manifest["optimizer"] or {"step": 0})
+        if manifest["optimizer"] is None and sharded.comm.rank == 0:
+            name = type(optimizer).__name__
+            log.warning("%s holds no optimizer state: %s starts from step 0", directory, name)
     return manifest["extra"]
 
 
@@ -276,10 +279,10 @@ def _fill(directory: Path, manifest: dict, sharded, optimizer):
         start, stop = flat_range(unit, comm.rank, comm.size)
         targets = {"param": unit.shard}
         saved = {seg["kind"] for f in manifest["files"] for seg in f["segments"] if seg["unit"] == index}
-        if id(unit) in stepped and manifest["optimizer"] is not None:
-            if saved & set(optimizer.state_kinds):
+        if id(unit) in stepped:
+            if manifest["optimizer"] is not None and saved & set(optimizer.state_kinds):
                 targets.update(optimizer.state_of(unit, allocate=True))
-            else:  # never stepped when saved
+            else:  # never stepped when saved, or saved without an optimizer
                 optimizer.forget_state(unit)
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero

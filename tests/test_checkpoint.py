@@ -286,6 +286,27 @@ def test_extra_is_checked_on_every_rank_before_anything_is_written(comm, tmp_pat
     agree(comm, extra == {"step": 7, "loss": 0.5} and type(extra["step"]) is int, f"extra came back {extra}")
 
 
+def test_a_checkpoint_without_optimizer_state_restarts_the_optimizer(comm, tmp_path, caplog):
+    root = Path(shared_dir(comm, tmp_path))
+    model, opt = sharded(comm)
+    train(model, opt, comm, 1)
+    save(root / "weights", model)  # the model alone
+    train(model, opt, comm, 2)  # moments and step count of other parameters than the saved ones
+    with caplog.at_level("WARNING", logger="mpifsdp.checkpoint"):
+        load(root / "weights", model, opt)
+    fresh_model, fresh_opt = sharded(comm, seed=5)
+    load(root / "weights", fresh_model, fresh_opt)
+    train(model, opt, comm, 1, first=3)
+    train(fresh_model, fresh_opt, comm, 1, first=3)
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(full_state_dict(model).values(), full_state_dict(fresh_model).values())
+    )
+    agree(comm, same and opt.step_count == 1, f"step count {opt.step_count}: the old moments were kept")
+    warned = "holds no optimizer state: AdamW starts from step 0" in caplog.text
+    assert warned == (comm.rank == 0)
+
+
 def test_cli_inspect_and_export(comm, tmp_path):
     if comm.size > 1:
         pytest.skip("runs single-process commands: the plain-pytest pass covers it")
