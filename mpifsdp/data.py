@@ -64,6 +64,8 @@ class TextData:
     """Byte tokens of one file, split train/val by position (the last `val_fraction` is validation)."""
 
     def __init__(self, path: str | os.PathLike | None = None, val_fraction: float = 0.1):
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"TextData: val_fraction {val_fraction} must be in [0, 1)")
         self.path = Path(path) if path is not None else stdlib_corpus_path()
         if not self.path.is_file():
             raise FileNotFoundError(f"text file {self.path} does not exist")
@@ -76,6 +78,9 @@ class TextData:
 
     def batch(self, split: str, batch_size: int, block_size: int, rng: np.random.Generator):
         """(x, y) int64 arrays of shape (batch_size, block_size); y is x shifted by one token."""
+        if split not in self.splits:
+            raise ValueError(f"TextData: split {split!r} is not one of {sorted(self.splits)}")
+        _require_counts("TextData.batch", batch_size=(batch_size, 1), block_size=(block_size, 1))
         data = self.splits[split]
         if len(data) <= block_size + 1:
             raise ValueError(
@@ -88,6 +93,7 @@ class TextData:
 
     def global_batch(self, split, step, batch_size, block_size, seed=0):
         """The same global batch on every rank for (seed, split, step): slice it by rank for data parallel."""
+        _require_counts("TextData.global_batch", step=(step, 0), seed=(seed, 0))
         rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
         return self.batch(split, batch_size, block_size, rng)
 
@@ -98,7 +104,12 @@ def rank_slice(array, rank: int, world_size: int, even: bool = True):
     even=True: the rows must divide evenly (what fully_shard's models need: equal batches).
     even=False: any number of rows; the first `n % world_size` ranks get one row more. Pass
     `weight=len(rows)` to Unit.reduce_grad so the ranks' gradients average to the global mean."""
-    n = array.shape[0]
+    _require_counts("rank_slice", world_size=(world_size, 1), rank=(rank, 0))
+    if rank >= world_size:
+        raise ValueError(f"rank_slice: rank {rank} is not below world_size {world_size}")
+    if np.ndim(array) == 0:
+        raise ValueError("rank_slice: the array has no axis to split (a scalar)")
+    n = len(array)
     if even and n % world_size:
         raise ValueError(
             f"{n} rows do not divide over {world_size} ranks: make it a multiple, or pass even=False "
@@ -107,6 +118,19 @@ def rank_slice(array, rank: int, world_size: int, even: bool = True):
     per, extra = divmod(n, world_size)
     start = rank * per + min(rank, extra)
     return array[start : start + per + (rank < extra)]
+
+
+def _require_counts(where: str, **values):
+    """ValueError naming every name=(value, least) that is not an integer >= least: a negative rank or
+    a zero batch would otherwise give an empty or a wrong slice, or NumPy's error about something else."""
+
+    def ok(value, least):
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least
+
+    bad = [f"{name} = {value!r}" for name, (value, least) in values.items() if not ok(value, least)]
+    if bad:
+        least = ", ".join(f"{name} >= {least}" for name, (_, least) in values.items())
+        raise ValueError(f"{where}: {'; '.join(bad)} (integers with {least})")
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
