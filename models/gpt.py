@@ -33,6 +33,20 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = True
 
+    def __post_init__(self):
+        """A size below 1 or a dropout outside [0, 1) fails here, by name, not as a division by zero
+        or an empty model later."""
+        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+        bad = [f"{k}={getattr(self, k)!r}" for k in sizes if not _is_count(getattr(self, k))]
+        if bad:
+            raise ValueError(f"GPTConfig: {', '.join(bad)}: sizes are integers >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
 
 class GPT(Module):
     def __init__(self, config: GPTConfig, seed: int = 1337, dtype=np.float32, device: str = "cpu"):

@@ -252,6 +252,8 @@ class Dropout(Module):
     """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device."""
 
     def __init__(self, p: float, seed: int = 0):
+        if not 0 <= p < 1:  # p = 1 would scale the survivors by 1 / 0
+            raise ValueError(f"Dropout: p={p!r} must be in [0, 1)")
         self.p = p
         self._seed = seed
         self._calls = 0

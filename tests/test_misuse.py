@@ -19,6 +19,7 @@ from mpifsdp import (
     fully_shard,
     sharded_model,
 )
+from mpifsdp.layers import Dropout
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 from mpifsdp.schedule import ScheduleError
 
@@ -82,6 +83,23 @@ def test_a_configuration_that_differs_without_changing_shapes_is_refused(comm):
     config = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=heads, n_embd=8)
     with pytest.raises(CollectiveError, match="configuration differs between ranks.*n_head"):
         fully_shard(GPT(config, seed=0), comm, units=[])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n_layer", 0, "n_layer=0: sizes are integers >= 1"),  # was a ZeroDivisionError
+        ("vocab_size", 0, "vocab_size=0"),  # was a model with no vocabulary
+        ("block_size", -1, "block_size=-1"),
+        ("n_embd", 8.0, "n_embd=8.0"),
+        ("dropout", 1.0, r"dropout=1.0 must be in \[0, 1\)"),  # was accepted
+    ],
+)
+def test_a_configuration_that_cannot_make_a_model_is_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**{**CFG.__dict__, field: value})
+    with pytest.raises(ValueError, match=r"Dropout: p=1.5 must be in \[0, 1\)"):
+        Dropout(1.5)
 
 
 @pytest.mark.mpi(min_size=2)
