@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from numbers import Integral
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ def set_threads(threads: int | str | None = "auto", ranks_on_node: int = 1) -> i
     """
     if threads is None:
         return None
+    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, Integral) or threads < 1):
+        raise ValueError(f"set_threads: threads={threads!r}: give 'auto', an integer >= 1, or None")
     if threads == "auto":
         chosen = [v for v in USER_VARIABLES if os.environ.get(v)]
         if chosen:

@@ -121,3 +121,12 @@ def test_blocks_that_run_gemms_run_them_on_one_blas_thread_each():
             assert blas_threads() == [2]  # restored after the section
         finally:
             set_elementwise_threads(1)
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "many", True])
+def test_an_invalid_thread_count_is_refused_before_anything_is_set(threads):
+    with threadpool_limits(None, user_api="blas"):
+        before = _blas_threads()
+        with pytest.raises(ValueError, match=f"threads={threads!r}: give 'auto', an integer >= 1, or None"):
+            set_threads(threads)
+        assert _blas_threads() == before
