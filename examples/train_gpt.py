@@ -76,12 +76,19 @@ def parse_config() -> TrainConfig:
         parser.add_argument(
             *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})"
         )
-    cfg = TrainConfig(**vars(parser.parse_args()))
-    if cfg.grad_accum < 1 or cfg.accum_sync not in ("reduce", "no_sync"):
-        parser.error(
-            f"--grad_accum must be >= 1 and --accum_sync reduce or no_sync, got {cfg.grad_accum}, "
-            f"{cfg.accum_sync!r}"
-        )
+    try:
+        cfg = TrainConfig(**vars(parser.parse_args()))  # GPTConfig checks the model's fields
+    except ValueError as error:
+        parser.error(str(error))
+    least = dict(batch_size=1, grad_accum=1, log_every=1, eval_every=1, eval_batches=1, max_steps=0,
+                 warmup_steps=0, save_every=0, keep=0, sample_tokens=0)  # fmt: skip
+    wrong = [f"--{k} {getattr(cfg, k)} (must be >= {v})" for k, v in least.items() if getattr(cfg, k) < v]
+    if cfg.accum_sync not in ("reduce", "no_sync"):
+        wrong.append(f"--accum_sync {cfg.accum_sync!r} (reduce or no_sync)")
+    if not cfg.grad_clip > 0:
+        wrong.append(f"--grad_clip {cfg.grad_clip} (must be > 0)")
+    if wrong:
+        parser.error("; ".join(wrong))
     return cfg
 
 

@@ -47,6 +47,21 @@ def test_train_gpt_example_runs_sharded_and_reports(comm):
     assert "30/30" in stderr[0] and "tok/s" in stderr[0], stderr[0][-500:]
 
 
+def test_train_gpt_names_flags_it_cannot_run_with(comm):
+    if comm.size > 1:
+        pytest.skip("one single-process command: the plain-pytest pass covers it")
+    script = ROOT / "examples" / "train_gpt.py"
+    for flags, message in [
+        # each was a traceback (x % 0, a division by zero) or an error far from the flag
+        (["--log_every", "0", "--eval_every", "0"], "--log_every 0 (must be >= 1); --eval_every 0"),
+        (["--eval_batches", "0"], "--eval_batches 0 (must be >= 1)"),
+        (["--n_layer", "0"], "GPTConfig: n_layer=0: sizes are integers >= 1"),
+        (["--grad_clip", "0"], "--grad_clip 0.0 (must be > 0)"),
+    ]:
+        done = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-1000:]
+
+
 def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm, tmp_path):
     out = run_example(
         comm, 2, ROOT / "examples" / "train_gpt.py",
