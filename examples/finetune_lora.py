@@ -91,7 +91,12 @@ def parse_args():
     parser.add_argument("--log_every", type=int, default=50)
     parser.add_argument("--export", default="out/finetuned.safetensors")
     parser.add_argument("--seed", type=int, default=1337)
-    return parser.parse_args()
+    args = parser.parse_args()
+    least = dict(rank=1, max_steps=0, batch_size=1, eval_batches=1, log_every=1)
+    wrong = [f"--{k} {getattr(args, k)} (must be >= {v})" for k, v in least.items() if getattr(args, k) < v]
+    if wrong:
+        parser.error("; ".join(wrong))
+    return args
 
 
 def main():
