@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
+from numbers import Integral
 
 from . import ops
 from .accounting import MemoryLedger
@@ -42,8 +43,8 @@ class ShardedModel:
     """
 
     def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None)):
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0 (units gathered ahead), got {prefetch}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, Integral) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
         self.comm = comm  # every rank: input checks, valid-target counts, the schedule check
         # HSDP: (this rank's shard group, its replicas across groups); (comm, None) for plain FSDP
         self.shard_comm, self.replicas = levels[0] or comm, levels[1]

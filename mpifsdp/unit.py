@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .accounting import MemoryLedger
-from .backend import array_module_of, to_numpy
+from .backend import array_module_of, float_dtype, to_numpy
 from .flat import UnshardedParams, agreed_layout
 from .pool import BufferPool
 
@@ -78,8 +78,8 @@ class Unit:
             for level in (replicas, comm) if replicas is not None else (comm,):
                 named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
-        self.param_dtype = np.dtype(param_dtype or self.layout.dtype)
-        self.reduce_dtype = np.dtype(reduce_dtype or self.param_dtype)
+        self.param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
+        self.reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or self.param_dtype)
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps

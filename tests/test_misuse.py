@@ -102,6 +102,20 @@ def test_a_configuration_that_cannot_make_a_model_is_refused_by_name(field, valu
         Dropout(1.5)
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"prefetch": 1.5}, r"prefetch must be an integer >= 0 .*got 1.5"),  # was a TypeError from a slice
+        ({"param_dtype": "bogus"}, r"param_dtype='bogus': give a floating dtype"),  # was NumPy's TypeError
+        ({"param_dtype": np.int32}, r"param_dtype=<class 'numpy.int32'>: give a floating dtype"),  # a ufunc's
+        ({"reduce_dtype": "float8"}, r"reduce_dtype='float8': give a floating dtype"),
+    ],
+)
+def test_an_option_fully_shard_cannot_use_is_refused_by_name(comm, option, message):
+    with pytest.raises(ValueError, match=message):
+        fully_shard(GPT(CFG, seed=0), comm, units=[], **option)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_clipping_on_one_rank_only_is_caught_at_the_step(comm):
     model = fully_shard(GPT(CFG, seed=0), comm, units=[])
