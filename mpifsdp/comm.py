@@ -65,6 +65,8 @@ class Comm:
         hybrid sharding on one machine)."""
         MPI = _mpi()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if not isinstance(base, MPI.Comm):
+            raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
         self.mpi = base.Clone() if clone else base
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()

@@ -109,7 +109,9 @@ class Schedule:
         self.rank = rank
         self._abort = abort  # ends the job (MPI_Abort) when the watchdog fires
         self._mpi_error = mpi_error  # the MPI binding's exception class (Comm passes it)
-        self.debug = _flag("MPIFSDP_DEBUG") if debug is None else bool(debug)
+        if debug not in (None, True, False):  # a string such as "no" would be truthy
+            raise ValueError(f"Comm(debug={debug!r}): give True, False, or None (MPIFSDP_DEBUG decides)")
+        self.debug = _flag("MPIFSDP_DEBUG") if debug is None else debug
         self.timeout = _seconds("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
             raise ValueError(f"Comm(timeout={timeout!r}): give the watchdog's timeout in seconds, > 0")

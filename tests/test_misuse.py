@@ -143,6 +143,13 @@ def test_environment_variables_are_validated_by_name(comm, monkeypatch, variable
         Comm(threads=None)
 
 
+def test_comm_arguments_are_validated_by_name(comm):
+    with pytest.raises(ValueError, match=r"Comm\(debug='no'\): give True, False, or None"):
+        Comm(threads=None, debug="no")  # a string was truthy: debug on
+    with pytest.raises(TypeError, match=r"takes an mpi4py communicator, not 'world'"):
+        Comm(mpi_comm="world")
+
+
 def test_debug_false_means_off(comm, monkeypatch):
     monkeypatch.setenv("MPIFSDP_DEBUG", "false")
     assert Comm(threads=None).schedule.debug is False
