@@ -71,6 +71,12 @@ def run_cli(args) -> int:
     intra, inter = _link("--intra", args.intra), _link("--inter", args.inter)
     if not args.memory >= 0:
         raise ValueError(f"--memory {args.memory}: give the device's bytes (0: do not check the fit)")
+    if args.shard_size not in ("", "node") and not args.shard_size.isdigit():
+        raise ValueError(f"--shard-size {args.shard_size}: give a group size (ranks) or 'node'")
+    if args.dtype not in ("float16", "float32", "float64"):
+        raise ValueError(f"--dtype {args.dtype}: the shards' dtype is float16, float32 or float64")
+    if args.batch < 1:  # before --probe times a block on it
+        raise ValueError(f"--batch {args.batch}: sequences per rank per micro-batch, >= 1")
     world, per_node, flops, measured, rank = args.world, args.ranks_per_node, args.flops, {}, 0
     if args.probe or not (world and per_node):
         from .comm import Comm
@@ -84,12 +90,8 @@ def run_cli(args) -> int:
             flops = block_flops(config, args.batch)
             measured["flops"] = flops
             measured["gemm_flops"] = gemm_flops()
-    if args.shard_size not in ("", "node") and not args.shard_size.isdigit():
-        raise ValueError(f"--shard-size {args.shard_size}: give a group size (ranks) or 'node'")
     shard_size = per_node if args.shard_size == "node" else int(args.shard_size or 0) or None
     units, model = gpt_units(config)
-    if args.dtype not in ("float16", "float32", "float64"):
-        raise ValueError(f"--dtype {args.dtype}: the shards' dtype is float16, float32 or float64")
     itemsize = np.dtype(args.dtype).itemsize
     tokens = args.grad_accum * args.batch * config.block_size
     wire = args.compute_bytes or itemsize
