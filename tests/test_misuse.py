@@ -102,6 +102,12 @@ def test_a_configuration_that_cannot_make_a_model_is_refused_by_name(field, valu
         Dropout(1.5)
 
 
+@pytest.mark.parametrize("sizes", [[4, 0, 3], [4, -2, 3], [4, 2.5, 3]])
+def test_an_mlp_of_sizes_below_one_is_refused_by_name(sizes):
+    with pytest.raises(ValueError, match=r"sizes are integers >= 1"):  # [4, 0, 3] was accepted
+        MLPClassifier(sizes)
+
+
 @pytest.mark.parametrize(
     "option, message",
     [
