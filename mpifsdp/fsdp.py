@@ -322,8 +322,8 @@ def fully_shard(
             f"units must be submodules of the model (got {unknown or ['the model itself']}); "
             "the model is always the root unit"
         )
-    flags = per_unit(reshard_after_forward, units, default=True)
-    checkpoints = per_unit(checkpoint, units, default=False)
+    flags = per_unit("reshard_after_forward", reshard_after_forward, units, default=True)
+    checkpoints = per_unit("checkpoint", checkpoint, units, default=False)
     unit_ids = {id(u) for u in units}
     owned = [(names[id(u)], owned_params(u, names[id(u)], unit_ids)) for u in units]
     owned.append(("root", owned_params(model, "", unit_ids)))

@@ -27,9 +27,17 @@ def owned_params(module: Module, prefix: str, unit_ids: set) -> list:
     return found
 
 
-def per_unit(option, units, default: bool) -> list[bool]:
-    """A bool for every unit from a bool or a {unit module: bool} dict."""
+def per_unit(name: str, option, units, default: bool) -> list[bool]:
+    """A bool for every unit from a bool or a {unit module: bool} dict. A dict naming a module that
+    is not a unit is an error: its setting would be dropped without a word."""
     if isinstance(option, dict):
+        unit_ids = {id(u) for u in units}
+        strays = [type(m).__name__ for m in option if id(m) not in unit_ids]
+        if strays:
+            raise ValueError(
+                f"fully_shard: {name} names modules that are not units ({strays}): add them to units=, "
+                f"or leave them out of {name}"
+            )
         return [bool(option.get(u, default)) for u in units]
     return [bool(option)] * len(units)
 

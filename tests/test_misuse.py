@@ -122,6 +122,13 @@ def test_an_option_fully_shard_cannot_use_is_refused_by_name(comm, option, messa
         fully_shard(GPT(CFG, seed=0), comm, units=[], **option)
 
 
+@pytest.mark.parametrize("option", ["checkpoint", "reshard_after_forward"])
+def test_a_per_unit_setting_for_a_module_that_is_no_unit_is_refused(comm, option):
+    model = GPT(CFG, seed=0)  # the blocks are not made units: their setting was dropped silently
+    with pytest.raises(ValueError, match=f"{option} names modules that are not units \\(\\['Block'\\]\\)"):
+        fully_shard(model, comm, units=model.blocks[1:], **{option: {model.blocks[0]: True}})
+
+
 @pytest.mark.mpi(min_size=2)
 def test_clipping_on_one_rank_only_is_caught_at_the_step(comm):
     model = fully_shard(GPT(CFG, seed=0), comm, units=[])
