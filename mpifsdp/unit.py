@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import numpy as np
 
@@ -248,14 +249,28 @@ class Unit:
         self._require_trainable("reduce")
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-        if weight is not None and not (np.isfinite(weight) and weight >= 0):
-            raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight}")
+        if weight is not None:  # a number, or a 0-d array (a CuPy count): not a string, not a bool
+            number = float(weight) if hasattr(weight, "__float__") and not isinstance(weight, bool) else -1.0
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight!r}")
+            weight = number
         if grads is not None:
             self._load_grads(grads)
         elif self.full_grad is None:
             raise RuntimeError(
                 f"unit {self.name!r}: reduce_grad() without gradients: pass them, or zero_full_grad() first"
             )
+        divisor = self.comm.size * (self.replicas.size if self.replicas else 1) if reduce == "mean" else 1
+        if weight is not None and reduce == "mean":
+            what = f"the weights of {self.name}"
+            divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=what)
+            if self.replicas is not None:
+                divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
+            if divisor == 0:  # the same sum on every rank: all of them raise
+                raise ValueError(
+                    f"unit {self.name!r}: the weights sum to 0 over the ranks (no rank had samples): "
+                    "there is no mean to take; skip this step, or give weights > 0"
+                )
         self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
         source = self._cast("gathered_grads", self.full_grad, self.reduce_dtype)
         if source is not self.full_grad:
@@ -266,14 +281,8 @@ class Unit:
         receive = self.grad_shard
         if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
             receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
-        divisor = self.comm.size * (self.replicas.size if self.replicas else 1) if reduce == "mean" else 1
         if weight is not None:
             source *= weight
-            if reduce == "mean":
-                what = f"the weights of {self.name}"
-                divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=what)
-                if self.replicas is not None:
-                    divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
         self._reducing = _Reduction(request, receive, source, divisor, phase)
 

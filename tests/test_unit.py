@@ -148,6 +148,21 @@ def test_uneven_rows_weighted_give_the_global_mean_and_sum(comm):
     assert sum(sizes) == 37 and max(sizes) - min(sizes) <= 1
 
 
+def test_weights_that_sum_to_zero_or_are_not_numbers_are_refused(comm):
+    unit = Unit("fit", {"w": np.zeros(5)}, comm)
+    with pytest.raises(ValueError, match="the weights sum to 0 over the ranks"):  # was 0 / 0: NaN gradients
+        unit.reduce_grad({"w": np.ones(5)}, weight=0)
+    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got '3'"):
+        unit.reduce_grad({"w": np.ones(5)}, weight="3")
+    unit.zero_grad()
+    k = comm.rank + 1
+    unit.reduce_grad({"w": np.full(5, float(k))}, weight=np.array(k))  # a 0-d count (CuPy's sum gives one)
+    got = unit.gather(unit.grad_shard)["w"]
+    ks = np.arange(1, comm.size + 1)
+    want = (ks * ks).sum() / ks.sum()
+    agree(comm, np.allclose(got, want, rtol=1e-15, atol=0), f"weighted mean {got}, want {want}")
+
+
 def test_unsharded_views_are_read_only_unless_written_back(comm):
     unit = Unit("u", {"w": np.arange(6.0).reshape(2, 3), "b": np.zeros(2)}, comm)
     with unit.unsharded() as p:
