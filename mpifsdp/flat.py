@@ -147,16 +147,28 @@ def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> F
             f"{[fp for fp, _ in everyone]}): build the model identically on every rank (same config)"
         )
     elif error is None and len({v for _, v in everyone}) > 1:
-        groups = {}
-        for rank, (_, digest) in enumerate(everyone):
-            groups.setdefault(digest, []).append(rank)
         error = (
             f"starts from different parameter values on different ranks (ranks grouped by value: "
-            f"{sorted(groups.values())}): build it from the same seed on every rank, or pass "
-            "sync_params=True to fully_shard (sync_values=True to Unit) to take rank 0's values"
+            f"{_ranks_by_value(v for _, v in everyone)}): build it from the same seed on every rank, or "
+            "pass sync_params=True to fully_shard (sync_values=True to Unit) to take rank 0's values"
         )
     comm.raise_if_any(error and f"unit {name!r} {error}", f"creating unit {name!r}")
     return layout
+
+
+def require_same_values(name: str, arrays, comm, what: str):
+    """Collective: a ValueError on every rank if the arrays' values differ between ranks (a hash of
+    their bytes each, gathered), naming which ranks agree; `what` says what differs and the remedy."""
+    digests = comm.allgather_object(_values_digest(arrays))
+    if len(set(digests)) > 1:
+        raise ValueError(f"unit {name!r}: {what} (ranks grouped by value: {_ranks_by_value(digests)})")
+
+
+def _ranks_by_value(digests) -> list[list[int]]:
+    groups = {}
+    for rank, digest in enumerate(digests):
+        groups.setdefault(digest, []).append(rank)
+    return sorted(groups.values())
 
 
 class UnshardedParams(Mapping):

@@ -181,6 +181,19 @@ def test_unsharded_views_are_read_only_unless_written_back(comm):
         assert np.array_equal(p["w"], np.clip(np.arange(6.0), 0, 2).reshape(2, 3))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_writeback_edits_that_differ_between_ranks_are_refused_on_every_rank(comm):
+    unit = Unit("u", {"w": np.zeros(8)}, comm)
+    with pytest.raises(
+        ValueError, match=r"writeback edits differ between ranks \(ranks grouped by value: \[\[0\], \[1"
+    ):
+        with unit.unsharded(writeback=True) as p:
+            if comm.rank == 0:
+                p["w"][:] = 3.0  # the others keep 0: each rank's slice was written back, a mixture
+    with unit.unsharded() as p:
+        agree(comm, not p["w"].any(), f"the shards took the edits: {p['w']}")
+
+
 def test_state_dict_of_units_is_full_host_copies(comm):
     import mpifsdp
 
