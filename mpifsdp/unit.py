@@ -25,7 +25,7 @@ import numpy as np
 
 from .accounting import MemoryLedger
 from .backend import array_module_of, float_dtype, to_numpy
-from .flat import UnshardedParams, agreed_layout, require_same_values
+from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
 
 
@@ -200,8 +200,8 @@ class Unit:
         of the pool: an array kept after the block keeps the values it had, never another unit's;
         `params` itself refuses access after the block. writeback=True makes them writable and copies
         this rank's slice of the edited values back into its shard at the end (e.g. a projection onto
-        constraints; every rank must make the same edit: a hash of the edited values is compared, and
-        ranks that differ raise). (FSDP's own path, `unshard`, uses the pool.)
+        constraints; every rank must make the same edit: edits that differ by more than rounding
+        raise on every rank). (FSDP's own path, `unshard`, uses the pool.)
         """
         if writeback and self.param_dtype != self.layout.dtype:
             raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
@@ -216,7 +216,7 @@ class Unit:
             params = UnshardedParams(self.name, views)
             yield params
             if writeback:  # ranks that edited differently would keep a mixture of their edits
-                require_same_values(self.name, [full], self.comm, "writeback edits differ between ranks")
+                require_same_edit(self.name, full, self.comm)
                 lo, hi = self.layout.shard_range(self.comm.rank)
                 self.shard[...] = full[lo:hi]
         finally:

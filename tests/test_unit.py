@@ -184,14 +184,17 @@ def test_unsharded_views_are_read_only_unless_written_back(comm):
 @pytest.mark.mpi(min_size=2)
 def test_writeback_edits_that_differ_between_ranks_are_refused_on_every_rank(comm):
     unit = Unit("u", {"w": np.zeros(8)}, comm)
-    with pytest.raises(
-        ValueError, match=r"writeback edits differ between ranks \(ranks grouped by value: \[\[0\], \[1"
-    ):
+    with pytest.raises(ValueError, match=r"writeback edits differ between ranks \(ranks \[1"):
         with unit.unsharded(writeback=True) as p:
             if comm.rank == 0:
                 p["w"][:] = 3.0  # the others keep 0: each rank's slice was written back, a mixture
     with unit.unsharded() as p:
         agree(comm, not p["w"].any(), f"the shards took the edits: {p['w']}")
+    # the same edit computed on other CPUs or thread counts differs by rounding: accepted
+    with unit.unsharded(writeback=True) as p:
+        p["w"][:] = 1.0 + comm.rank * np.finfo(np.float64).eps
+    with unit.unsharded() as p:
+        agree(comm, np.allclose(p["w"], 1.0, rtol=comm.size * 2.3e-16, atol=0), f"edit kept as {p['w']}")
 
 
 def test_state_dict_of_units_is_full_host_copies(comm):
