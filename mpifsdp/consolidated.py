@@ -69,12 +69,16 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
 
     Tensors are laid out unit by unit in layout order, so every rank writes the pieces of its own
     shard at their offsets (a shared file system is assumed, as for checkpoints). No rank ever holds
-    more than its shard.
+    more than its shard. A file at `path` is replaced only once the new one is complete; a failed
+    export raises CheckpointError on every rank and leaves nothing behind.
     """
     sharded = require_sharded(model)
     comm = sharded.comm
     path = Path(path)
     entries = [e for e in _unit_entries(unit_record(u) for u in sharded.units) if include(e[0])]
+    if not entries:  # every rank: the same entries
+        raise CheckpointError(f"exporting {path}: `include` accepted none of the model's tensors")
+    collective(comm, lambda: _require_file_path(path), f"exporting {path}", root=0)
     header = safetensors_header(entries)
     offsets, data_bytes = {}, 0
     for name, dtype, shape in entries:
@@ -86,24 +90,35 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
             f.write(header)
             f.truncate(len(header) + data_bytes)
 
-    collective(comm, create, f"creating {path}", root=0)
-
-    def write_pieces():
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            for unit in sharded.units if sharded.writes else ():  # HSDP: the first group's copy
-                little = unit.layout.dtype.newbyteorder("<")
-                for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.shard.rank):
-                    if name in offsets:
-                        raw = to_numpy(unit.shard[s0 : s0 + t1 - t0]).astype(little).tobytes()
-                        os.pwrite(fd, raw, len(header) + offsets[name] + t0 * unit.layout.dtype.itemsize)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    collective(comm, write_pieces, f"writing {path}")  # agreed: every rank's pieces are on disk
-    collective(comm, lambda: os.replace(tmp, path), f"publishing {path}", root=0)
+    try:
+        collective(comm, create, f"creating {path}", root=0)
+        collective(comm, lambda: _write_pieces(tmp, sharded, offsets, len(header)), f"writing {path}")
+        collective(comm, lambda: os.replace(tmp, path), f"publishing {path}", root=0)
+    except CheckpointError:  # nothing left behind but what was there before
+        collective(comm, lambda: tmp.unlink(missing_ok=True), f"cleaning up {tmp}", root=0)
+        raise
     return path
+
+
+def _require_file_path(path: Path):
+    """A file may be replaced by the export (the caller named it); a directory is refused up front."""
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory: give the .safetensors file's path")
+
+
+def _write_pieces(tmp: Path, sharded, offsets: dict, data_start: int):
+    """This rank's pieces of every exported tensor, at their offsets in `tmp` (fsynced)."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for unit in sharded.units if sharded.writes else ():  # HSDP: the first group's copy
+            little = unit.layout.dtype.newbyteorder("<")
+            for name, t0, t1, s0 in unit.layout.pieces_in_shard(sharded.shard.rank):
+                if name in offsets:
+                    raw = to_numpy(unit.shard[s0 : s0 + t1 - t0]).astype(little).tobytes()
+                    os.pwrite(fd, raw, data_start + offsets[name] + t0 * unit.layout.dtype.itemsize)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 MAX_HEADER = 100 * 2**20  # the safetensors package refuses larger headers too

@@ -307,6 +307,29 @@ def test_a_checkpoint_without_optimizer_state_restarts_the_optimizer(comm, tmp_p
     assert warned == (comm.rank == 0)
 
 
+def test_an_export_that_cannot_be_written_leaves_nothing_behind(comm, tmp_path, monkeypatch):
+    model, _ = sharded(comm)
+    root = Path(shared_dir(comm, tmp_path))
+    if comm.rank == 0:
+        (root / "a_directory").mkdir()
+    comm.barrier()
+    with pytest.raises(CheckpointError, match="a_directory is a directory: give the .safetensors file"):
+        export_safetensors(root / "a_directory", model)  # was refused only at the rename, after the writes
+    with pytest.raises(CheckpointError, match="No such file or directory"):
+        export_safetensors(root / "missing" / "m.safetensors", model)
+    with pytest.raises(CheckpointError, match="`include` accepted none of the model's tensors"):
+        export_safetensors(root / "m.safetensors", model, include=lambda name: False)  # was an empty file
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)  # the rename fails after every rank wrote its pieces
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        export_safetensors(root / "m.safetensors", model)
+    monkeypatch.undo()
+    agree(comm, sorted(p.name for p in root.iterdir()) == ["a_directory"], f"left: {sorted(root.iterdir())}")
+
+
 def test_cli_inspect_and_export(comm, tmp_path):
     if comm.size > 1:
         pytest.skip("runs single-process commands: the plain-pytest pass covers it")
