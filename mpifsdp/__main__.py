@@ -8,6 +8,7 @@ on stderr and exit status 1; an existing OUT is replaced only with --force.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def _export_hf_gpt2(directory: Path, out: Path, force: bool) -> Path:
     config = manifest["extra"].get("config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{directory} records no model config in its extra (train_gpt.py saves one)")
+    unknown = sorted(set(config) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:
+        raise CheckpointError(f"{directory}: its model config has fields GPTConfig does not: {unknown}")
     model = GPT(GPTConfig(**config), dtype=np.dtype(manifest["units"][0]["dtype"]))
     fully_shard(model, Comm(threads=None), units=model.blocks)
     load_params(directory, model)

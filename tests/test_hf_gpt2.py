@@ -65,3 +65,7 @@ def test_command_line_exports_a_train_gpt_checkpoint(comm, tmp_path):
     assert np.array_equal(load_hf_gpt2(tmp_path / "hf")(tokens).data, GPT(config, seed=3)(tokens).data)
     again = subprocess.run([*command, "--format", "hf-gpt2"], capture_output=True, text=True)
     assert again.returncode == 1 and "pass --force" in again.stderr
+    save(tmp_path / "odd", model, extra={"config": {**dataclasses.asdict(config), "bogus": 1}})
+    odd = [sys.executable, "-m", "mpifsdp", "export", str(tmp_path / "odd"), str(tmp_path / "hf2")]
+    done = subprocess.run([*odd, "--format", "hf-gpt2"], capture_output=True, text=True)  # a traceback before
+    assert done.returncode == 1 and "has fields GPTConfig does not: ['bogus']" in done.stderr, done.stderr
