@@ -9,6 +9,7 @@ import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
 from mpifsdp.backend import array_module, to_numpy
+from mpifsdp.checks import is_count
 from mpifsdp.layers import (
     Block,
     Dropout,
@@ -37,15 +38,11 @@ class GPTConfig:
         """A size below 1 or a dropout outside [0, 1) fails here, by name, not as a division by zero
         or an empty model later."""
         sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-        bad = [f"{k}={getattr(self, k)!r}" for k in sizes if not _is_count(getattr(self, k))]
+        bad = [f"{k}={getattr(self, k)!r}" for k in sizes if not is_count(getattr(self, k), 1)]
         if bad:
             raise ValueError(f"GPTConfig: {', '.join(bad)}: sizes are integers >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
 
 
 class GPT(Module):

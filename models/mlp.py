@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpifsdp import Tensor, ops
+from mpifsdp.checks import is_count
 from mpifsdp.layers import Linear, Module, ids_problem
 
 ACTIVATIONS = {"relu": ops.relu, "gelu": ops.gelu, "tanh": lambda x: x.tanh()}
@@ -22,7 +23,7 @@ class MLPClassifier(Module):
         """sizes = [n_in, hidden..., n_classes]; weights ~ N(0, 1/fan_in) (He-style for depth)."""
         if len(sizes) < 2:
             raise ValueError(f"sizes needs an input and an output size, got {sizes}")
-        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        if not all(is_count(n, 1) for n in sizes):
             raise ValueError(f"sizes are integers >= 1 (a layer of 0 units has no output), got {sizes}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}: choose one of {sorted(ACTIVATIONS)}")

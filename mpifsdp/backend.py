@@ -75,18 +75,6 @@ def to_device(array, device: str = CPU, dtype=None):
     return xp.asarray(array, dtype=dtype)
 
 
-def float_dtype(name: str, value) -> np.dtype:
-    """np.dtype(value) where it is a floating type, else a ValueError naming the option `name`
-    (a mixed-precision setting: "bogus" or an int type would fail later, far from its cause)."""
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.kind != "f":
-        raise ValueError(f"{name}={value!r}: give a floating dtype (float16, float32 or float64), or None")
-    return dtype
-
-
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one GPU. Never raises, unless MPIFSDP_REQUIRE_GPU=1
     (make gpu-check sets it): then a broken CuPy or a missing GPU raises with its cause, instead of

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import publish
 from .backend import to_numpy
+from .checks import is_count
 from .fsdp import sharded_model
 from .manifest import (
     FORMAT,
@@ -30,7 +31,6 @@ from .manifest import (
     VERSION,
     CheckpointError,
     flat_range,
-    is_count,
     read_manifest,
     read_slices,
     slice_digest,

@@ -23,7 +23,8 @@ import numpy as np
 from . import publish
 from .backend import to_numpy
 from .checkpoint import collective, require_sharded, sharded_units
-from .manifest import CheckpointError, is_count, read_manifest, read_slices, require, unit_record
+from .checks import is_count
+from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import is_count
+
 VOCAB_SIZE = 256  # byte-level tokens
 
 
@@ -123,11 +125,7 @@ def rank_slice(array, rank: int, world_size: int, even: bool = True):
 def _require_counts(where: str, **values):
     """ValueError naming every name=(value, least) that is not an integer >= least: a negative rank or
     a zero batch would otherwise give an empty or a wrong slice, or NumPy's error about something else."""
-
-    def ok(value, least):
-        return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= least
-
-    bad = [f"{name} = {value!r}" for name, (value, least) in values.items() if not ok(value, least)]
+    bad = [f"{name} = {value!r}" for name, (value, least) in values.items() if not is_count(value, least)]
     if bad:
         least = ", ".join(f"{name} >= {least}" for name, (_, least) in values.items())
         raise ValueError(f"{where}: {'; '.join(bad)} (integers with {least})")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from numbers import Integral
 
 from . import ops
 from .accounting import MemoryLedger
+from .checks import is_count
 from .comm import CollectiveError, Comm
 from .layers import Module, initial_value
 from .lifecycle import Stage, UnitLifecycle
@@ -43,7 +43,7 @@ class ShardedModel:
     """
 
     def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None)):
-        if isinstance(prefetch, bool) or not isinstance(prefetch, Integral) or prefetch < 0:
+        if not is_count(prefetch):
             raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
         self.comm = comm  # every rank: input checks, valid-target counts, the schedule check
         # HSDP: (this rank's shard group, its replicas across groups); (comm, None) for plain FSDP

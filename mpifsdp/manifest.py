@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import is_count
+
 FORMAT = "mpifsdp-checkpoint"
 VERSION = 2  # 2: the manifest carries its own checksum; 1 (no checksum) still loads
 MANIFEST = "manifest.json"
@@ -102,11 +104,6 @@ def require(ok: bool, why: str):
     """Validation of a file's content: a ValueError saying why, turned into "not a valid ... (why)"."""
     if not ok:
         raise ValueError(why)
-
-
-def is_count(value, low: int = 0) -> bool:
-    """An integer >= low, and not a bool (JSON's true would pass isinstance(value, int))."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _validate(manifest):

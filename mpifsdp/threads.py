@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from numbers import Integral
+
+from .checks import is_count
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def set_threads(threads: int | str | None = "auto", ranks_on_node: int = 1) -> i
     """
     if threads is None:
         return None
-    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, Integral) or threads < 1):
+    if threads != "auto" and not is_count(threads, 1):
         raise ValueError(f"set_threads: threads={threads!r}: give 'auto', an integer >= 1, or None")
     if threads == "auto":
         chosen = [v for v in USER_VARIABLES if os.environ.get(v)]

@@ -24,7 +24,8 @@ import math
 import numpy as np
 
 from .accounting import MemoryLedger
-from .backend import array_module_of, float_dtype, to_numpy
+from .backend import array_module_of, to_numpy
+from .checks import float_dtype
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
 
@@ -200,9 +201,8 @@ class Unit:
         of the pool: an array kept after the block keeps the values it had, never another unit's;
         `params` itself refuses access after the block. writeback=True makes them writable and copies
         this rank's slice of the edited values back into its shard at the end (e.g. a projection onto
-        constraints; every rank must make the same edit: edits that differ by more than rounding
-        raise on every rank). (FSDP's own path, `unshard`, uses the pool.)
-        """
+        constraints; edits that differ between ranks by more than rounding raise on every rank).
+        (FSDP's own path, `unshard`, uses the pool.)"""
         if writeback and self.param_dtype != self.layout.dtype:
             raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
         full = self.xp.empty(self.layout.padded_numel, dtype=self.param_dtype)
