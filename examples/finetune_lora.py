@@ -126,9 +126,11 @@ def main():
         x, y = data.global_batch(split, index, args.batch_size, config.block_size, seed=args.seed)
         return rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size)
 
-    def evaluate(net) -> float:
+    def evaluate(net) -> float:  # in evaluation mode: no dropout, so the loss depends on the parameters alone
+        net.eval()
         with mpifsdp.no_grad():
             local = sum(net(*batch("val", i)).item() for i in range(args.eval_batches))
+        net.train()
         return comm.all_reduce_scalar(local) / (comm.size * args.eval_batches)
 
     base_val = evaluate(model)  # B = 0: the base model's own loss on the new text

@@ -194,9 +194,11 @@ def main():
             total += loss.item()
         return total
 
-    def evaluate() -> float:
+    def evaluate() -> float:  # in evaluation mode: no dropout, so the loss depends on the parameters alone
+        model.eval()
         with mpifsdp.no_grad():
             local = sum(model(*batch("val", i)).item() for i in range(cfg.eval_batches))
+        model.train()
         return comm.all_reduce_scalar(local) / (world * cfg.eval_batches)
 
     try:

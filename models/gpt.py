@@ -110,17 +110,22 @@ class GPT(Module):
             matmul_params -= self.wte.weight.size  # the input table is a lookup, not a GEMM
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * T  # attention scores and mixing
 
-    def estimate_mfu(self, tokens_per_second: float, peak_flops: float, seq_len: int | None = None) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak."""
-        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
-
     def generate(
         self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None
     ):
-        """Sample continuations of idx (B, T) on the host RNG; returns a NumPy (B, T + new) array."""
+        """Sample continuations of idx (B, T) on the host RNG; returns a NumPy (B, T + new) array.
+        Samples in evaluation mode (no dropout); the model's mode is restored afterwards."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)
         out = to_numpy(idx).astype(np.int64)
+        was_training = self.training
+        self.eval()
+        try:
+            return self._sample(out, xp, max_new_tokens, temperature, top_k, rng)
+        finally:
+            self.train(was_training)
+
+    def _sample(self, out, xp, max_new_tokens, temperature, top_k, rng):
         with no_grad():
             for _ in range(max_new_tokens):
                 context = out[:, -self.config.block_size :]

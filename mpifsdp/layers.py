@@ -106,6 +106,7 @@ class Module:
 
     _forward_wrapper = None
     _parent = None  # the module this one was first attached to (for parameter names)
+    training = True  # Dropout draws masks only in training mode: eval() for evaluation and sampling
 
     def __setattr__(self, name, value):
         """Name parameters by their path in the module tree as soon as they join it, so every error
@@ -183,6 +184,20 @@ class Module:
             p.requires_grad = bool(requires_grad)
         return self
 
+    def train(self, mode: bool = True) -> Module:
+        """Training mode (True) or evaluation mode (False) for this module and every module inside it;
+        returns the module. Evaluation turns dropout off, so a validation loss is a function of the
+        parameters alone (the same twice); `GPT.generate` samples in evaluation mode."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"{type(self).__name__}.train: mode must be True or False, not {mode!r}")
+        for _, module in self.named_modules():
+            module.training = mode
+        return self
+
+    def eval(self) -> Module:
+        """Evaluation mode: `train(False)`."""
+        return self.train(False)
+
     def num_params(self) -> int:
         return sum(p.size for p in self.parameters())
 
@@ -257,7 +272,6 @@ class Dropout(Module):
         self.p = p
         self._seed = seed
         self._calls = 0
-        self.training = True
 
     def forward(self, x):
         if not self.training or self.p == 0.0:
@@ -370,13 +384,6 @@ def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
     return linear(norm(x))
 
 
-def set_training(model: Module, training: bool):
-    """Switch every Dropout in `model` on (training) or off (evaluation)."""
-    for _, m in model.named_modules():
-        if isinstance(m, Dropout):
-            m.training = training
-
-
 __all__ = [
     "Module",
     "Linear",
@@ -390,5 +397,4 @@ __all__ = [
     "fusable",
     "norm_then_linear",
     "norm_and_project",
-    "set_training",
 ]

@@ -58,3 +58,31 @@ def test_tiny_gpt_learns_the_stdlib_corpus():
         val = np.mean([model(*data.global_batch("val", s, 32, 32)).item() for s in range(4)])
     print(f"unigram entropy {entropy:.3f} nats, val loss after 300 steps {val:.3f}")
     assert val < entropy - 0.5, (val, entropy)
+
+
+def test_evaluation_mode_turns_dropout_off_sharded_and_in_sampling(comm):
+    """A GPT with dropout 0.1 in eval() gives the same validation loss twice, equal to the same weights
+    with dropout off; train() turns dropout back on; generate samples in eval mode and restores the mode."""
+    import mpifsdp
+
+    config = GPTConfig(**{**TINY.__dict__, "dropout": 0.1})
+    with_dropout, without = GPT(config, seed=3, dtype=np.float64), GPT(TINY, seed=3, dtype=np.float64)
+    without.load_state_dict(with_dropout.state_dict())
+    rng = np.random.default_rng(comm.rank)
+    x, y = rng.integers(0, 11, (2, 6)), rng.integers(0, 11, (2, 6))
+    prompt = np.zeros((1, 2), dtype=np.int64)
+    reference = without.generate(prompt, 4, top_k=1)
+    for model in (with_dropout, without):
+        mpifsdp.fully_shard(model, comm, units=model.blocks)
+    with no_grad():
+        off = without(x, y).item()
+        assert with_dropout.eval() is with_dropout and not any(m.training for _, m in with_dropout.named_modules())
+        first, second = with_dropout(x, y).item(), with_dropout(x, y).item()
+        with_dropout.train()
+        training = with_dropout(x, y).item()
+    assert first == second == off
+    assert training != off  # dropout is on again: the mechanism above is not vacuous
+    np.testing.assert_array_equal(with_dropout.generate(prompt, 4, top_k=1), reference)
+    assert all(m.training for _, m in with_dropout.named_modules())
+    with pytest.raises(TypeError, match="mode must be True or False"):
+        with_dropout.train("no")
