@@ -39,10 +39,10 @@ from common import (  # noqa: E402
 )
 
 from mpifsdp import AdamW  # noqa: E402
-from mpifsdp.backend import array_module  # noqa: E402
+from mpifsdp.autodiff.tape import profile  # noqa: E402
+from mpifsdp.base.backend import array_module  # noqa: E402
+from mpifsdp.base.threads import elementwise_threads  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
-from mpifsdp.tape import profile  # noqa: E402
-from mpifsdp.threads import elementwise_threads  # noqa: E402
 
 
 def torch_step_runner(cfg: dict, device: str = "cpu"):

@@ -50,7 +50,7 @@ def worker(args):
     from mpi4py import MPI
 
     import mpifsdp
-    from mpifsdp.autodiff import graph_nbytes
+    from mpifsdp.autodiff.tensor import graph_nbytes
     from mpifsdp.data import rank_slice
     from mpifsdp.models import GPT
 

@@ -33,9 +33,9 @@ def worker(steps: int):
     import numpy as np
 
     import mpifsdp
-    from mpifsdp import planner
     from mpifsdp.data import rank_slice
-    from mpifsdp.models import GPT
+    from mpifsdp.models import GPT, gpt_units
+    from mpifsdp.planning import planner
 
     comm = mpifsdp.Comm()
     baseline = current_rss_mib()  # the interpreter, NumPy, MPI: what no plan of the model counts
@@ -45,7 +45,7 @@ def worker(steps: int):
     )
     config = gpt_config(PEER)
     flops = planner.block_flops(config, PEER["batch_size"])  # all ranks at once: shared cores shared
-    units, shapes = planner.gpt_units(config)
+    units, shapes = gpt_units(config)
     tokens = PEER["batch_size"] * PEER["block_size"]
     predicted = planner.plan(
         units, comm.size, flops=flops, intra=link, inter=link,

@@ -4,7 +4,7 @@ One JSON line per run, then a summary. Each run is its own mpiexec job (peak RSS
   accumulation: peer config at N = 2, a global batch of 16 in one step vs 64 = 4 micro-batches of 16
                 (each micro-batch reduce-scattered, or no_sync until the last);
   checkpointing: peer config at T = 1024, batch 2 per rank, N = 1 and 2, with and without
-                fully_shard(checkpoint=True).
+                fully_shard(recompute=True).
     python bench/bench_training.py [--steps 3] [--only accumulation|checkpointing]
 """
 
@@ -27,7 +27,7 @@ def measure(args):
     from mpi4py import MPI
 
     import mpifsdp
-    from mpifsdp.autodiff import graph_nbytes
+    from mpifsdp.autodiff.tensor import graph_nbytes
     from mpifsdp.data import rank_slice
     from mpifsdp.models import GPT
 
@@ -35,7 +35,7 @@ def measure(args):
     comm = mpifsdp.Comm()
     with mpifsdp.deferred_init():
         model = GPT(gpt_config(cfg), seed=0)
-    mpifsdp.fully_shard(model, comm, units=model.blocks, checkpoint=args.checkpoint)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=args.checkpoint)
     sharded = mpifsdp.sharded_model(model)
     opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)
     micro = [random_batch(cfg, args.micro_batch * comm.size, seed=j) for j in range(args.grad_accum)]

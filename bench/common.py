@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from mpifsdp import Comm
-from mpifsdp.accounting import current_rss_bytes, peak_rss_bytes
+from mpifsdp.base.accounting import current_rss_bytes, peak_rss_bytes
 from mpifsdp.models import GPTConfig
 
 # The configuration every benchmark (ours and the peers') uses.

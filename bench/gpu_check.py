@@ -24,9 +24,9 @@ from common import CONFIGS, gpt_config, median_time, random_batch, synchronizer,
 
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
+from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
-from mpifsdp.tape import profile  # noqa: E402
 
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
 CONFIGS = {
@@ -75,7 +75,7 @@ def preflight(args):
             gpu=props["name"].decode(),
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
-            nccl=mpifsdp.backend.nccl().get_version() if mpifsdp.backend.nccl_available() else None,
+            nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
         )
     print(json.dumps(info))
     if info.get("kernel_ok") is False:

@@ -8,8 +8,8 @@ and 5 us inside a node and 25 GB/s and 20 us between nodes per GPU, 400 TFLOP/s 
 
 from __future__ import annotations
 
-from mpifsdp.models import GPTConfig
-from mpifsdp.planner import Link, flops_per_step, gpt_activation_bytes, gpt_units, plan
+from mpifsdp.models import GPTConfig, gpt_units
+from mpifsdp.planning.planner import Link, flops_per_step, gpt_activation_bytes, plan
 
 MODELS = {
     "GPT-2 1.5B (T=1024)": GPTConfig(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
@@ -30,8 +30,8 @@ def predict(config, world, shard_size, flops=FLOPS, intra=INTRA, inter=INTER):
     tokens = config.block_size  # one sequence per GPU
     return plan(
         units, world, shard_size=shard_size, ranks_per_node=NODE, itemsize=4, compute_itemsize=2,
-        flops=flops, flops_per_step=flops_per_step(model, config.block_size, tokens, checkpoint=True),
-        activation_bytes=gpt_activation_bytes(config, 1, 2, checkpoint=True, device="cuda"),
+        flops=flops, flops_per_step=flops_per_step(model, config.block_size, tokens, recompute=True),
+        activation_bytes=gpt_activation_bytes(config, 1, 2, recompute=True, device="cuda"),
         intra=intra, inter=inter,
     )  # fmt: skip
 

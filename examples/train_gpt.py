@@ -7,7 +7,7 @@
 
 Any TrainConfig field is a flag. Rank 0 prints, with a tqdm progress bar on stderr where tqdm is
 installed (also under mpiexec, where stdout is no TTY); the last line of stdout is one JSON object with
-the results. --metrics run.jsonl writes a line per step; `python -m mpifsdp.pictures run.jsonl` draws it.
+the results. --metrics run.jsonl writes a line per step; `python -m mpifsdp pictures run.jsonl` draws it.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
-from mpifsdp import checkpoint, pictures, sharded_model
-from mpifsdp.accounting import mib, peak_rss_bytes
+from mpifsdp import sharded_model
+from mpifsdp.base.accounting import mib, peak_rss_bytes
+from mpifsdp.checkpoint import sharded as checkpoint
 from mpifsdp.data import TextData, rank_slice
 from mpifsdp.models import GPT, GPTConfig
+from mpifsdp.observe import pictures
 
 
 @dataclass
@@ -143,11 +145,11 @@ def progress_bar(total: int, done: int, rank: int):
 
 
 def draw_pictures(metrics_path: str) -> str:
-    """The run's PNGs beside its metrics file (mpifsdp.pictures), where matplotlib is installed."""
+    """The run's PNGs beside its metrics file (mpifsdp.observe.pictures), where matplotlib is installed."""
     try:
         paths = pictures.draw(metrics_path)
     except ImportError:  # no matplotlib: say how to get the pictures later
-        return f"pictures: pip install 'mpifsdp[viz]', then python -m mpifsdp.pictures {metrics_path}"
+        return f"pictures: pip install 'mpifsdp[viz]', then python -m mpifsdp pictures {metrics_path}"
     return "pictures: " + ", ".join(str(p) for p in paths)
 
 

@@ -8,19 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
-from mpifsdp.backend import array_module, to_numpy
-from mpifsdp.checks import is_count
-from mpifsdp.layers import (
-    Block,
-    Dropout,
-    Embedding,
-    LayerNorm,
-    Linear,
-    Module,
-    ids_problem,
-    norm_and_project,
-    norm_then_linear,
-)
+from mpifsdp.base.backend import array_module, to_numpy
+from mpifsdp.base.checks import is_count
+from mpifsdp.nn.layers import Block, Dropout, Embedding, LayerNorm, Linear, norm_and_project, norm_then_linear
+from mpifsdp.nn.module import Module, deferred_init, ids_problem
+from mpifsdp.planning.planner import UnitSize, unit_sizes
 
 
 @dataclass
@@ -139,3 +131,11 @@ class GPT(Module):
                 nxt = np.array([rng.choice(len(p), p=p) for p in probs])
                 out = np.concatenate([out, nxt[:, None]], axis=1)
         return out
+
+
+def gpt_units(config: GPTConfig, units: str = "blocks") -> tuple[list[UnitSize], GPT]:
+    """The units fully_shard(model, units=model.blocks) makes of a GPT (units="blocks"; "root": one
+    unit), and the model, built without memory (deferred_init: shapes only, any size): for plan()."""
+    with deferred_init():
+        model = GPT(config)
+    return unit_sizes(model, model.blocks if units == "blocks" else []), model

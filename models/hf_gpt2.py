@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from mpifsdp import full_state_dict
-from mpifsdp.consolidated import read_safetensors_header, read_tensor, safetensors_header
-from mpifsdp.fsdp import sharded_model
+from mpifsdp.base.files import atomic_file
+from mpifsdp.checkpoint.consolidated import read_safetensors_header, read_tensor, safetensors_header
+from mpifsdp.fsdp.build import sharded_model
 
 from .gpt import GPT, GPTConfig
 
@@ -38,13 +38,23 @@ def hf_config(config: GPTConfig) -> dict:
             "GPT-2 has biases in every LayerNorm and projection: export a GPT built with bias=True"
         )
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
-        "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
-        "n_layer": config.n_layer, "n_head": config.n_head, "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5, "tie_word_embeddings": config.tie_weights,
-        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
-        "bos_token_id": None, "eos_token_id": None,  # GPT-2's 50256 is outside a byte-level vocabulary
-    }  # fmt: skip
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": config.tie_weights,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "bos_token_id": None,
+        "eos_token_id": None,  # GPT-2's 50256 is outside a byte-level vocabulary
+    }
 
 
 def export_hf_gpt2(directory, model: GPT) -> Path:
@@ -61,15 +71,12 @@ def export_hf_gpt2(directory, model: GPT) -> Path:
     entries = [(n, np.dtype(a.dtype), list(a.shape)) for n, a in tensors.items()]
     metadata = {"mpifsdp_gpt_config": json.dumps(dataclasses.asdict(model.config))}
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{WEIGHTS}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_file(directory / WEIGHTS) as f:
         f.write(safetensors_header(entries, metadata))
         for array in tensors.values():
             f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / WEIGHTS)
-    (directory / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
+    with atomic_file(directory / CONFIG) as f:
+        f.write((json.dumps(hf, indent=2) + "\n").encode())
     if sharded is not None:
         sharded.comm.barrier()
     return directory
@@ -80,9 +87,14 @@ def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
     directory = Path(directory)
     hf = json.loads((directory / CONFIG).read_text())
     config = GPTConfig(
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-        n_embd=hf["n_embd"], tie_weights=hf.get("tie_word_embeddings", True), bias=True,
-    )  # fmt: skip
+        vocab_size=hf["vocab_size"],
+        block_size=hf["n_positions"],
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        n_embd=hf["n_embd"],
+        tie_weights=hf.get("tie_word_embeddings", True),
+        bias=True,
+    )
     model = GPT(config, dtype=dtype, device=device)
     header, start = read_safetensors_header(directory / WEIGHTS)
     with open(directory / WEIGHTS, "rb") as f:

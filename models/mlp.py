@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from mpifsdp import Tensor, ops
-from mpifsdp.checks import is_count
-from mpifsdp.layers import Linear, Module, ids_problem
+from mpifsdp.base.checks import is_count
+from mpifsdp.nn.layers import Linear
+from mpifsdp.nn.module import Module, ids_problem
 
 ACTIVATIONS = {"relu": ops.relu, "gelu": ops.gelu, "tanh": lambda x: x.tanh()}
 

@@ -2,8 +2,8 @@
 
 `import mpifsdp` gives what a training loop is written with; `mpifsdp.extend` what the engine is
 extended with (new primitives, scopes, gradient checks). Submodules with a job of their own:
-`mpifsdp.ops` (the differentiable operations), `mpifsdp.checkpoint`, `mpifsdp.consolidated`
-(.safetensors), `mpifsdp.data`, `mpifsdp.models`.
+`mpifsdp.ops` (the differentiable operations), `mpifsdp.checkpoint` (and `.consolidated`: one
+.safetensors file), `mpifsdp.data`, `mpifsdp.models`. docs/design.md draws the sub-packages.
 """
 
 import os
@@ -14,21 +14,21 @@ import os
 # launcher (README, "Speed and memory knobs"). A value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from . import ops  # noqa: E402
-from .autodiff import AbsentDataError, Param, Tensor  # noqa: E402
-from .backend import array_module, to_device, to_numpy  # noqa: E402
+from . import moved, ops  # noqa: E402
+from .autodiff import AbsentDataError, Param, Tensor, no_grad  # noqa: E402
+from .base.backend import array_module, to_device, to_numpy  # noqa: E402
+from .base.threads import set_threads  # noqa: E402
+from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
+from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
 from .fsdp import ShardedModel, full_state_dict, fully_shard, no_sync, report, sharded_model  # noqa: E402
-from .layers import Module, deferred_init  # noqa: E402
-from .manifest import CheckpointError  # noqa: E402
-from .metrics import StepMetrics  # noqa: E402
-from .optim import SGD, Adam, AdamW, NonFiniteError  # noqa: E402
-from .planner import plan  # noqa: E402
-from .scaler import LossScaler  # noqa: E402
-from .schedule import CollectiveTimeout, ScheduleError  # noqa: E402
-from .tape import no_grad  # noqa: E402
-from .threads import set_threads  # noqa: E402
-from .unit import Unit, state_dict  # noqa: E402
+from .nn import Module, deferred_init  # noqa: E402
+from .observe import StepMetrics  # noqa: E402
+from .optim import SGD, Adam, AdamW, LossScaler, NonFiniteError  # noqa: E402
+from .planning import plan  # noqa: E402
+from .shard import Unit, state_dict  # noqa: E402
+
+moved.install()  # the flat layout's module paths, for one more release (moved.py)
 
 __version__ = "0.1.0"
 

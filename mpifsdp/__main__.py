@@ -1,4 +1,5 @@
-"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (plan_cli.py).
+"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (cli/plan.py),
+`... pictures RUN.jsonl` (observe/pictures.py).
 
 inspect: units, sizes, world size, step, and an integrity check of every slice's checksum.
 export: one consolidated .safetensors file from a checkpoint, in one process, a slice at a time.
@@ -12,10 +13,11 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from . import plan_cli
-from .checkpoint import checkpoints
-from .consolidated import export_checkpoint
-from .manifest import FORMAT, MANIFEST, CheckpointError, read_manifest, verify
+from .checkpoint.consolidated import export_checkpoint
+from .checkpoint.manifest import FORMAT, MANIFEST, CheckpointError, read_manifest, verify
+from .checkpoint.sharded import checkpoints
+from .cli import plan as plan_cli
+from .observe import pictures
 
 
 def _checkpoint_in(path) -> Path:
@@ -48,9 +50,9 @@ def _export_hf_gpt2(directory: Path, out: Path, force: bool) -> Path:
     """A train_gpt.py checkpoint (its config in `extra`) as a Hugging Face GPT-2 directory, in one process."""
     import numpy as np
 
-    from .comm import Comm
-    from .consolidated import load_params
-    from .fsdp import fully_shard
+    from .checkpoint.consolidated import load_params
+    from .comm.communicator import Comm
+    from .fsdp.build import fully_shard
     from .models import GPT, GPTConfig
     from .models.hf_gpt2 import export_hf_gpt2
 
@@ -105,14 +107,19 @@ def main(argv=None) -> int:
     export.add_argument("out")
     export.add_argument("--force", action="store_true", help="replace OUT if it exists")
     export.add_argument(
-        "--format", default="safetensors", choices=["safetensors", "hf-gpt2"],
+        "--format",
+        default="safetensors",
+        choices=["safetensors", "hf-gpt2"],
         help="one .safetensors file, or a Hugging Face GPT-2 directory (config.json + model.safetensors)",
-    )  # fmt: skip
+    )
     plan_cli.add_arguments(sub.add_parser("plan", help="memory, traffic and step time of a GPT on a cluster"))
+    pictures.add_arguments(sub.add_parser("pictures", help="a StepMetrics run's PNGs: loss, throughput, ..."))
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
             return plan_cli.run_cli(args)
+        if args.command == "pictures":
+            return pictures.run_cli(args)
         if args.command == "inspect":
             return _inspect(args.dir)
         print(f"wrote {_export(args.dir, args.out, args.force, args.format)}")

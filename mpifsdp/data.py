@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import is_count
+from .base.checks import is_count
+from .base.files import atomic_file
 
 VOCAB_SIZE = 256  # byte-level tokens
 
@@ -40,13 +41,9 @@ def stdlib_sources(package: str = "") -> list[Path]:
 
 
 def _write_atomically(path: Path, chunks):
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         for chunk in chunks:
             f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def stdlib_corpus_path(package: str = "") -> Path:

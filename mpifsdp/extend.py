@@ -16,9 +16,9 @@ checkpointing of any function; fully_shard(checkpoint=...) applies it per unit).
 Use it as `mpifsdp.autodiff.apply("cube", tensor)`, or wrap that in a function of your own.
 """
 
-from .autodiff import PRIMITIVES, ArrayMeta, apply, primitive
-from .gradcheck import check_grad, check_vjp
-from .recompute import recompute
-from .tape import scope
+from .autodiff.gradcheck import check_grad, check_vjp
+from .autodiff.recompute import recompute
+from .autodiff.tape import scope
+from .autodiff.tensor import PRIMITIVES, ArrayMeta, apply, primitive
 
 __all__ = ["PRIMITIVES", "ArrayMeta", "apply", "check_grad", "check_vjp", "primitive", "recompute", "scope"]

@@ -8,7 +8,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from mpifsdp.backend import array_module, gpu_available  # noqa: E402
+from mpifsdp.base.backend import array_module, gpu_available  # noqa: E402
 
 _CONFIG = None  # pytest's, for the abort below
 

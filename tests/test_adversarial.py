@@ -27,7 +27,7 @@ PRELUDE = textwrap.dedent(
     import mpifsdp
     from mpifsdp import AdamW, Comm, LossScaler, fully_shard, full_state_dict, ops
     from mpifsdp import checkpoint as ck
-    from mpifsdp.consolidated import export_safetensors, load_safetensors
+    from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
     from mpifsdp import sharded_model
     from mpifsdp.models import GPT, GPTConfig
 
@@ -59,7 +59,7 @@ PRELUDE = textwrap.dedent(
         comm.barrier()
 
     def edit_manifest(path, change, redo_checksum=False):
-        from mpifsdp.manifest import with_digest
+        from mpifsdp.checkpoint.manifest import with_digest
 
         def edit():
             manifest = json.loads((path / "manifest.json").read_text())
@@ -255,12 +255,12 @@ SCENARIOS = {
         """
         model, opt = make()
         ck.save(ROOT / "c", model, opt, {"v": 1})
-        original = ck._write_rank_file
+        original = ck.sharded._write_rank_file
         def full(*args):
             if rank == 1:
                 raise OSError(28, "No space left on device")
             return original(*args)
-        ck._write_rank_file = full
+        ck.sharded._write_rank_file = full
         try:
             ck.save(ROOT / "c", model, opt, {"v": 2})
         finally:
@@ -286,7 +286,7 @@ SCENARIOS = {
         def broken(*args):
             raise RuntimeError("a bug on rank 1")
         if rank == 1:
-            ck._write_rank_file = broken  # an unexpected error: raised on rank 1 only
+            ck.sharded._write_rank_file = broken  # an unexpected error: raised on rank 1 only
         ck.save(ROOT / "c", model, opt)
     """,
         r"mpifsdp watchdog: rank 0 waited 5\.0 s in",

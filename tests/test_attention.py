@@ -6,7 +6,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import mpifsdp.attention as attention
+import mpifsdp.ops.causal_attention as attention
 from mpifsdp.extend import PRIMITIVES, check_vjp
 
 ATTENTION = PRIMITIVES["attention"]

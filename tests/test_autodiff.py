@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import AbsentDataError, Param, Tensor, no_grad, ops
-from mpifsdp.backend import to_numpy
+from mpifsdp.base.backend import to_numpy
 from mpifsdp.extend import scope
 
 
@@ -129,7 +129,7 @@ def test_an_op_error_keeps_its_type_and_text_and_gains_the_context():
 
 
 def test_profile_times_each_primitive_forward_and_backward():
-    from mpifsdp.tape import profile
+    from mpifsdp.autodiff.tape import profile
 
     w = Param(np.ones(3), "w")
     with profile() as costs:
@@ -147,7 +147,7 @@ def test_profile_times_each_primitive_forward_and_backward():
 
 
 def test_profile_counts_an_array_used_twice_once():
-    from mpifsdp.tape import profile
+    from mpifsdp.autodiff.tape import profile
 
     w = Param(np.ones(3), "w")
     with profile() as costs:

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from mpifsdp import backend
+from mpifsdp.base import backend
 
 
 class FakeCupy:

@@ -16,8 +16,16 @@ from mpi4py import MPI
 from test_abort import mpiexec
 
 from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, no_grad, sharded_model
-from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step, verify
-from mpifsdp.consolidated import export_safetensors, load_safetensors
+from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
+from mpifsdp.checkpoint.sharded import (
+    CheckpointError,
+    checkpoints,
+    load,
+    load_latest,
+    save,
+    save_step,
+    verify,
+)
 from mpifsdp.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)  # units of 470 and 1330
@@ -212,7 +220,7 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
     import numpy as np
-    import mpifsdp.checkpoint as ck
+    import mpifsdp.checkpoint.sharded as ck
     from mpifsdp import AdamW, Comm, fully_shard
     from mpifsdp.models import GPT, GPTConfig
 
@@ -292,7 +300,7 @@ def test_a_checkpoint_without_optimizer_state_restarts_the_optimizer(comm, tmp_p
     train(model, opt, comm, 1)
     save(root / "weights", model)  # the model alone
     train(model, opt, comm, 2)  # moments and step count of other parameters than the saved ones
-    with caplog.at_level("WARNING", logger="mpifsdp.checkpoint"):
+    with caplog.at_level("WARNING", logger="mpifsdp.checkpoint.sharded"):
         load(root / "weights", model, opt)
     fresh_model, fresh_opt = sharded(comm, seed=5)
     load(root / "weights", fresh_model, fresh_opt)

@@ -14,9 +14,9 @@ from conftest import agree
 from test_checkpoint import CFG, sharded, shared_dir, train
 
 from mpifsdp import full_state_dict
-from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step
-from mpifsdp.consolidated import export_safetensors, load_safetensors
-from mpifsdp.manifest import with_digest
+from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
+from mpifsdp.checkpoint.manifest import with_digest
+from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, load_latest, save, save_step
 from mpifsdp.models import GPT
 
 
@@ -184,7 +184,7 @@ def test_a_failed_save_leaves_nothing_behind_and_fails_on_every_rank(comm, tmp_p
         save(f"{root}/a-file/ck", model, opt)
     save(f"{root}/ck", model, opt, {"step": 1})
 
-    import mpifsdp.checkpoint as ck
+    import mpifsdp.checkpoint.sharded as ck
 
     writer = ck._write_rank_file
 

@@ -61,3 +61,25 @@ def test_rank_slice_and_entropy():
     with pytest.raises(ValueError, match="no axis to split"):
         rank_slice(np.float64(3.0), 0, 1)
     assert unigram_entropy(np.array([0, 1, 0, 1], dtype=np.uint8)) == pytest.approx(np.log(2))
+
+
+def test_atomic_files_fsync_the_file_and_its_directory_and_leave_nothing_on_failure(tmp_path, monkeypatch):
+    """base/files.atomic_file, the one writer of whole files: the data and the rename are durable
+    (the directory is fsynced too), and a failed write leaves the old file and no temporary."""
+    import os
+    import stat
+
+    from mpifsdp.base import files
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(files.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_mode) or real_fsync(fd))
+    target = tmp_path / "out.bin"
+    with files.atomic_file(target) as f:
+        f.write(b"new")
+    assert target.read_bytes() == b"new"
+    assert [stat.S_ISREG(m) for m in synced] == [True, False] and stat.S_ISDIR(synced[1])
+    with pytest.raises(RuntimeError), files.atomic_file(target) as f:
+        f.write(b"half")
+        raise RuntimeError("the writer failed")
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from test_abort import mpiexec
 
 from mpifsdp import AdamW, CollectiveError, NonFiniteError, Unit, full_state_dict, fully_shard, sharded_model
-from mpifsdp.backend import parse_device
+from mpifsdp.base.backend import parse_device
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, n_embd=8)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpifsdp.flat import FlatLayout
+from mpifsdp.shard.flat import FlatLayout
 
 shapes = st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
 

@@ -12,9 +12,9 @@ import pytest
 from tolerance import rel_err
 
 from mpifsdp import AdamW, fully_shard, sharded_model
-from mpifsdp.autodiff import PRIMITIVES
+from mpifsdp.autodiff.tensor import PRIMITIVES
 from mpifsdp.data import rank_slice
-from mpifsdp.lifecycle import Stage
+from mpifsdp.fsdp.lifecycle import Stage
 from mpifsdp.models import GPT, GPTConfig
 
 STEPS = 3

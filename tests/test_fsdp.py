@@ -14,9 +14,10 @@ from mpifsdp import (
     ops,
     sharded_model,
 )
-from mpifsdp.layers import Linear, Module
-from mpifsdp.lifecycle import Stage
+from mpifsdp.fsdp.lifecycle import Stage
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+from mpifsdp.nn.layers import Linear
+from mpifsdp.nn.module import Module
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10)
 

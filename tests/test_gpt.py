@@ -7,7 +7,7 @@ from mpifsdp import no_grad
 from mpifsdp.data import TextData, unigram_entropy
 from mpifsdp.extend import check_grad
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
-from mpifsdp.optim import AdamW
+from mpifsdp.optim.optimizers import AdamW
 
 TINY = GPTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, n_embd=8)
 
@@ -76,7 +76,9 @@ def test_evaluation_mode_turns_dropout_off_sharded_and_in_sampling(comm):
         mpifsdp.fully_shard(model, comm, units=model.blocks)
     with no_grad():
         off = without(x, y).item()
-        assert with_dropout.eval() is with_dropout and not any(m.training for _, m in with_dropout.named_modules())
+        assert with_dropout.eval() is with_dropout and not any(
+            m.training for _, m in with_dropout.named_modules()
+        )
         first, second = with_dropout(x, y).item(), with_dropout(x, y).item()
         with_dropout.train()
         training = with_dropout(x, y).item()

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from mpifsdp import fused
-from mpifsdp.backend import to_numpy
-from mpifsdp.optim import adamw_update
+from mpifsdp.base.backend import to_numpy
+from mpifsdp.ops import fused
+from mpifsdp.optim.optimizers import adamw_update
 
 C, K = math.sqrt(2 / math.pi), 0.044715
 

@@ -11,7 +11,7 @@ from test_checkpoint import shared_dir, sub_comm
 from tolerance import rel_err
 
 from mpifsdp import AdamW, CollectiveError, Comm, full_state_dict, fully_shard, sharded_model
-from mpifsdp.checkpoint import load, save
+from mpifsdp.checkpoint.sharded import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 

@@ -6,7 +6,7 @@ import pytest
 import mpifsdp
 from mpifsdp import Tensor
 from mpifsdp.extend import check_grad
-from mpifsdp.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, norm_and_project
+from mpifsdp.nn.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, norm_and_project
 
 F64 = dict(dtype=np.float64)
 
@@ -108,8 +108,8 @@ def test_layernorm_fused_into_linear_is_the_two_ops_bit_for_bit_and_keeps_less(b
     """norm_and_project(ln, lin, x) recomputes ln(x) in backward from the same passes as its forward: every
     value and gradient equals linear(ln(x)) exactly (float32, rows over several threads' blocks), a
     frozen weight gets no gradient, and the tape keeps x instead of x and ln(x)."""
-    from mpifsdp.autodiff import graph_nbytes
-    from mpifsdp.threads import elementwise_threads, set_elementwise_threads
+    from mpifsdp.autodiff.tensor import graph_nbytes
+    from mpifsdp.base.threads import elementwise_threads, set_elementwise_threads
 
     rng = np.random.default_rng(0)
     kw = dict(dtype=np.float32)

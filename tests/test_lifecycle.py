@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import Param, Tensor, Unit, fully_shard, no_grad, sharded_model
-from mpifsdp.lifecycle import MOVES, Stage, UnitLifecycle
+from mpifsdp.fsdp.lifecycle import MOVES, Stage, UnitLifecycle
 from mpifsdp.models import GPT, GPTConfig
 
 

@@ -8,8 +8,13 @@ from conftest import agree
 from test_checkpoint import CFG, sharded, shared_dir, train
 
 from mpifsdp import CollectiveError, Param, full_state_dict, fully_shard
-from mpifsdp.checkpoint import CheckpointError, save
-from mpifsdp.consolidated import export_safetensors, load_params, read_safetensors_header, saved_extra
+from mpifsdp.checkpoint.consolidated import (
+    export_safetensors,
+    load_params,
+    read_safetensors_header,
+    saved_extra,
+)
+from mpifsdp.checkpoint.sharded import CheckpointError, save
 from mpifsdp.models import GPT, GPTConfig
 
 

@@ -19,9 +19,9 @@ from mpifsdp import (
     fully_shard,
     sharded_model,
 )
-from mpifsdp.layers import Dropout
+from mpifsdp.comm.schedule import ScheduleError
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
-from mpifsdp.schedule import ScheduleError
+from mpifsdp.nn.layers import Dropout
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8)
 GOOD = np.zeros((2, 4), dtype=np.int64)
@@ -122,7 +122,7 @@ def test_an_option_fully_shard_cannot_use_is_refused_by_name(comm, option, messa
         fully_shard(GPT(CFG, seed=0), comm, units=[], **option)
 
 
-@pytest.mark.parametrize("option", ["checkpoint", "reshard_after_forward"])
+@pytest.mark.parametrize("option", ["recompute", "reshard_after_forward"])
 def test_a_per_unit_setting_for_a_module_that_is_no_unit_is_refused(comm, option):
     model = GPT(CFG, seed=0)  # the blocks are not made units: their setting was dropped silently
     with pytest.raises(ValueError, match=f"{option} names modules that are not units \\(\\['Block'\\]\\)"):

@@ -7,7 +7,7 @@ import pytest
 
 import mpifsdp
 from mpifsdp.extend import PRIMITIVES, check_vjp
-from mpifsdp.ops import unbroadcast
+from mpifsdp.ops.primitives import unbroadcast
 
 
 def _r(*shape, seed=0, positive=False):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import Param
-from mpifsdp.optim import SGD, Adam, AdamW
+from mpifsdp.optim.optimizers import SGD, Adam, AdamW
 
 
 def reference_adamw(params, grads_per_step, lr, betas, eps, wd, decays=lambda p: p.ndim >= 2):
@@ -46,8 +46,8 @@ def test_adamw_matches_reference(rng):
 def test_decay_segments_that_cross_slices_and_thread_blocks(rng):
     """The decay is applied slice by slice as each slice is updated (optim.SLICE elements, split over
     threads): exactly inside the segments, whatever slice or block boundary they straddle."""
-    from mpifsdp import optim
-    from mpifsdp.threads import row_blocks, set_elementwise_threads
+    from mpifsdp.base.threads import row_blocks, set_elementwise_threads
+    from mpifsdp.optim import optimizers as optim
 
     n = 8 * optim.SLICE + 1234  # two thread blocks, the second not starting on a slice boundary
     segments = [(100, optim.SLICE + 7), (2 * optim.SLICE - 3, 2 * optim.SLICE + 5), (n // 2 - 5, n // 2 + 5)]

@@ -1,4 +1,4 @@
-"""python -m mpifsdp.pictures: a StepMetrics file drawn as PNGs, and clear errors for other files."""
+"""python -m mpifsdp pictures: a StepMetrics file drawn as PNGs, and clear errors for other files."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 from test_metrics import train_with_metrics
 
-from mpifsdp.pictures import read_run
+from mpifsdp.observe.pictures import read_run
 
 pytest.importorskip("matplotlib")  # the viz extra; make test installs it (the test extra names it)
 
@@ -21,7 +21,7 @@ def test_the_report_draws_four_pngs_from_a_run(comm, tmp_path):
     if comm.rank == 0:  # drawing is one process's job
         out = tmp_path / "pictures"
         result = subprocess.run(
-            [sys.executable, "-m", "mpifsdp.pictures", path, "--out", str(out)],
+            [sys.executable, "-m", "mpifsdp", "pictures", path, "--out", str(out)],
             capture_output=True,
             text=True,
         )
@@ -40,6 +40,6 @@ def test_files_that_are_not_a_run_are_refused_with_the_reason(tmp_path):
     no_steps.write_text(json.dumps({"step": 1, "val_loss": 2.0}) + "\n")
     for path, reason in ((not_json, "log.txt:1: not a JSON line"), (no_steps, "no step lines")):
         result = subprocess.run(
-            [sys.executable, "-m", "mpifsdp.pictures", str(path)], capture_output=True, text=True
+            [sys.executable, "-m", "mpifsdp", "pictures", str(path)], capture_output=True, text=True
         )
         assert result.returncode != 0 and reason in result.stderr, result.stderr

@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-import mpifsdp.attention as attention
+import mpifsdp.ops.causal_attention as attention
 from mpifsdp import AdamW, fully_shard, sharded_model
-from mpifsdp.autodiff import graph_nbytes
+from mpifsdp.autodiff.tensor import graph_nbytes
 from mpifsdp.data import rank_slice
-from mpifsdp.models import GPT, GPTConfig
-from mpifsdp.planner import Link, block_flops, gpt_activation_bytes, gpt_units, plan
+from mpifsdp.models import GPT, GPTConfig, gpt_units
+from mpifsdp.planning.planner import Link, block_flops, gpt_activation_bytes, plan
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10, tie_weights=False)
 ROWS = 4  # sequences per rank per micro-batch
@@ -94,7 +94,7 @@ def test_predictions_equal_the_ledgers(comm, setup):
 def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
     cfg = GPTConfig(vocab_size=37, block_size=block_size, n_layer=2, n_head=2, n_embd=8)
     model = GPT(cfg, seed=0, dtype=np.float64)
-    fully_shard(model, comm, units=model.blocks, checkpoint=checkpoint)
+    fully_shard(model, comm, units=model.blocks, recompute=checkpoint)
     x = np.zeros((2 * comm.size, block_size), dtype=np.int64)
     x, y = rank_slice(x, comm.rank, comm.size), rank_slice(x, comm.rank, comm.size)
     assert graph_nbytes(model(x, y)) == gpt_activation_bytes(cfg, 2, 8, checkpoint)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from mpifsdp import AdamW, CollectiveError, Param, Tensor, fully_shard, sharded_model
-from mpifsdp.autodiff import graph_nbytes
+from mpifsdp.autodiff.tensor import graph_nbytes
 from mpifsdp.data import rank_slice
 from mpifsdp.extend import recompute
-from mpifsdp.layers import Block, Dropout, dropout_replay
 from mpifsdp.models import GPT, GPTConfig
+from mpifsdp.nn.layers import Block, Dropout, dropout_replay
 
 B, T, C = 4, 8, 16
 
@@ -82,7 +82,7 @@ def _batch(step, comm):
 
 def _train(comm, checkpoint):
     model = _gpt()
-    fully_shard(model, comm, units=model.blocks, checkpoint=checkpoint)
+    fully_shard(model, comm, units=model.blocks, recompute=checkpoint)
     opt = AdamW(model, lr=1e-2, weight_decay=0.1)
     losses, grads, held = [], [], []
     for step in range(3):
@@ -115,11 +115,11 @@ def test_checkpointed_units_train_bit_identically(comm):
 
 def test_some_units_checkpointed_and_nested_units_refused(comm):
     model = _gpt()
-    fully_shard(model, comm, units=model.blocks, checkpoint={model.blocks[1]: True})
-    assert [lc.checkpoint for lc in sharded_model(model).lifecycles] == [False, True, False, False]
+    fully_shard(model, comm, units=model.blocks, recompute={model.blocks[1]: True})
+    assert [lc.recomputes for lc in sharded_model(model).lifecycles] == [False, True, False, False]
     model = _gpt()
     with pytest.raises(CollectiveError, match="contain other units"):
-        fully_shard(model, comm, units=[model.blocks[0], model.blocks[0].attn], checkpoint=True)
+        fully_shard(model, comm, units=[model.blocks[0], model.blocks[0].attn], recompute=True)
 
 
 def test_dropout_replay_restores_positions():
@@ -131,3 +131,13 @@ def test_dropout_replay_restores_positions():
     with replay():  # rewound to where it was when replay was made
         assert np.array_equal(drop(x).data, masks[0])
     assert np.array_equal(drop(x).data, masks[2])  # and back where it was after
+
+
+def test_the_old_option_name_checkpoint_still_works_with_a_warning(comm):
+    model = _gpt()
+    with pytest.warns(DeprecationWarning, match=r"fully_shard\(checkpoint=...\) is now recompute="):
+        fully_shard(model, comm, units=model.blocks, checkpoint={model.blocks[1]: True})
+    assert [lc.recomputes for lc in sharded_model(model).lifecycles] == [False, True, False, False]
+    fresh = _gpt()
+    with pytest.raises(TypeError, match="pass recompute= alone"):
+        fully_shard(fresh, comm, units=fresh.blocks, checkpoint=True, recompute=True)

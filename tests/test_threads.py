@@ -8,7 +8,7 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from mpifsdp import Comm
-from mpifsdp.threads import set_threads, threads_per_rank, usable_cores
+from mpifsdp.base.threads import set_threads, threads_per_rank, usable_cores
 
 
 def _blas_threads():
@@ -42,9 +42,9 @@ def test_kernels_split_across_threads_match_one_thread():
     (attention: its heads; BLAS on one thread throughout, as inside attention's threaded blocks)."""
     import numpy as np
 
+    from mpifsdp.base.threads import row_blocks, set_elementwise_threads
     from mpifsdp.extend import PRIMITIVES
-    from mpifsdp.optim import adamw_update
-    from mpifsdp.threads import row_blocks, set_elementwise_threads
+    from mpifsdp.optim.optimizers import adamw_update
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 1100, 256))  # 3300 rows of 256: three blocks on three threads
@@ -103,7 +103,7 @@ def test_import_makes_openblas_threads_sleep_unless_the_user_chose(comm):
 def test_blocks_that_run_gemms_run_them_on_one_blas_thread_each():
     """Threaded blocks that call BLAS (blocked attention) run it single-threaded, then BLAS gets its
     threads back: BLAS's own threads on top of ours oversubscribe the cores (threads.one_blas_thread)."""
-    from mpifsdp.threads import for_row_blocks, set_elementwise_threads
+    from mpifsdp.base.threads import for_row_blocks, set_elementwise_threads
 
     def blas_threads():
         return [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]

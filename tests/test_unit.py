@@ -6,7 +6,7 @@ from conftest import agree
 
 from mpifsdp import AdamW, CollectiveError, Tensor, Unit, full_state_dict, fully_shard
 from mpifsdp.data import rank_slice
-from mpifsdp.layers import Linear
+from mpifsdp.nn.layers import Linear
 
 
 def _arrays(seed=0):

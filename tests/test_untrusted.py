@@ -16,9 +16,9 @@ from test_checkpoint import sharded, shared_dir, train
 from test_checkpoint_safety import on_rank_0
 
 from mpifsdp import full_state_dict
-from mpifsdp.checkpoint import CheckpointError, checkpoints, load, save, save_step
-from mpifsdp.consolidated import export_safetensors, load_safetensors
-from mpifsdp.manifest import with_digest
+from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
+from mpifsdp.checkpoint.manifest import with_digest
+from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, save, save_step
 
 
 def _two_checkpoints(comm, tmp_path):
@@ -139,10 +139,10 @@ def test_huge_numbers_in_a_manifest_are_refused_before_any_allocation(comm, tmp_
 
 
 def test_an_oversized_manifest_is_refused_unread(comm, tmp_path, monkeypatch):
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
     root, ck, _ = _two_checkpoints(comm, tmp_path)
-    monkeypatch.setattr(mpifsdp.manifest, "MAX_MANIFEST", 100)
+    monkeypatch.setattr(mpifsdp.checkpoint.manifest, "MAX_MANIFEST", 100)
     _refused(comm, ck, "a manifest of .* bytes, more than any checkpoint writes")
 
 

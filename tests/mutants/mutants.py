@@ -20,43 +20,43 @@ def _replace(owner, attribute: str, new):
 
 
 def _no_schedule_check():
-    from mpifsdp.comm import Comm
+    from mpifsdp.comm.communicator import Comm
 
     _replace(Comm, "check_schedule", lambda self, **kw: None)
 
 
 def _no_debug_check():
-    from mpifsdp.comm import Comm
+    from mpifsdp.comm.communicator import Comm
 
     _replace(Comm, "_announce", lambda self, *args: self.schedule.announce(*args))
 
 
 def _no_watchdog():
-    from mpifsdp.schedule import Schedule
+    from mpifsdp.comm.schedule import Schedule
 
     _replace(Schedule, "wait", lambda self, request: request.Wait())
 
 
 def _no_nonfinite_check():
-    from mpifsdp.optim import AdamW
+    from mpifsdp.optim.optimizers import AdamW
 
     _replace(AdamW, "grad_norm", lambda self: 0.0)
 
 
 def _no_uneven_batch_check():
-    from mpifsdp.fsdp import ShardedModel
+    from mpifsdp.fsdp.model import ShardedModel
 
     _replace(ShardedModel, "check_inputs", lambda self, args, kwargs: None)
 
 
 def _no_tied_weight_check():
-    import mpifsdp.partition
+    import mpifsdp.fsdp.partition
 
-    _replace(mpifsdp.partition, "shared_parameters", lambda owned: {})
+    _replace(mpifsdp.fsdp.partition, "shared_parameters", lambda owned: {})
 
 
 def _nothing_cleaned_after_a_failed_backward():
-    from mpifsdp.fsdp import ShardedModel
+    from mpifsdp.fsdp.model import ShardedModel
 
     _replace(ShardedModel, "backward_failed", lambda self: None)
 
@@ -64,63 +64,63 @@ def _nothing_cleaned_after_a_failed_backward():
 def _no_dropout_replay():
     import contextlib
 
-    import mpifsdp.lifecycle
+    import mpifsdp.fsdp.lifecycle
 
-    _replace(mpifsdp.lifecycle, "dropout_replay", lambda module: contextlib.nullcontext)
+    _replace(mpifsdp.fsdp.lifecycle, "dropout_replay", lambda module: contextlib.nullcontext)
 
 
 def _step_over_unreduced_gradients():
-    from mpifsdp.unit import Unit
+    from mpifsdp.shard.unit import Unit
 
     _replace(Unit, "flat_grad", lambda self: self.grad_shard if self.has_grad else None)
 
 
 def _no_checksum():
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
-    _replace(mpifsdp.manifest, "_checksum_matches", lambda raw, segment, version: True)
+    _replace(mpifsdp.checkpoint.manifest, "_checksum_matches", lambda raw, segment, version: True)
 
 
 def _no_manifest_checksum():
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
-    _replace(mpifsdp.manifest, "manifest_digest", lambda manifest: "0" * 64)
+    _replace(mpifsdp.checkpoint.manifest, "manifest_digest", lambda manifest: "0" * 64)
 
 
 def _no_coverage_check():
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
-    _replace(mpifsdp.manifest, "_tiles", lambda ranges, numel: True)
+    _replace(mpifsdp.checkpoint.manifest, "_tiles", lambda ranges, numel: True)
 
 
 def _no_recovery():
-    import mpifsdp.publish
+    import mpifsdp.checkpoint.publish
 
-    _replace(mpifsdp.publish, "recover", lambda final: None)
+    _replace(mpifsdp.checkpoint.publish, "recover", lambda final: None)
 
 
 def _no_atomic_publish():
     """Write the checkpoint in place: no staging directory, no rename."""
-    import mpifsdp.publish
+    import mpifsdp.checkpoint.publish
 
     def in_place(final, comm):
         final.mkdir(parents=True, exist_ok=True)
         comm.barrier()
         return final
 
-    _replace(mpifsdp.publish, "staging_dir", in_place)
-    _replace(mpifsdp.publish, "move_into_place", lambda staging, final: None)
+    _replace(mpifsdp.checkpoint.publish, "staging_dir", in_place)
+    _replace(mpifsdp.checkpoint.publish, "move_into_place", lambda staging, final: None)
 
 
 def _no_global_valid_count():
-    from mpifsdp.fsdp import ShardedModel
+    from mpifsdp.fsdp.model import ShardedModel
 
     _replace(ShardedModel, "count_share", lambda self, local: local)
 
 
 def _no_gradient_mean():
     """Reduce-scatter's sum kept, the 1/N dropped."""
-    from mpifsdp.unit import Unit
+    from mpifsdp.shard.unit import Unit
 
     finish = Unit.finish_reduce_grad
 
@@ -134,33 +134,37 @@ def _no_gradient_mean():
 
 
 def _no_end_of_backward_sweep():
-    from mpifsdp.fsdp import ShardedModel
+    from mpifsdp.fsdp.model import ShardedModel
 
     _replace(ShardedModel, "_sweep_unreached", lambda self: None)
 
 
 def _any_file_name():
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
-    _replace(mpifsdp.manifest, "is_plain_name", lambda name: isinstance(name, str))
+    _replace(mpifsdp.checkpoint.manifest, "is_plain_name", lambda name: isinstance(name, str))
 
 
 def _no_fence():
-    import mpifsdp.manifest
+    import mpifsdp.checkpoint.manifest
 
-    _replace(mpifsdp.manifest, "inside", lambda directory, name: directory / name)
+    _replace(mpifsdp.checkpoint.manifest, "inside", lambda directory, name: directory / name)
 
 
 def _prune_everything():
     import shutil
 
-    import mpifsdp.publish
+    import mpifsdp.checkpoint.publish
 
-    _replace(mpifsdp.publish, "remove_ours", lambda directory: shutil.rmtree(directory, ignore_errors=True))
+    _replace(
+        mpifsdp.checkpoint.publish,
+        "remove_ours",
+        lambda directory: shutil.rmtree(directory, ignore_errors=True),
+    )
 
 
 def _errors_raised_where_they_happen():
-    from mpifsdp.comm import Comm
+    from mpifsdp.comm.communicator import Comm
 
     def local_only(self, error, what, error_type=None):
         if error:
@@ -170,19 +174,19 @@ def _errors_raised_where_they_happen():
 
 
 def _no_initial_value_check():
-    import mpifsdp.flat
+    import mpifsdp.shard.flat
 
-    _replace(mpifsdp.flat, "_values_digest", lambda arrays: "the same everywhere")
+    _replace(mpifsdp.shard.flat, "_values_digest", lambda arrays: "the same everywhere")
 
 
 def _no_configuration_check():
-    import mpifsdp.fsdp
+    import mpifsdp.fsdp.build
 
-    _replace(mpifsdp.fsdp, "configuration_differs", lambda model, comm: None)
+    _replace(mpifsdp.fsdp.build, "configuration_differs", lambda model, comm: None)
 
 
 def _no_schedule_check_in_the_optimizer_step():
-    from mpifsdp.comm import Comm
+    from mpifsdp.comm.communicator import Comm
 
     check = Comm.check_schedule
     _replace(
@@ -193,7 +197,7 @@ def _no_schedule_check_in_the_optimizer_step():
 
 
 def _no_input_check():
-    from mpifsdp.fsdp import ShardedModel
+    from mpifsdp.fsdp.model import ShardedModel
 
     original = ShardedModel.check_inputs
 
@@ -252,7 +256,7 @@ MUTANTS = {
     ),
     "configuration_check": Mutant(
         _no_configuration_check,
-        "identical model configuration on every rank (partition.configuration_differs, as fsdp calls it)",
+        "identical model configuration on every rank (partition.configuration_differs, as fsdp/build.py calls it)",
         ["tests/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"],
         ranks=2,
     ),

@@ -1,0 +1,336 @@
+"""A small reverse-mode autodiff: Tensors, Params, a registry of primitives with their VJPs.
+
+Each primitive is a pair of plain array functions (see ops.py):
+    forward(*arrays, **settings) -> (out, saved)
+    vjp(g, saved, *arrays, **settings) -> one gradient (or None) per array input
+Arrays are positional, settings are keyword (as in JAX's Autodidax).
+
+[Note: lazy parameter data] A node keeps its input *Tensors* (or shape-only stand-ins for inputs its
+VJP never reads), never their arrays; `backward` reads `tensor.data` only when the VJP runs, and
+`saved` may hold activations but never a parameter's array.
+That is what lets FSDP free a unit's gathered parameters after forward and gather them again before
+backward (docs/design.md, invariant 1). A Param whose data is absent raises, saying why (whoever took
+its data gave the reason). The tape itself (nodes, no_grad, scopes, backward) is tape.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..base.backend import array_module_of, to_numpy
+from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order, timed
+
+
+@dataclass(frozen=True)
+class Primitive:
+    name: str
+    forward: Callable
+    vjp: Callable
+    reads_inputs: bool = True  # False: the VJP needs only the inputs' shapes, never their values
+    takes_needs: bool = False  # True: the VJP gets needs=(bool per input) and skips unneeded gradients
+
+
+PRIMITIVES: dict[str, Primitive] = {}
+
+
+def primitive(name: str, vjp: Callable, reads_inputs: bool = True, takes_needs: bool = False):
+    """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
+
+    reads_inputs=False lets the tape drop its reference to the input arrays (only their shapes are
+    kept), so activations consumed only by such ops (add, reshape, ...) are freed during forward.
+    takes_needs=True: backward passes the VJP `needs`, one bool per input (does it require grad?), so
+    the gradient of a frozen weight is never computed (it may return None there).
+    """
+
+    def register(forward):
+        if name in PRIMITIVES:
+            raise ValueError(f"primitive {name!r} registered twice")
+        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs)
+        return PRIMITIVES[name]
+
+    return register
+
+
+class ArrayMeta:
+    """What a shape-only VJP may know of an input array: shape, dtype, ndim, size."""
+
+    __slots__ = ("shape", "dtype", "ndim", "size")
+
+    def __init__(self, array):
+        self.shape, self.dtype, self.ndim, self.size = array.shape, array.dtype, array.ndim, array.size
+
+
+class Tensor:
+    """An array with an optional gradient and the node that produced it."""
+
+    # NumPy and CuPy arrays step aside for a Tensor: `ndarray + Tensor` calls Tensor.__radd__ instead
+    # of broadcasting the Tensor as an object (a priority alone ties CuPy's own and loses to it).
+    __array_ufunc__ = None
+
+    def __init__(self, data, requires_grad: bool = False):
+        self._data = data
+        self.requires_grad = requires_grad
+        self.grad = None
+        self._node: Node | None = None
+
+    # -- data -----------------------------------------------------------------------------------
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return self.data.size
+
+    @property
+    def xp(self):
+        return array_module_of(self.data)
+
+    def numpy(self) -> np.ndarray:
+        return to_numpy(self.data)
+
+    def item(self) -> float:
+        return float(self.numpy().reshape(()))
+
+    def __repr__(self):
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
+
+    def _accumulate_grad(self, g):
+        """Add `g` into .grad in place (a view set by FSDP stays a view); own a copy the first time."""
+        if self.grad is None:
+            self.grad = g.astype(self.dtype, copy=True)
+        else:
+            self.grad += g
+
+    def zero_grad(self):
+        self.grad = None
+
+    def backward(self, grad=None):
+        backward(self, grad)
+
+    # -- operators: thin sugar over the registry (primitives live in ops.py) ----------------------
+    def __add__(self, other):
+        return apply("add", self, other)
+
+    def __radd__(self, other):
+        return apply("add", other, self)
+
+    def __sub__(self, other):
+        return apply("sub", self, other)
+
+    def __rsub__(self, other):
+        return apply("sub", other, self)
+
+    def __mul__(self, other):
+        return apply("mul", self, other)
+
+    def __rmul__(self, other):
+        return apply("mul", other, self)
+
+    def __truediv__(self, other):
+        return apply("div", self, other)
+
+    def __rtruediv__(self, other):
+        return apply("div", other, self)
+
+    def __neg__(self):
+        return apply("neg", self)
+
+    def __pow__(self, exponent: float):
+        return apply("pow", self, exponent=float(exponent))
+
+    def __matmul__(self, other):
+        return apply("matmul", self, other)
+
+    def __rmatmul__(self, other):
+        return apply("matmul", other, self)
+
+    def __getitem__(self, index):
+        return apply("getitem", self, index=index)
+
+    def sum(self, axis=None, keepdims=False):
+        return apply("sum", self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return apply("mean", self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return apply("max", self, axis=axis, keepdims=keepdims)
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        return apply("reshape", self, shape=tuple(shape))
+
+    def transpose(self, *axes):
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        return apply("transpose", self, axes=tuple(axes) if axes else None)
+
+    @property
+    def T(self):
+        return self.transpose()
+
+    def astype(self, dtype):
+        return self if self.dtype == dtype else apply("astype", self, dtype=np.dtype(dtype))
+
+    def exp(self):
+        return apply("exp", self)
+
+    def log(self):
+        return apply("log", self)
+
+    def tanh(self):
+        return apply("tanh", self)
+
+    def sqrt(self):
+        return apply("sqrt", self)
+
+
+class AbsentDataError(RuntimeError):
+    """A parameter was used while its data was absent (its FSDP unit sharded, or not yet built)."""
+
+
+class Param(Tensor):
+    """A trainable leaf: data, grad and name. Its data may be absent (`release`): while its FSDP unit
+    is sharded, or before a deferred parameter is built (layers.deferred_init); reading it then
+    raises with the reason the releaser gave. Its shape and dtype are fixed at creation."""
+
+    def __init__(self, data, name: str = "", shape=None, dtype=None, absent: str | None = None):
+        super().__init__(data, requires_grad=True)
+        self.name = name
+        self._shape = tuple(data.shape) if data is not None else tuple(shape)
+        self._dtype = np.dtype(data.dtype if data is not None else dtype)
+        self.absent = absent if data is None else None  # why there is no data, while there is none
+
+    def release(self, reason: str):
+        """Drop the data; until it is set again, reading it raises AbsentDataError with `reason`."""
+        self._data, self.absent = None, reason
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The dtype it computes in now (mixed precision binds float16 views), else its own."""
+        return self._dtype if self._data is None else self._data.dtype
+
+    @property
+    def ndim(self):
+        return len(self._shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def data(self):
+        if self._data is None:
+            raise AbsentDataError(f"parameter {self.name!r} has no data: {self.absent or 'none was given'}")
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value
+        self.absent = None
+
+    def __repr__(self):
+        return f"Param({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def as_tensor(value, like: Tensor | None = None) -> Tensor:
+    """Wrap arrays and Python scalars as constant Tensors (scalars take `like`'s dtype and device)."""
+    if isinstance(value, Tensor):
+        return value
+    if like is not None and np.isscalar(value):
+        return Tensor(like.xp.asarray(value, dtype=like.dtype))
+    return Tensor(value)
+
+
+def _describe(t: Tensor) -> str:
+    label = f"parameter {t.name!r} " if isinstance(t, Param) else ""
+    return f"{label}{tuple(t.shape)} {t.dtype}"
+
+
+def _same_error(exc: Exception, message: str) -> Exception | None:
+    """An exception of exc's type carrying `message`, or None where that type needs more than one
+    message to be built (NumPy's casting errors): never a different error than the one that happened."""
+    try:
+        rebuilt = type(exc)(message)
+    except Exception:
+        return None
+    return rebuilt if str(rebuilt) == message else None
+
+
+def apply(name: str, *args, **settings) -> Tensor:
+    """Run primitive `name` on `args` (Tensors, arrays or scalars) and record it when grads are needed."""
+    prim = PRIMITIVES[name]
+    like = next((a for a in args if isinstance(a, Tensor)), None)
+    inputs = tuple(as_tensor(a, like) for a in args)
+    float_dtypes = {t.dtype for t in inputs if t.dtype.kind == "f"}
+    if len(float_dtypes) > 1:  # numpy would silently promote, and gradients would change dtype
+        raise TypeError(
+            f"{name}: inputs of different dtypes ({', '.join(map(_describe, inputs))}); "
+            "cast them to one dtype first (e.g. x.astype(np.float32))"
+        )
+    try:
+        out, saved = timed(name, "forward", prim.forward, *(t.data for t in inputs), **settings)
+    except (ValueError, TypeError, IndexError) as exc:
+        context = f"{name} on inputs {', '.join(map(_describe, inputs))}"
+        rebuilt = _same_error(exc, f"{context}: {exc}")
+        if rebuilt is None:  # its type cannot be rebuilt from a message: keep it, add the context
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(context)
+            raise
+        raise rebuilt from exc
+    result = Tensor(out)
+    if grad_enabled() and any(t.requires_grad for t in inputs):
+        result.requires_grad = True
+        kept = inputs if prim.reads_inputs else tuple(map(_shape_only, inputs))
+        result._node = Node(prim, kept, saved, settings, active_scopes())
+    return result
+
+
+def _shape_only(t: Tensor) -> Tensor:
+    """A stand-in for a non-leaf input: same node and requires_grad, its array replaced by ArrayMeta."""
+    if t._node is None:  # leaves (parameters, inputs) are kept: their .grad is where gradients go
+        return t
+    stub = Tensor(ArrayMeta(t.data), t.requires_grad)
+    stub._node = t._node
+    return stub
+
+
+def graph_nbytes(root: Tensor) -> int:
+    """Bytes of the distinct arrays the graph behind `root` keeps for backward (activations)."""
+    seen_arrays, total = set(), 0
+    for node in nodes_in_reverse_order(root._node):
+        held = [t._data for t in node.inputs if not isinstance(t, Param) and hasattr(t._data, "base")]
+        stack = held + [node.saved]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, (tuple, list)):
+                stack.extend(item)
+            elif hasattr(item, "nbytes") and hasattr(item, "base"):
+                base = item if item.base is None else item.base
+                if id(base) not in seen_arrays:
+                    seen_arrays.add(id(base))
+                    total += base.nbytes
+    return total

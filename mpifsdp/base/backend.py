@@ -1,0 +1,172 @@
+"""The array module: NumPy on the CPU, CuPy on a GPU.
+
+Every array operation in mpifsdp goes through an array module `xp` so one code path serves both.
+This is the only file that imports cupy, and it does so only when a GPU device is asked for, so
+CPU users never need CuPy installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import numpy as np
+
+CPU = "cpu"
+
+
+def _cupy():
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(
+            "device 'cuda' needs CuPy: pip install 'mpifsdp[cuda12]' or 'mpifsdp[cuda13]' "
+            "(your CUDA major version)"
+        ) from exc
+
+
+def parse_device(device: str) -> tuple[str, int]:
+    """'cpu' -> ('cpu', 0); 'cuda' -> ('cuda', 0); 'cuda:3' -> ('cuda', 3). Anything else raises."""
+    kind, _, index = str(device).partition(":")
+    if kind == CPU and not index:
+        return CPU, 0
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index or 0)
+    raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def array_module(device: str = CPU):
+    """The array module for a device name ('cpu', 'cuda', 'cuda:N'). 'cuda:N' makes GPU N current;
+    plain 'cuda' keeps the current one, which select_gpu chose for this rank (making GPU 0 current
+    here would move every rank of a multi-GPU node onto it)."""
+    kind, index = parse_device(device)
+    if kind == CPU:
+        return np
+    cp = _cupy()
+    if ":" in str(device):
+        cp.cuda.Device(index).use()
+    return cp
+
+
+def array_module_of(array):
+    """numpy or cupy, whichever owns `array`, without importing cupy for NumPy inputs."""
+    if type(array).__module__.startswith("cupy") and "cupy" in sys.modules:
+        return sys.modules["cupy"]
+    return np
+
+
+def device_of(array) -> str:
+    if array_module_of(array) is np:
+        return CPU
+    return f"cuda:{array.device.id}"
+
+
+def to_numpy(array) -> np.ndarray:
+    """A host (NumPy) copy or view of any array; CuPy arrays are copied to the host."""
+    if array_module_of(array) is np:
+        return np.asarray(array)
+    return array.get()
+
+
+def to_device(array, device: str = CPU, dtype=None):
+    """Put a host array on `device` (a copy on a GPU, a view or cast on the CPU)."""
+    xp = array_module(device)
+    return xp.asarray(array, dtype=dtype)
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one GPU. Never raises, unless MPIFSDP_REQUIRE_GPU=1
+    (make gpu-check sets it): then a broken CuPy or a missing GPU raises with its cause, instead of
+    quietly leaving only the CPU tests to pass."""
+    try:
+        cp = importlib.import_module("cupy")
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception as exc:
+        if os.environ.get("MPIFSDP_REQUIRE_GPU") == "1":
+            raise RuntimeError(f"MPIFSDP_REQUIRE_GPU=1, but no GPU is usable: {exc!r}") from exc
+        return False
+
+
+# -- the node and its GPUs (threads.py, transport.py); every cupy access stays in this file -----------
+
+
+def synchronize(array):
+    """Wait for the kernels that produce `array` (a no-op for NumPy arrays): MPI does not see streams."""
+    if array_module_of(array) is not np:
+        _cupy().cuda.get_current_stream().synchronize()
+
+
+def select_gpu(node_rank: int) -> str:
+    """Bind this rank to GPU (its index on the node mod GPUs), before any NCCL communicator exists."""
+    index = node_rank % _cupy().cuda.runtime.getDeviceCount()
+    _cupy().cuda.Device(index).use()
+    return f"cuda:{index}"
+
+
+def ranks_sharing_gpu(ranks_on_node: int) -> int:
+    return -(-ranks_on_node // _cupy().cuda.runtime.getDeviceCount())
+
+
+def nccl():
+    return importlib.import_module("cupy.cuda.nccl")
+
+
+def nccl_available() -> bool:
+    try:
+        return bool(getattr(nccl(), "available", True))
+    except ImportError:
+        return False
+
+
+def nccl_dtype(dtype):
+    mod = nccl()
+    names = {
+        "float32": "NCCL_FLOAT32",
+        "float16": "NCCL_FLOAT16",
+        "float64": "NCCL_FLOAT64",
+        "int64": "NCCL_INT64",
+        "bfloat16": "NCCL_BFLOAT16",
+    }
+    return getattr(mod, names[np.dtype(dtype).name])
+
+
+def new_stream():
+    return _cupy().cuda.Stream(non_blocking=True)
+
+
+def stream_wait_current(stream):
+    """Make `stream` wait for all work queued so far on the current stream."""
+    stream.wait_event(_cupy().cuda.get_current_stream().record())
+
+
+_CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still running
+
+
+def event_done(event) -> bool:
+    """Whether a CUDA event completed. Raises on any CUDA error: a failed kernel or collective must
+    surface here, not spin as "not ready" until the watchdog blames a collective instead."""
+    status = _cupy().cuda.runtime.eventQuery(event.ptr)
+    if status not in (0, _CUDA_ERROR_NOT_READY):
+        raise RuntimeError(f"CUDA error {status} while waiting for a collective's stream")
+    return status == 0
+
+
+class StreamRequest:
+    """Completion of work queued on a stream, as an MPI-like request (Test / Wait). `check` raises
+    an error the stream's library reports asynchronously (NCCL's check_async_error)."""
+
+    def __init__(self, stream, check=None):
+        self.event, self.check = stream.record(), check
+
+    def Test(self):
+        if self.check is not None:
+            self.check()
+        if event_done(self.event):
+            _cupy().cuda.get_current_stream().wait_event(self.event)
+            return True
+        return False
+
+    def Wait(self):
+        self.event.synchronize()
+        self.Test()

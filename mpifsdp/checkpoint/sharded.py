@@ -1,0 +1,356 @@
+"""Sharded checkpoints that load at any world size, crash-safe (safetensors files: consolidated.py).
+
+Format (docs/checkpoint.md): a directory with `manifest.json` and one `rank-NNNNN.bin` per saving rank.
+Each rank file holds, for every unit and for each of param / exp_avg / exp_avg_sq, that rank's slice
+[start, stop) of the unit's *unpadded* flat vector, as raw little-endian bytes, each with a SHA-256.
+The manifest records the layout of every unit and where each slice lives, so a job of any size finds
+the byte ranges it needs without conversion: rank r of M reads only the slices that overlap its own
+shard. Saving writes into `<dir>.tmp-<id>`, fsyncs every file, writes the manifest last, and renames
+the directory into place only after every rank has finished: a checkpoint either exists whole or not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..base.backend import to_numpy
+from ..base.checks import is_count
+from ..fsdp.build import sharded_model
+from ..shard.unit import Unit
+from . import publish
+from .manifest import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    flat_range,
+    read_manifest,
+    read_slices,
+    slice_digest,
+    unit_record,
+    verify,
+)
+from .publish import REPLACED, STAGING, recover
+
+__all__ = [
+    "CheckpointError",
+    "checkpoints",
+    "load",
+    "load_latest",
+    "recover",
+    "save",
+    "save_step",
+    "verify",
+]
+
+log = logging.getLogger(__name__)
+
+STEP = re.compile(r"step-(\d+)")  # the checkpoints save_step writes (and prunes, and load_latest reads)
+
+if sys.byteorder != "little":  # pragma: no cover - files are little-endian, arrays are written as-is
+    raise ImportError("mpifsdp checkpoints are written from little-endian machines only")
+
+
+@dataclass
+class ShardedUnits:
+    """What checkpoints need of a sharded model, or of a user's own list of Units.
+
+    `comm` runs the agreement (every rank); `shard` is the ranks one copy of the units is sharded
+    over (the same Comm, or with HSDP this rank's group): its rank and size place a rank's slices.
+    Only the first group `writes` (every group holds the same values)."""
+
+    units: list
+    comm: object
+    ledger: object
+    shard: object
+    writes: bool = True
+
+
+def sharded_units(target) -> ShardedUnits | None:
+    """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
+    model = sharded_model(target)
+    if model is not None:
+        first_group = model.replicas is None or model.replicas.rank == 0
+        return ShardedUnits(model.units, model.comm, model.ledger, model.shard_comm, first_group)
+    if isinstance(target, (list, tuple)) and target and all(isinstance(u, Unit) for u in target):
+        if len({id(u.comm) for u in target}) > 1 or any(u.replicas is not None for u in target):
+            raise CheckpointError(
+                "the units are sharded over different Comms, or replicated (HSDP): checkpoint a model "
+                "fully_shard built, or each set of units apart"
+            )
+        return ShardedUnits(list(target), target[0].comm, target[0].ledger, target[0].comm)
+    return None
+
+
+def require_sharded(target) -> ShardedUnits:
+    found = sharded_units(target)
+    if found is None:
+        raise CheckpointError(
+            "checkpoints hold a sharded model (call fully_shard(model, Comm()) first; N = 1 works too) "
+            f"or a list of Units, not a {type(target).__name__}"
+        )
+    return found
+
+
+def collective(comm, action, what: str, root: int | None = None):
+    """Run `action()` on every rank (or on `root` only); if it failed anywhere, raise CheckpointError
+    on every rank naming each rank's error (a rank failing alone would leave the others waiting)."""
+    catch = (CheckpointError, OSError, ValueError)
+    return comm.run_everywhere(action, what, catch=catch, error_type=CheckpointError, root=root)
+
+
+# -- save -------------------------------------------------------------------------------------------
+
+
+def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
+    """Write a checkpoint of `model` (and `optimizer`) to `directory`, atomically. Collective.
+
+    Every rank writes only its own slices; `extra` (JSON: step, data position, RNG seeds; NumPy
+    scalars become Python numbers, anything else JSON cannot hold fails before a byte is written)
+    goes into the manifest. An existing `directory` is replaced only once the new one is complete. A
+    failed save (disk full, no permission, ...) raises CheckpointError on every rank and leaves
+    nothing behind but what was there before.
+    """
+    sharded = require_sharded(model)
+    comm = sharded.comm
+    final = Path(directory)
+    extra = collective(comm, lambda: _plain_json(extra or {}), f"saving to {final}")
+    collective(comm, lambda: publish.prepare(final), f"saving to {final}", root=0)
+    staging = collective(
+        comm, lambda: publish.staging_dir(final, comm), f"creating a directory next to {final}"
+    )
+    try:
+        state = _optimizer_state(optimizer, sharded)
+        write = lambda: _write_rank_file(staging, sharded, state) if sharded.writes else None  # noqa: E731
+        record = collective(comm, write, f"writing {staging}")
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": sharded.shard.size,  # the ranks that wrote a file: one copy of the model
+            "units": [unit_record(u) for u in sharded.units],
+            # every rank's file is on disk (agreed above)
+            "files": [r for r in comm.allgather_object(record) if r is not None],
+            "optimizer": None if optimizer is None else optimizer.summary(),
+            "extra": extra,
+        }
+
+        def complete():
+            publish.write_manifest(staging, manifest)
+            publish.move_into_place(staging, final)
+
+        collective(comm, complete, f"publishing {final}", root=0)
+    except CheckpointError:
+        collective(comm, lambda: publish.remove_ours(staging), "cleaning up", root=0)
+        raise
+    return final
+
+
+def _plain_json(extra: dict) -> dict:
+    """`extra` as the manifest will hold it, checked before anything is written: NumPy scalars (a
+    step counter of np.int64, a loss of np.float32) become Python numbers; an array or any other
+    object is an error naming it (an error found while writing the manifest would come after the
+    rank files, on one rank only)."""
+
+    def plain(value):
+        if isinstance(value, np.generic):
+            return value.item()
+        hint = " (an array: pass .tolist())" if isinstance(value, np.ndarray) else ""
+        raise CheckpointError(
+            f"extra holds a {type(value).__name__}{hint}: the manifest keeps JSON (numbers, strings, "
+            "lists, dicts with string keys)"
+        )
+
+    try:
+        return json.loads(json.dumps(extra, default=plain))
+    except (TypeError, ValueError) as error:  # e.g. a dict key that is a tuple
+        raise CheckpointError(f"extra cannot be kept as JSON: {error}") from None
+
+
+def _optimizer_state(optimizer, sharded) -> dict:
+    """id(unit) -> {kind: array} of the optimizer state allocated so far (a unit never stepped has none)."""
+    if optimizer is None:
+        return {}
+    units = {id(u) for u in sharded.units}
+    if optimizer.groups and not set(map(id, optimizer.groups)) <= units:
+        raise CheckpointError(
+            "the optimizer does not step this model's units: build it after fully_shard (AdamW(model))"
+        )
+    states = {id(target): optimizer.state_of(target) for target in optimizer.groups}
+    return {key: state for key, state in states.items() if state}
+
+
+def _write_rank_file(tmp: Path, sharded, state: dict) -> dict:
+    comm = sharded.shard
+    name = f"rank-{comm.rank:05d}.bin"
+    segments, offset = [], 0
+    with open(tmp / name, "wb") as f:
+        for index, unit in enumerate(sharded.units):
+            start, stop = flat_range(unit, comm.rank, comm.size)
+            arrays = {"param": unit.shard, **state.get(id(unit), {})}
+            for kind, array in arrays.items():
+                data = np.ascontiguousarray(to_numpy(array[: stop - start]))  # no copy on the CPU
+                f.write(data)
+                segment = {"unit": index, "kind": kind, "start": start, "stop": stop, "offset": offset}
+                segments.append({**segment, "sha256": slice_digest(segment, data)})
+                offset += data.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return {"name": name, "bytes": offset, "segments": segments}
+
+
+# -- find -----------------------------------------------------------------------------------------
+
+
+def checkpoints(root) -> list[Path]:
+    """The complete `step-N` checkpoints under `root` (written by save_step), newest step first.
+
+    Other directories (a user's `best`, a save in progress, a copy being replaced) are never listed,
+    so neither load_latest nor save_step's pruning ever touches them."""
+    root = Path(root)
+    found = [
+        p
+        for p in (root.iterdir() if root.is_dir() else [])
+        if STEP.fullmatch(p.name) and publish.is_real_dir(p) and (p / MANIFEST).is_file()
+    ]
+    return sorted(found, key=lambda p: int(STEP.fullmatch(p.name)[1]), reverse=True)
+
+
+# -- load -------------------------------------------------------------------------------------------
+
+
+def load(directory, model, optimizer=None) -> dict:
+    """Load a checkpoint saved at any world size into the sharded `model` (and `optimizer`). Collective.
+
+    Each rank reads only the slices that overlap its shard, checks their checksums, and copies them in:
+    parameters and AdamW moments come back bit-identical. Returns the checkpoint's `extra`.
+    A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
+    """
+    sharded = require_sharded(model)
+    directory = Path(directory)
+    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    manifest = collective(
+        sharded.comm,
+        lambda: _check_fits(read_manifest(directory), sharded, optimizer),
+        f"loading {directory}",
+    )
+    collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
+    if optimizer is not None:  # saved without one: it starts over, not from moments of other params
+        optimizer.restore(manifest["optimizer"] or {"step": 0})
+        if manifest["optimizer"] is None and sharded.comm.rank == 0:
+            name = type(optimizer).__name__
+            log.warning("%s holds no optimizer state: %s starts from step 0", directory, name)
+    return manifest["extra"]
+
+
+def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
+    saved = [
+        (u["name"], u["dtype"], [(t["name"], t["shape"]) for t in u["tensors"]]) for u in manifest["units"]
+    ]
+    mine = [
+        (r["name"], r["dtype"], [(t["name"], t["shape"]) for t in r["tensors"]])
+        for r in map(unit_record, sharded.units)
+    ]
+    if saved != mine:
+        diff = next(
+            (f"saved {a} vs model {b}" for a, b in zip(saved, mine) if a != b),
+            f"{len(saved)} vs {len(mine)} units",
+        )
+        raise CheckpointError(f"the checkpoint does not fit this model (first difference: {diff})")
+    saved_by = (manifest["optimizer"] or {}).get("name", "AdamW")  # format 1: AdamW only
+    if optimizer is not None and manifest["optimizer"] is not None and saved_by != type(optimizer).__name__:
+        raise CheckpointError(
+            f"the checkpoint holds the state of {saved_by}, the optimizer given is {type(optimizer).__name__}"
+        )
+    return manifest
+
+
+def _fill(directory: Path, manifest: dict, sharded, optimizer):
+    comm = sharded.shard
+    stepped = {id(u) for u in optimizer.groups} if optimizer is not None else set()
+    for index, unit in enumerate(sharded.units):
+        start, stop = flat_range(unit, comm.rank, comm.size)
+        targets = {"param": unit.shard}
+        saved = {seg["kind"] for f in manifest["files"] for seg in f["segments"] if seg["unit"] == index}
+        if id(unit) in stepped:
+            if manifest["optimizer"] is not None and saved & set(optimizer.state_kinds):
+                targets.update(optimizer.state_of(unit, allocate=True))
+            else:  # never stepped when saved, or saved without an optimizer
+                optimizer.forget_state(unit)
+        for kind, target in targets.items():
+            target[...] = 0  # padding stays zero
+            for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):
+                sharded.ledger.alloc("checkpoint_io", data.nbytes)
+                lo, hi = max(start, seg_start), min(stop, seg_start + data.size)
+                target[lo - start : hi - start] = unit.xp.asarray(data[lo - seg_start : hi - seg_start])
+                sharded.ledger.free("checkpoint_io", data.nbytes)
+        unit.zero_grad()
+
+
+# -- a directory of checkpoints: step-N, keep the last K, load the newest intact ----------------------
+
+
+def save_step(root, step: int, model, optimizer=None, extra: dict | None = None, keep: int = 3) -> Path:
+    """save() into root/step-XXXXXXXX, then delete all but the newest `keep` step-N checkpoints
+    (keep=0: delete none).
+
+    Pruning sees only step-N directories; it also removes incomplete staging directories of older
+    steps (saves that died: never complete checkpoints)."""
+    if not is_count(step) or not is_count(keep):
+        raise ValueError(
+            f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
+        )
+    path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
+    comm = require_sharded(model).comm
+    collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
+    return path
+
+
+def _prune(root: Path, step: int, keep: int):
+    if keep > 0:
+        for old in checkpoints(root)[keep:]:
+            publish.remove_ours(old)
+    for stale in root.glob(f"step-*{STAGING}*"):
+        saved = STEP.fullmatch(stale.name.split(STAGING)[0])
+        if saved and int(saved[1]) < step and not (stale / MANIFEST).is_file():
+            publish.remove_ours(stale)
+
+
+def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
+    """Load the newest step-N checkpoint under `root` that is intact; older ones are tried when newer fail.
+
+    Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. When it holds
+    some but none loads (corrupted, or made for another model), raises CheckpointError listing why
+    each failed: starting from scratch would silently discard a run. Collective."""
+    comm = require_sharded(model).comm
+    candidates = collective(
+        comm, lambda: [str(p) for p in _recovered_checkpoints(Path(root))], f"listing {root}", root=0
+    )
+    candidates = comm.broadcast_object(candidates)
+    failures = []
+    for path in candidates:
+        try:
+            return Path(path), load(path, model, optimizer)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+            failures.append(f"{Path(path).name}: {exc}")
+    if failures:
+        raise CheckpointError(f"no checkpoint under {root} could be loaded:\n  " + "\n  ".join(failures))
+    return None, None
+
+
+def _recovered_checkpoints(root: Path) -> list[Path]:
+    """checkpoints(root), after putting back any step-N left nameless by an interrupted overwrite."""
+    if root.is_dir():
+        for leftover in root.glob(f"step-*{STAGING}*"):
+            publish.recover(root / leftover.name.split(STAGING)[0])
+        for leftover in root.glob(f"step-*{REPLACED}*"):
+            publish.recover(root / leftover.name.split(REPLACED)[0])
+    return checkpoints(root)

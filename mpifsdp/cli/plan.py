@@ -1,0 +1,165 @@
+"""`python -m mpifsdp plan`: the planner's command line. Its arguments, their checks (a bad value
+is an error that names it, never a table of plausible numbers), and the table it prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from ..planning.planner import (
+    Link,
+    block_flops,
+    flops_per_step,
+    gemm_flops,
+    gpt_activation_bytes,
+    plan,
+    probe,
+)
+
+
+def add_arguments(parser):
+    parser.add_argument("--gpt", nargs="*", default=[], metavar="KEY=VALUE", help="GPTConfig fields")
+    parser.add_argument("--world", type=int, default=0, help="ranks (default: this job's size)")
+    parser.add_argument("--ranks-per-node", type=int, default=0, help="default: this job's")
+    parser.add_argument("--shard-size", default="", help="HSDP group size, or 'node' (default: every rank)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--no-sync", action="store_true", help="accumulate unreduced (no_sync)")
+    parser.add_argument(
+        "--recompute",
+        "--checkpoint",
+        action="store_true",
+        help="activation recomputation (--checkpoint: its old name)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model computes")
+    parser.add_argument("--dtype", default="float32", help="shards, gradient shards, optimizer state")
+    parser.add_argument("--compute-bytes", type=int, default=0, help="per gathered element (2: bfloat16)")
+    parser.add_argument("--prefetch", type=int, default=1)
+    parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
+    parser.add_argument("--intra", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S inside a node")
+    parser.add_argument("--inter", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S between nodes")
+    parser.add_argument("--flops", type=float, default=0.0, help="FLOP/s per rank")
+    parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
+    parser.add_argument("--probe", action="store_true", help="measure links and FLOP/s on this job first")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def table(result: dict) -> str:
+    """The plan as a few readable lines (MiB, GiB/s, seconds)."""
+    mem, t, tr = result["memory_bytes"], result["time_s"], result["traffic"]["bytes"]
+    lines = [f"setup: {result['setup']}"]
+    lines += [f"memory per rank  {k:22s} {v / 2**20:12.1f} MiB" for k, v in mem.items()]
+    for level, ops in tr.items():
+        lines += [f"bytes per step   {level:13s} {op:14s} {v / 2**20:12.1f} MiB" for op, v in ops.items()]
+    lines += [f"time             {k:22s} {v:12.4f} s" for k, v in t.items()]
+    if not result["setup"]["flops"]:  # no compute rate: the step is its communication alone
+        lines[-5] = f"time             {'compute':22s}      unknown (give --flops FLOP_PER_S, or --probe)"
+        lines[-1] = f"time             {'step':22s} >= {t['step']:9.4f} s (communication alone)"
+    return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    config = _gpt_config(args.gpt)
+    intra, inter = _link("--intra", args.intra), _link("--inter", args.inter)
+    _check_flags(args)
+    world, per_node, flops, measured, rank = args.world, args.ranks_per_node, args.flops, {}, 0
+    if args.probe or not (world and per_node):
+        from ..comm.communicator import Comm
+
+        comm = Comm()
+        world, per_node, rank = world or comm.size, per_node or comm.node_size, comm.rank
+        if args.probe:
+            measured = _probe(comm, config, args.batch)
+            flops = measured["flops"]
+            if "all_gather" in measured:  # one machine here: both levels are its links
+                intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
+    shard_size = per_node if args.shard_size == "node" else int(args.shard_size or 0) or None
+    from mpifsdp.models import gpt_units
+
+    units, model = gpt_units(config)
+    itemsize = np.dtype(args.dtype).itemsize
+    tokens = args.grad_accum * args.batch * config.block_size
+    wire = args.compute_bytes or itemsize
+    result = plan(
+        units,
+        world,
+        shard_size=shard_size,
+        ranks_per_node=per_node,
+        itemsize=itemsize,
+        compute_itemsize=wire,
+        prefetch=args.prefetch,
+        reshard_after_forward=not args.keep_gathered,
+        grad_accum=args.grad_accum,
+        no_sync=args.no_sync,
+        flops=flops,
+        intra=intra,
+        inter=inter,
+        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.recompute, args.device),
+        flops_per_step=flops_per_step(model, config.block_size, tokens, args.recompute),
+    )
+    result["setup"]["gpt"] = dataclasses.asdict(config)
+    result.update({"probe": measured} if measured else {})
+    result.update({"fits": result["memory_bytes"]["total"] <= args.memory} if args.memory else {})
+    if rank == 0:
+        print(json.dumps(result) if args.json else table(result))
+    return 0
+
+
+_KINDS = {"int": "an integer", "float": "a number"}
+
+
+def _probe(comm, config, batch: int) -> dict:
+    """This machine's links (all_gather's fit), a block's FLOP rate and a GEMM's, measured."""
+    measured = probe(comm)
+    measured["flops"] = block_flops(config, batch)
+    measured["gemm_flops"] = gemm_flops()
+    return measured
+
+
+def _gpt_config(pairs):
+    """The GPTConfig of --gpt KEY=VALUE pairs, each field parsed as its type."""
+    from mpifsdp.models import GPTConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    malformed = [item for item in pairs if "=" not in item]
+    if malformed:
+        raise ValueError(f"--gpt {' '.join(malformed)}: give KEY=VALUE pairs (--gpt n_layer=12 n_embd=768)")
+    values = dict(item.split("=", 1) for item in pairs)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"--gpt: unknown fields {unknown}; GPTConfig has {sorted(fields)}")
+    return GPTConfig(**{k: _parse(k, fields[k], v) for k, v in values.items()})
+
+
+def _check_flags(args):
+    """Every flag is checked before --probe measures anything."""
+    if not args.memory >= 0:
+        raise ValueError(f"--memory {args.memory}: give the device's bytes (0: do not check the fit)")
+    if args.shard_size not in ("", "node") and not args.shard_size.isdigit():
+        raise ValueError(f"--shard-size {args.shard_size}: give a group size (ranks) or 'node'")
+    if args.dtype not in ("float16", "float32", "float64"):
+        raise ValueError(f"--dtype {args.dtype}: the shards' dtype is float16, float32 or float64")
+    if args.batch < 1:  # before --probe times a block on it
+        raise ValueError(f"--batch {args.batch}: sequences per rank per micro-batch, >= 1")
+
+
+def _parse(name: str, kind, text: str):
+    """A GPTConfig field's value from its text (its annotations are strings: postponed evaluation)."""
+    kind = getattr(kind, "__name__", kind)
+    if kind == "bool":
+        return text.lower() in ("1", "true", "yes")
+    try:
+        return float(text) if kind == "float" else int(text)
+    except ValueError:
+        raise ValueError(f"--gpt {name}={text}: {name} takes {_KINDS.get(kind, kind)}") from None
+
+
+def _link(flag: str, spec: str) -> Link:
+    """A Link from ALPHA_S,BYTES_PER_S."""
+    try:
+        alpha, bandwidth = (float(part) for part in spec.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {spec}: give ALPHA_S,BYTES_PER_S, e.g. 10e-6,25e9") from None
+    return Link(alpha, bandwidth)

@@ -1,0 +1,10 @@
+"""The communicator: every collective of the package (docs/design.md, invariant 5), each announced to
+the schedule (fingerprints, rolling hash, watchdog), waited on under the watchdog and counted; and the
+transports that move a big collective's bytes (MPI, CUDA-aware MPI, host staging, NCCL).
+
+May import: base.
+"""
+
+from .communicator import CollectiveError, Comm
+
+__all__ = ["CollectiveError", "Comm"]

@@ -1,0 +1,300 @@
+"""Comm: every collective mpifsdp issues, over an MPI communicator, checked, watched and counted.
+
+Knows nothing of units or autodiff: callers pass a unit name and a phase only for the ledger.
+By default it works on a Clone of COMM_WORLD (as mpi4jax does), so our collectives can never match
+a user's own messages; pass any communicator to embed mpifsdp in a code that already uses MPI.
+
+[Note: same collectives everywhere] (docs/design.md, invariant 5) No other module of the package
+calls an MPI collective (tests/test_comm.py greps for it; transport.py moves the bytes of the large
+ones). So every collective, from a unit's gather to a checkpoint's barrier, is announced to the
+schedule (its fingerprint enters the per-step check), completes under the watchdog, and is
+counted in the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import numpy as np
+
+from ..base.accounting import CommLedger
+from ..base.backend import parse_device, select_gpu
+from ..base.threads import set_threads
+from .schedule import Schedule, ScheduleError, describe, digest
+from .transport import choose_transport
+
+
+class CollectiveError(RuntimeError):
+    """Raised on every rank when a check that must agree across ranks failed on one or more of them."""
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+class Comm:
+    """Collectives on flat, contiguous arrays (all_gather, reduce_scatter, all_reduce, broadcast),
+    on small Python objects (broadcast_object, allgather_object), barrier, and collective checks."""
+
+    def __init__(
+        self,
+        mpi_comm=None,
+        clone: bool = True,
+        threads="auto",
+        debug=None,
+        timeout=None,
+        abort_on_timeout=True,
+        device: str = "cpu",
+        transport: str | None = None,
+        bind_gpu: bool = True,
+    ):
+        """threads: passed to mpifsdp.set_threads with this node's rank count: "auto" (the node's
+        cores shared by its ranks, unless OMP_NUM_THREADS or similar is set), an int, or None to leave
+        the process's threads alone (an embedding code that sets its own; set_threads may be called
+        at any time).
+        debug / timeout / abort_on_timeout: the schedule checks and the watchdog (schedule.py);
+        None takes MPIFSDP_DEBUG and MPIFSDP_TIMEOUT from the environment.
+        device: "cpu" or "cuda" (this rank takes GPU local_rank mod GPUs); transport: how device
+        arrays move, "nccl", "cuda-aware-mpi" or "host" (see transport.py; None chooses);
+        bind_gpu=False keeps `device` as given (a sub-communicator of a Comm already bound: split).
+        MPIFSDP_RANKS_PER_NODE=K pretends that every K consecutive ranks form a node (tests of
+        hybrid sharding on one machine)."""
+        MPI = _mpi()
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if not isinstance(base, MPI.Comm):
+            raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
+        self.mpi = base.Clone() if clone else base
+        self.rank = self.mpi.Get_rank()
+        self.size = self.mpi.Get_size()
+        self.ledger = CommLedger()
+        self.schedule = Schedule(
+            self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
+        )
+        self.node_rank, self.node_size, self.node_id = self._node_ranks()
+        self.threads = set_threads(threads, self.node_size)
+        on_gpu = parse_device(device)[0] != "cpu"
+        self.device = select_gpu(self.node_rank) if on_gpu and bind_gpu else (device if on_gpu else "cpu")
+        self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
+
+    def __repr__(self):
+        return f"Comm(rank={self.rank}, size={self.size})"
+
+    def _node_ranks(self) -> tuple[int, int, int]:
+        """(this rank's index, number of ranks, lowest rank) on its node: for BLAS threads, GPU choice
+        and hybrid sharding's groups."""
+        pretend = os.environ.get("MPIFSDP_RANKS_PER_NODE")
+        if pretend:
+            per_node = int(pretend)
+            if per_node < 1 or self.size % per_node:
+                raise ValueError(
+                    f"MPIFSDP_RANKS_PER_NODE={pretend} must be >= 1 and divide {self.size} ranks"
+                )
+            return self.rank % per_node, per_node, self.rank - self.rank % per_node
+        node = self.mpi.Split_type(_mpi().COMM_TYPE_SHARED)
+        rank, size = node.Get_rank(), node.Get_size()
+        lowest = node.allreduce(self.rank, op=_mpi().MIN)
+        node.Free()
+        return rank, size, lowest
+
+    def split(self, color: int, key: int | None = None) -> Comm:
+        """A Comm over the ranks that pass the same `color` (ordered by key, default this rank),
+        with this Comm's checks, watchdog and device; collective over this Comm."""
+        sub = self.mpi.Split(color, self.rank if key is None else key)
+        return Comm(
+            sub,
+            clone=False,
+            threads=None,
+            debug=self.schedule.debug,
+            timeout=self.schedule.timeout,
+            abort_on_timeout=self.schedule.abort_on_timeout,
+            device=self.device,
+            bind_gpu=False,
+        )
+
+    # -- the schedule: every collective is announced, and checked ----------------------------------
+    def _announce(self, unit: str, phase: str, op: str, count: int, dtype):
+        fp = self.schedule.announce(unit, phase, op, count, dtype)
+        if self.schedule.debug:  # compare every fingerprint before its collective runs
+            self._compare(digest(fp), "before " + describe(fp))
+
+    def check_schedule(self, *, phase: str = "backward"):
+        """Compare every rank's position and rolling hash of collectives: one allgather of two ints
+        (itself announced first, so the hash it compares includes it)."""
+        self._announce("", phase, "schedule_check", 2 * self.size, np.dtype(np.int64))
+        self._compare(self.schedule.position()[1], "at the end of a step")
+        self.ledger.record("", phase, "schedule_check", 2 * (self.size - 1), 8)
+
+    def _compare(self, value: int, when: str):
+        seq = self.schedule.position()[0]
+        self.check_positions(self._exchange_ints(seq, value), when)
+
+    def check_positions(self, positions: np.ndarray, when: str):
+        """Given every rank's (collectives issued, hash) as exchanged by all of them, raise
+        ScheduleError on every rank if they differ. Every rank saw the same mismatch, so every rank
+        joins the exchange of details, then continues from rank 0's position (so a caught
+        ScheduleError does not fail every later check of this Comm)."""
+        if len(set(map(tuple, positions.tolist()))) == 1:
+            return
+        reports = self._exchange_objects(self.schedule.recent_steps())[0]
+        self.schedule.resume_from(*positions[0].tolist())
+        raise self.schedule.mismatch(reports, when)
+
+    # -- the raw exchanges (watched, not announced: they carry the schedule's own checks) ----------
+    def _exchange_ints(self, *values: int) -> np.ndarray:
+        mine = np.array(values, dtype=np.int64)
+        everyone = np.empty(self.size * mine.size, dtype=np.int64)
+        self.schedule.wait(self.mpi.Iallgather(mine, everyone))
+        return everyone.reshape(-1, mine.size)
+
+    def _exchange_objects(self, obj) -> tuple[list, int]:
+        """Every rank's pickled `obj`, and the bytes this rank received."""
+        raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        sizes = self._exchange_ints(raw.size)[:, 0]
+        if (sizes <= 0).any() or int(sizes.max()) > 2**31:  # not lengths: another rank's collective
+            raise ScheduleError(
+                f"an exchange of objects received impossible lengths {sizes.tolist()}: the ranks are in "
+                "different collectives (one ran a forward, backward or reduction the others did not); "
+                "MPIFSDP_DEBUG=1 names the first collective where they differ"
+            )
+        everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self.schedule.wait(self.mpi.Iallgatherv(raw, (everyone, sizes)))
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        objects = [pickle.loads(everyone[a:b].tobytes()) for a, b in zip(bounds[:-1], bounds[1:])]
+        return objects, everyone.size - raw.size
+
+    # -- collectives on flat arrays ----------------------------------------------------------------
+    def _check_shards(self, op: str, shard, full):
+        """Both contiguous 1-D, same dtype, and `full` exactly N shards long; else a clear error."""
+        for a in (shard, full):
+            if a.ndim != 1 or not a.flags.c_contiguous:
+                raise ValueError(f"{op} needs contiguous 1-D arrays, got shape {a.shape}")
+        if full.size != shard.size * self.size or full.dtype != shard.dtype:
+            raise ValueError(
+                f"{op}: a full buffer of {full.size} {full.dtype} elements must hold exactly {self.size} "
+                f"shards of {shard.size} {shard.dtype}"
+            )
+
+    def _start(self, op: str, launch, shard, full, unit: str, phase: str):
+        """Check the buffers, announce the collective to the schedule, launch it, count it."""
+        self._check_shards(op, shard, full)
+        self._announce(unit, phase, op, full.size, full.dtype)
+        request = launch()
+        self.ledger.record(unit, phase, op, (self.size - 1) * shard.size, shard.itemsize)
+        return request
+
+    def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
+        """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
+        return self._start(
+            "all_gather", lambda: self.transport.iall_gather(shard, full), shard, full, unit, phase
+        )
+
+    def ireduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
+        """Start shard = sum over ranks of full[r*n:(r+1)*n] for this rank r; returns a request."""
+        launch = lambda: self.transport.ireduce_scatter(full, shard)  # noqa: E731
+        return self._start("reduce_scatter", launch, shard, full, unit, phase)
+
+    def wait(self, request):
+        """Complete a request from iall_gather / ireduce_scatter / iall_reduce, under the watchdog;
+        the time blocked here is counted (ledger.wait_s)."""
+        start = time.perf_counter()
+        self.schedule.wait(request)
+        self.ledger.wait_s += time.perf_counter() - start
+
+    def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
+        self.wait(self.iall_gather(shard, full, unit=unit, phase=phase))
+
+    def reduce_scatter(self, full, shard, *, unit: str = "", phase: str = "other"):
+        """A sum: callers divide by size for a mean."""
+        self.wait(self.ireduce_scatter(full, shard, unit=unit, phase=phase))
+
+    def iall_reduce(self, array, *, unit: str = "", phase: str = "other"):
+        """Start the in-place sum over ranks of a contiguous array; returns a request (see wait)."""
+        self._announce(unit, phase, "all_reduce", array.size, array.dtype)
+        request = self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
+        self.ledger.record(
+            unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
+        )
+        return request
+
+    def all_reduce(self, array, *, unit: str = "", phase: str = "other"):
+        """In-place sum over ranks."""
+        self.wait(self.iall_reduce(array, unit=unit, phase=phase))
+
+    def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:
+        """The sum over ranks of one float. `what` names its purpose in the collective's fingerprint, so
+        two ranks reducing different quantities (a gradient norm here, a loss there) are caught."""
+        buf = np.array([value], dtype=np.float64)
+        self.all_reduce(buf, unit=what, phase=phase)
+        return float(buf[0])
+
+    def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other"):
+        self._announce(unit, phase, "broadcast", array.size, array.dtype)
+        self.wait(self.mpi.Ibcast(array, root=root))
+        self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
+
+    def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:
+        """Every rank's small tuple of integers, as a (size, len(values)) array."""
+        self._announce("", phase, op, self.size * len(values), np.dtype(np.int64))
+        everyone = self._exchange_ints(*values)
+        self.ledger.record("", phase, op, (self.size - 1) * len(values), everyone.itemsize)
+        return everyone
+
+    def barrier(self, *, phase: str = "other"):
+        """Return once every rank has arrived (e.g. every rank's file is on disk)."""
+        self._announce("", phase, "barrier", 0, np.dtype(np.uint8))
+        self.wait(self.mpi.Ibarrier())
+        self.ledger.record("", phase, "barrier", 0, 1)
+
+    # -- small Python objects (pickled): names, file records, reports ------------------------------
+    def broadcast_object(self, obj=None, root: int = 0, *, phase: str = "other"):
+        """`obj` of rank `root`, on every rank (its length first, then its bytes)."""
+        raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
+        length = np.array([0 if raw is None else raw.size], dtype=np.int64)
+        self.broadcast(length, root, phase=phase)
+        buf = raw.copy() if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
+        self.broadcast(buf, root, phase=phase)
+        return pickle.loads(buf.tobytes())
+
+    def allgather_object(self, obj, *, phase: str = "other") -> list:
+        """Every rank's `obj` (pickled), in rank order; for small metadata such as layouts and reports."""
+        self._announce("", phase, "allgather_object", self.size, np.dtype(np.uint8))
+        everyone, received = self._exchange_objects(obj)
+        received += 8 * (self.size - 1)  # the other ranks' lengths, exchanged first
+        self.ledger.record("", phase, "allgather_object", received, 1)  # counted in bytes
+        return everyone
+
+    # -- collective checks -------------------------------------------------------------------------
+    def raise_if_any(self, error: str | None, what: str, error_type=CollectiveError):
+        """Collective check: if any rank reports an error, raise on every rank with all messages.
+
+        [Note: same collectives everywhere] A check that can fail on one rank must not raise there
+        alone: the other ranks would block in their next collective. So each rank contributes its
+        verdict and every rank raises the same error (docs/design.md, invariant 5).
+        """
+        errors = self.allgather_object(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
+            raise error_type(f"{what} failed on {len(failed)} of {self.size} ranks:\n{lines}")
+
+    def run_everywhere(
+        self, action, what: str, catch=(OSError, ValueError), error_type=CollectiveError, root=None
+    ):
+        """Run `action()` on every rank (or on rank `root` only) and agree: if it raised one of `catch`
+        on any rank, every rank raises `error_type` naming each rank's error; else returns this rank's
+        result (None where it did not run)."""
+        result, error = None, None
+        try:
+            if root is None or root == self.rank:
+                result = action()
+        except catch as exc:
+            error = str(exc) or type(exc).__name__
+        self.raise_if_any(error, what, error_type)
+        return result
+
+
+__all__ = ["Comm", "CollectiveError", "ScheduleError"]

@@ -1,0 +1,134 @@
+"""How a collective's bytes move: MPI on host arrays, MPI on device arrays, host staging, or NCCL.
+
+Comm keeps the schedule, the ledger and the checks; a transport only starts the data movement and
+returns a request with Test()/Wait(). Chosen explicitly (Comm(transport=...)) or by `choose_transport`:
+  "mpi"             NumPy arrays, MPI directly (the CPU path).
+  "cuda-aware-mpi"  CuPy arrays handed to MPI directly; only when the user declares their MPI is
+                    CUDA-aware. The producing stream is synchronized first (MPI does not see streams).
+  "host"            CuPy arrays copied to host buffers, MPI on those, copied back on completion:
+                    works with any MPI, and with several ranks sharing one GPU.
+  "nccl"            cupy.cuda.nccl on a dedicated stream, its unique id broadcast over MPI; one rank per
+                    GPU. Completion is a CUDA event, so waiting orders the compute stream after it.
+Only "mpi" and "host" (on NumPy arrays) are exercised by the CPU test suite; the device paths are checked
+by `make gpu-check` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..base import backend
+
+log = logging.getLogger(__name__)
+
+
+class CopyBack:
+    """An MPI request on host buffers whose result is copied to the device once it completes."""
+
+    def __init__(self, request, host, device):
+        self.request, self.host, self.device, self.finished = request, host, device, False
+
+    def Test(self):
+        if not self.finished and self.request.Test():
+            self.device[...] = backend.to_device(self.host, backend.device_of(self.device))
+            self.finished = True
+        return self.finished
+
+    def Wait(self):
+        self.request.Wait()
+        self.Test()
+
+
+class MPITransport:
+    name = "mpi"
+
+    def __init__(self, mpi):
+        self.mpi = mpi
+
+    def iall_gather(self, send, recv):
+        return self.mpi.Iallgather(self._ready(send), self._ready(recv))
+
+    def ireduce_scatter(self, send, recv):
+        from mpi4py import MPI
+
+        return self.mpi.Ireduce_scatter_block(self._ready(send), self._ready(recv), op=MPI.SUM)
+
+    def _ready(self, array):
+        return array
+
+
+class CudaAwareMPITransport(MPITransport):
+    name = "cuda-aware-mpi"
+
+    def _ready(self, array):
+        backend.synchronize(array)  # MPI reads device memory directly: the kernels writing it must be done
+        return array
+
+
+class HostStagingTransport(MPITransport):
+    name = "host"
+
+    def iall_gather(self, send, recv):
+        backend.synchronize(send)
+        host = np.empty(recv.shape, dtype=recv.dtype)
+        return CopyBack(self.mpi.Iallgather(backend.to_numpy(send), host), host, recv)
+
+    def ireduce_scatter(self, send, recv):
+        from mpi4py import MPI
+
+        backend.synchronize(send)
+        host = np.empty(recv.shape, dtype=recv.dtype)
+        return CopyBack(self.mpi.Ireduce_scatter_block(backend.to_numpy(send), host, op=MPI.SUM), host, recv)
+
+
+class NCCLTransport:
+    name = "nccl"
+
+    def __init__(self, mpi):
+        nccl = backend.nccl()
+        uid = mpi.bcast(nccl.get_unique_id() if mpi.Get_rank() == 0 else None)
+        self.nccl = nccl
+        self.size = mpi.Get_size()
+        self.comm = nccl.NcclCommunicator(self.size, uid, mpi.Get_rank())
+        self.stream = backend.new_stream()
+
+    def iall_gather(self, send, recv):
+        backend.stream_wait_current(self.stream)  # the comm stream waits for what produced `send`
+        self.comm.allGather(
+            send.data.ptr, recv.data.ptr, send.size, backend.nccl_dtype(send.dtype), self.stream.ptr
+        )
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
+
+    def ireduce_scatter(self, send, recv):
+        backend.stream_wait_current(self.stream)
+        dtype = backend.nccl_dtype(send.dtype)
+        self.comm.reduceScatter(
+            send.data.ptr, recv.data.ptr, recv.size, dtype, self.nccl.NCCL_SUM, self.stream.ptr
+        )
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
+
+
+def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
+    """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else host."""
+    if device == "cpu":
+        if transport not in (None, "mpi"):
+            raise ValueError(f"transport {transport!r} needs a GPU device; on the CPU only 'mpi' applies")
+        return MPITransport(mpi)
+    ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
+    if transport is None:
+        transport = "nccl" if ranks_per_gpu == 1 and backend.nccl_available() else "host"
+        if ranks_per_gpu > 1:
+            log.warning(
+                "%d ranks share one GPU: NCCL needs one rank per GPU, so collectives use MPI "
+                "with host staging",
+                ranks_per_gpu,
+            )
+    choices = {"nccl": NCCLTransport, "cuda-aware-mpi": CudaAwareMPITransport, "host": HostStagingTransport}
+    if transport not in choices:
+        raise ValueError(f"unknown transport {transport!r}: choose one of {sorted(choices)}")
+    if transport == "nccl" and ranks_per_gpu > 1:
+        raise ValueError(f"NCCL needs one rank per GPU, but {ranks_per_gpu} ranks share one: use 'host'")
+    log.info("collectives on %s use %s", device, transport)
+    return choices[transport](mpi)

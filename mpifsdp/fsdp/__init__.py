@@ -1,0 +1,11 @@
+"""The FSDP runtime: fully_shard builds units from a Module (build.py, with partition.py's checks),
+each unit's stages in a step are a UnitLifecycle (lifecycle.py), and the ShardedModel (model.py) is
+the outermost scope of every step: input check, prefetch, end of backward.
+
+May import: nn, ops, autodiff, shard, comm, base.
+"""
+
+from .build import full_state_dict, fully_shard, no_sync, report, sharded_model
+from .model import ShardedModel
+
+__all__ = ["ShardedModel", "full_state_dict", "fully_shard", "no_sync", "report", "sharded_model"]

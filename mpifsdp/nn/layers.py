@@ -1,0 +1,177 @@
+"""The layers a GPT is made of (Linear, Embedding, LayerNorm, Dropout, MLP, attention, Block), and
+the dispatch that runs a LayerNorm fused into the projection after it where both are plain."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from .. import ops
+from .module import Module, constant_param, normal_param
+
+
+class Linear(Module):
+    """y = x @ weight + bias, weight stored (in_features, out_features)."""
+
+    def __init__(self, n_in, n_out, bias=True, *, rng, std=0.02, dtype=np.float32, device="cpu"):
+        self.weight = normal_param(rng, (n_in, n_out), std, dtype, device)
+        self.bias = constant_param(0.0, (n_out,), dtype, device) if bias else None
+
+    def forward(self, x, gelu_input: bool = False):
+        """gelu_input=True: gelu(x) @ weight + bias, gelu(x) never stored (the MLP's second layer)."""
+        return ops.linear(x, self.weight, self.bias, gelu_input=gelu_input)
+
+
+class Embedding(Module):
+    def __init__(self, num, dim, *, rng, std=0.02, dtype=np.float32, device="cpu"):
+        self.weight = normal_param(rng, (num, dim), std, dtype, device)
+
+    def forward(self, idx):
+        return ops.embedding(self.weight, idx)
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, bias=True, eps=1e-5, *, dtype=np.float32, device="cpu"):
+        self.weight = constant_param(1.0, (dim,), dtype, device)
+        self.bias = constant_param(0.0, (dim,), dtype, device) if bias else None
+        self.eps = eps
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
+
+
+class Dropout(Module):
+    """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device."""
+
+    def __init__(self, p: float, seed: int = 0):
+        if not 0 <= p < 1:  # p = 1 would scale the survivors by 1 / 0
+            raise ValueError(f"Dropout: p={p!r} must be in [0, 1)")
+        self.p = p
+        self._seed = seed
+        self._calls = 0
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        self._calls += 1
+        seed = np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]
+        return ops.dropout(x, self.p, int(seed))
+
+
+def dropout_replay(module: Module):
+    """A replay() for recompute.recompute: inside it, the dropouts of `module` draw the masks they drew
+    since this call again (their positions rewound, then restored), so a re-run forward equals the first."""
+    dropouts = [m for _, m in module.named_modules() if isinstance(m, Dropout)]
+    before = [d._calls for d in dropouts]
+
+    @contextlib.contextmanager
+    def replay():
+        after = [d._calls for d in dropouts]
+        for d, calls in zip(dropouts, before):
+            d._calls = calls
+        try:
+            yield
+        finally:
+            for d, calls in zip(dropouts, after):
+                d._calls = calls
+
+    return replay
+
+
+class MLP(Module):
+    """The transformer feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C)."""
+
+    def __init__(self, n_embd, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"):
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.c_fc = Linear(n_embd, 4 * n_embd, bias, **kw)
+        self.c_proj = Linear(4 * n_embd, n_embd, bias, std=proj_std, **kw)
+        self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
+
+    def forward(self, x, norm: LayerNorm | None = None):
+        """norm: the block's LayerNorm, fused into c_fc (its output is not stored)."""
+        # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
+        h = norm_and_project(norm, self.c_fc, x)
+        return self.drop(self.c_proj(h, gelu_input=True))
+
+
+class CausalSelfAttention(Module):
+    def __init__(
+        self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"
+    ):
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.n_head = n_head
+        self.c_attn = Linear(n_embd, 3 * n_embd, bias, **kw)
+        self.c_proj = Linear(n_embd, n_embd, bias, std=proj_std, **kw)
+        self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
+
+    def forward(self, x, norm: LayerNorm | None = None):
+        """norm: the block's LayerNorm, fused into c_attn (its output is not stored)."""
+        qkv = norm_and_project(norm, self.c_attn, x)  # (B, T, 3C): q, k, v side by side, n_head heads each
+        hs = x.shape[-1] // self.n_head
+        y = ops.attention_qkv(qkv, self.n_head, scale=1.0 / math.sqrt(hs))  # (B, T, C), heads side by side
+        return self.drop(self.c_proj(y))
+
+
+class Block(Module):
+    """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); each LayerNorm runs fused
+    into the projection after it, so its output is recomputed in backward instead of stored."""
+
+    def __init__(self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype, device):
+        kw = dict(rng=rng, dtype=dtype, device=device)
+        self.ln_1 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
+        self.attn = CausalSelfAttention(n_embd, n_head, bias, dropout, proj_std, **kw)
+        self.ln_2 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
+        self.mlp = MLP(n_embd, bias, dropout, proj_std, **kw)
+
+    def forward(self, x):
+        x = x + _after_norm(self.ln_1, self.attn, CausalSelfAttention, x)
+        return x + _after_norm(self.ln_2, self.mlp, MLP, x)
+
+
+def _after_norm(norm, module, cls, x):
+    """module(norm(x)), norm handed to the module to fuse where it runs cls's own forward."""
+    return module(x, norm=norm) if fusable(module, cls) else module(norm(x))
+
+
+def fusable(module: Module, cls: type) -> bool:
+    """module runs cls's own forward, unwrapped: its call may be fused with a neighbour's. A subclass
+    that overrides forward (a LoRA adapter) or a module with hooks (a unit of its own) is called."""
+    return type(module).forward is cls.forward and module._forward_wrapper is None
+
+
+def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = False):
+    """linear(norm(x), weight, bias): one op (layer_norm_linear: norm's output recomputed in backward,
+    not stored) where norm is fusable, else norm's own call first (a tied head's weight, say)."""
+    if fusable(norm, LayerNorm):
+        return ops.layer_norm_linear(
+            x, norm.weight, norm.bias, weight, bias, eps=norm.eps, transpose_w=transpose_w
+        )
+    return ops.linear(norm(x), weight, bias, transpose_w=transpose_w)
+
+
+def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
+    """linear(norm(x)), fused where both are fusable (norm_then_linear), else the two calls, so a
+    subclass's forward sees what it always saw."""
+    if norm is None:
+        return linear(x)
+    if fusable(linear, Linear):
+        return norm_then_linear(norm, x, linear.weight, linear.bias)
+    return linear(norm(x))
+
+
+__all__ = [
+    "Linear",
+    "Embedding",
+    "LayerNorm",
+    "Dropout",
+    "MLP",
+    "CausalSelfAttention",
+    "Block",
+    "fusable",
+    "norm_then_linear",
+    "norm_and_project",
+]

@@ -1,0 +1,234 @@
+"""Module: a parameter container with a deterministic order, and deferred initialisation.
+
+Initialisation draws from a NumPy Generator on the host, then moves the arrays to the device, so
+every rank (and CPU vs GPU) starts from bit-identical weights given the same seed. Under
+deferred_init() nothing is allocated until fully_shard() materializes the model unit by unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from ..autodiff.tensor import Param, Tensor
+from ..base.backend import device_of, to_device, to_numpy
+
+_deferring = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_init():
+    """Build a model without allocating its parameters.
+
+    Inside, parameters record only their shape, dtype and the seed of their initial values;
+    fully_shard() then materializes them one unit at a time and keeps each rank's shard, so no rank
+    ever holds the whole model: the way to shard a model that does not fit one rank's memory.
+    """
+    previous = getattr(_deferring, "on", False)
+    _deferring.on = True
+    try:
+        yield
+    finally:
+        _deferring.on = previous
+
+
+_initializers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # deferred Param -> its maker
+DEFERRED = (
+    "it was built under deferred_init() and has no values yet: fully_shard() the model first "
+    "(it materializes one unit at a time)"
+)
+
+
+def _param(make, shape, dtype, device: str) -> Param:
+    def initial():
+        return to_device(make(), device, dtype=dtype)
+
+    if getattr(_deferring, "on", False):
+        param = Param(None, shape=shape, dtype=dtype, absent=DEFERRED)
+        _initializers[param] = initial
+        return param
+    return Param(initial())
+
+
+def initial_value(param: Param):
+    """The array `param` starts from: its data, or (deferred) freshly made from its own seed."""
+    make = _initializers.get(param)
+    return make() if make is not None and param.absent == DEFERRED else param.data
+
+
+def normal_param(rng: np.random.Generator, shape, std: float, dtype, device: str) -> Param:
+    """N(0, std) values drawn on the host from this parameter's own seed (taken from `rng`), so they are
+    the same whether built now or deferred, on every rank and every device."""
+    seed = int(rng.integers(2**63))
+    return _param(lambda: np.random.default_rng(seed).normal(0.0, std, size=shape), shape, dtype, device)
+
+
+def constant_param(value: float, shape, dtype, device: str) -> Param:
+    return _param(lambda: np.full(shape, value), shape, dtype, device)
+
+
+def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None) -> str | None:
+    """What is wrong with `ids` as a `ndim`-D integer array of ids in [0, count) (or `ignore`), or
+    None: a cheap check that names the argument, the bad value and the valid range."""
+    ids = ids.data if isinstance(ids, Tensor) else ids
+    if not hasattr(ids, "dtype") or ids.dtype.kind not in "iu":
+        kind = f"{ids.dtype} array" if hasattr(ids, "dtype") else type(ids).__name__
+        return f"{name} must be an integer array of ids, got a {kind}"
+    if ids.ndim != ndim:
+        return f"{name} must have {ndim} dimensions, got {tuple(ids.shape)}"
+    valid = ids if ignore is None else ids[ids != ignore]
+    outside = valid[(valid < 0) | (valid >= count)]
+    if outside.size:
+        also = "" if ignore is None else f" (and is not the ignore index {ignore})"
+        return f"{name} holds {int(outside[0])}, outside [0, {count}){also}"
+    return None
+
+
+def _holds_parameters(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, Module) for v in value)
+    return isinstance(value, (Param, Module))
+
+
+class Module:
+    """Base class. Parameters are found by walking attributes in assignment order.
+
+    `_forward_wrapper`, when set (fully_shard sets it on each unit module and the model), receives the
+    bound forward and its arguments and runs it inside whatever it needs (gathered parameters, a
+    scope): the one hook point that keeps layers free of FSDP.
+    """
+
+    _forward_wrapper = None
+    _parent = None  # the module this one was first attached to (for parameter names)
+    # The ShardedModel fully_shard made of this model (its units): how optimizers and checkpoints find
+    # a model's shards without importing the FSDP runtime (fsdp.sharded_model reads it).
+    _sharded = None
+    training = True  # Dropout draws masks only in training mode: eval() for evaluation and sampling
+
+    def __setattr__(self, name, value):
+        """Name parameters by their path in the module tree as soon as they join it, so every error
+        names the parameter ('blocks.0.attn.c_attn.weight'), sharded or not. A module attached to a
+        parent remembers it, so a later change deep inside (tying `lm_head.weight = wte.weight`)
+        renames the tree from its root: a tied weight keeps the name where it is first found."""
+        object.__setattr__(self, name, value)
+        if name.startswith("_") or not _holds_parameters(value):
+            return
+        for child in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(child, Module) and child._parent is None and child is not self:
+                object.__setattr__(child, "_parent", self)
+        for path, param in self._root().named_parameters():
+            param.name = path
+
+    def _root(self) -> Module:
+        node, seen = self, {id(self)}
+        while node._parent is not None and id(node._parent) not in seen:
+            node = node._parent
+            seen.add(id(node))
+        return node
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def __call__(self, *args, **kwargs):
+        if self._forward_wrapper is None:
+            problem = self.check_inputs(*args, **kwargs)
+            if problem:
+                raise ValueError(f"{type(self).__name__}: {problem}")
+            return self.forward(*args, **kwargs)
+        return self._forward_wrapper(self.forward, *args, **kwargs)
+
+    def check_inputs(self, *args, **kwargs) -> str | None:
+        """What is wrong with these inputs, or None. Models override it with cheap checks (shapes,
+        dtypes, id ranges); under fully_shard every rank's verdict is exchanged with the batch sizes,
+        so bad input on one rank is named on every rank instead of hanging the others."""
+        return None
+
+    def _children(self):
+        """(name, value) for Params, Modules and lists of Modules, in assignment order."""
+        for name, value in vars(self).items():
+            if name.startswith("_"):
+                continue
+            if isinstance(value, (Param, Module)):
+                yield name, value
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Module) for v in value):
+                for i, child in enumerate(value):
+                    yield f"{name}.{i}", child
+
+    def named_modules(self, prefix: str = ""):
+        """Every module once, depth first, with its dotted name ('' for self)."""
+        yield prefix, self
+        for name, child in self._children():
+            if isinstance(child, Module):
+                yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def named_parameters(self, prefix: str = ""):
+        """Every parameter once, under the name where it is first found (tied weights appear once)."""
+        seen = set()
+        for module_name, module in self.named_modules(prefix):
+            for name, child in module._children():
+                if isinstance(child, Param) and id(child) not in seen:
+                    seen.add(id(child))
+                    yield (f"{module_name}.{name}" if module_name else name), child
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """Freeze (False) or unfreeze every parameter of this module; returns the module. A frozen
+        parameter gets no gradient and no optimizer state; under fully_shard it is gathered but never
+        reduced, so decide before sharding (fully_shard reads it)."""
+        for p in self.parameters():
+            p.requires_grad = bool(requires_grad)
+        return self
+
+    def train(self, mode: bool = True) -> Module:
+        """Training mode (True) or evaluation mode (False) for this module and every module inside it;
+        returns the module. Evaluation turns dropout off, so a validation loss is a function of the
+        parameters alone (the same twice); `GPT.generate` samples in evaluation mode."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"{type(self).__name__}.train: mode must be True or False, not {mode!r}")
+        for _, module in self.named_modules():
+            module.training = mode
+        return self
+
+    def eval(self) -> Module:
+        """Evaluation mode: `train(False)`."""
+        return self.train(False)
+
+    def num_params(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.zero_grad()
+
+    def state_dict(self) -> OrderedDict:
+        """Host copies of every parameter, by name."""
+        return OrderedDict((name, to_numpy(p.data).copy()) for name, p in self.named_parameters())
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        """Copy arrays into the parameters in place; names and shapes must match."""
+        params = dict(self.named_parameters())
+        missing = [n for n in params if n not in state]
+        unexpected = [n for n in state if n not in params]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"load_state_dict: missing parameters {missing}, unexpected entries {unexpected}; "
+                "pass strict=False to load a subset"
+            )
+        for name, value in state.items():
+            if name not in params:
+                continue
+            p = params[name]
+            value = to_numpy(value)
+            if value.shape != p.shape:
+                raise ValueError(
+                    f"load_state_dict: parameter {name!r} expects shape {p.shape}, found {value.shape}"
+                )
+            if value.dtype.kind != "f":
+                raise TypeError(f"load_state_dict: parameter {name!r} needs floats, found {value.dtype}")
+            p.data[...] = to_device(value, device_of(p.data), dtype=p.dtype)

@@ -1,0 +1,374 @@
+"""The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, cross-entropy
+(causal attention: attention.py). Registered like every primitive (forward next to VJP).
+
+On the CPU their elementwise work runs in blocks of rows across this rank's threads
+(threads.for_row_blocks), so the cores BLAS uses for GEMMs are not idle in between; on a GPU each
+kernel runs as one piece. Memory: none of them keeps more than it must for backward: GELU,
+LayerNorm and attention recompute from their inputs (attention's probabilities exist only inside the
+op and its VJP, and beyond ATTENTION_BLOCK positions only one block pair at a time), cross-entropy
+keeps one log-sum-exp per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..autodiff.tensor import primitive
+from ..base.backend import array_module_of
+from ..base.threads import for_row_blocks
+from . import gpu_kernels
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_K = 0.044715
+
+
+def _rows(a):
+    """A 2-D (rows, last axis) view of a contiguous array."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def by_rows(xp, n_rows: int, row_elements: int, work, calls_blas: bool = False) -> int:
+    """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU. calls_blas:
+    work runs GEMMs (threads.for_row_blocks then keeps BLAS to one thread per block)."""
+    if xp is np:
+        return for_row_blocks(n_rows, row_elements, work, calls_blas)
+    work(0, 0, n_rows)
+    return 1
+
+
+# -- GELU (tanh form, as GPT-2) -------------------------------------------------------------------
+# 0.5 (1 + tanh(u)) = sigmoid(2u), so gelu(x) = x / (1 + exp(-2u)) with u = c (x + k x^3): one exp
+# instead of a tanh (measured here on 2M float32: 21.9 ms vs 25.1 ms a thread). Each thread's rows
+# run in chunks of CHUNK elements, so the seven passes of a chunk stay in cache (15.8 ms vs 21.9).
+
+CHUNK = 1 << 16  # elements an elementwise kernel works on at once (256 KiB of float32)
+
+
+def _in_chunks(kernel, out, *inputs):
+    """kernel(out, *inputs, scratch) on CHUNK-element pieces of contiguous arrays of one size on the
+    CPU. On a GPU its one-kernel twin (gpu_kernels.py) over the whole arrays instead: each piece
+    and each pass costs launches there (measured on an H200: GELU in 64 K-element pieces made an
+    MLP layer's forward and backward 40x slower than its GEMMs)."""
+    xp = array_module_of(out)
+    if xp is not np:
+        return _GPU_TWINS[kernel](out, *inputs)
+    flat = [a.reshape(-1) for a in (out, *inputs)]
+    n = flat[0].size
+    scratch = [xp.empty(min(CHUNK, n), dtype=out.dtype) for _ in range(3)]
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        kernel(*(a[start:stop] for a in flat), *(s[: stop - start] for s in scratch))
+
+
+def row_slices(xp, lo: int, hi: int, row_elements: int):
+    """Sub-ranges of rows [lo, hi) of about CHUNK elements on the CPU: a kernel's passes over one
+    stay in cache, and its temporaries stay small. On a GPU one range: each slice costs kernel
+    launches (thousands per step at vocabulary 32K), and a GPU has no cache to fit."""
+    step = max(1, CHUNK // max(1, row_elements)) if xp is np else max(1, hi - lo)
+    return ((a, min(a + step, hi)) for a in range(lo, hi, step))
+
+
+def _sigmoid_2u_into(out, x):
+    """out = sigmoid(2 c (x + k x^3)) = 0.5 (1 + tanh(u))."""
+    xp = array_module_of(x)
+    xp.multiply(x, x, out=out)
+    out *= -2 * _GELU_C * _GELU_K
+    out -= 2 * _GELU_C
+    out *= x
+    xp.exp(out, out=out)  # an overflow to inf gives sigmoid 0, as it should
+    out += 1
+    xp.reciprocal(out, out=out)
+
+
+def _gelu_into(out, x, *scratch):
+    _sigmoid_2u_into(out, x)
+    out *= x
+
+
+def _gelu_slope_into(out, x, s, t):
+    """out = d gelu / dx = s (1 + a (1 - s)), given s = sigmoid(2u); a = 2 x u' = 2 c x (1 + 3k x^2)."""
+    xp = array_module_of(x)
+    xp.multiply(x, x, out=out)
+    out *= 6 * _GELU_C * _GELU_K
+    out += 2 * _GELU_C
+    out *= x
+    xp.multiply(out, s, out=t)
+    out -= t
+    out += 1
+    out *= s
+
+
+def _gelu_grad_into(out, g, x, s, t, _):
+    _sigmoid_2u_into(s, x)
+    _gelu_slope_into(out, x, s, t)
+    out *= g
+
+
+def _gelu_and_grad_into(h, gh, x, s, t, u):
+    """h = gelu(x) and gh *= gelu'(x) in one pass over x, from one sigmoid (the MLP's backward)."""
+    _sigmoid_2u_into(s, x)
+    array_module_of(x).multiply(x, s, out=h)
+    _gelu_slope_into(t, x, s, u)
+    gh *= t
+
+
+_GPU_TWINS = {
+    _gelu_into: gpu_kernels.gelu_into,
+    _gelu_grad_into: gpu_kernels.gelu_grad_into,
+    _gelu_and_grad_into: gpu_kernels.gelu_and_grad_into,
+}
+
+
+def gelu_array(x):
+    xp = array_module_of(x)
+    out = xp.empty_like(x)
+    x2, o2 = _rows(x), _rows(out)
+    by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _in_chunks(_gelu_into, o2[lo:hi], x2[lo:hi]))
+    return out
+
+
+def _gelu_grad(g, x):
+    xp = array_module_of(x)
+    out = xp.empty_like(x)
+    x2, g2, o2 = _rows(x), _rows(xp.ascontiguousarray(g)), _rows(out)
+
+    def work(i, lo, hi):
+        _in_chunks(_gelu_grad_into, o2[lo:hi], g2[lo:hi], x2[lo:hi])
+
+    by_rows(xp, x2.shape[0], x2.shape[1], work)
+    return out
+
+
+@primitive("gelu", vjp=lambda g, _, x: (_gelu_grad(g, x),))
+def _gelu(x):
+    """GELU; saves nothing: the VJP recomputes tanh from x, which the tape keeps anyway."""
+    return gelu_array(x), None
+
+
+# -- linear ---------------------------------------------------------------------------------------
+
+
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(True, True, True)):
+    """needs: which of x, w, b want a gradient (a frozen weight's GEMM is skipped, and so is the
+    input's where nothing upstream trains)."""
+    g2 = _rows(g)
+    gx, gw, gb = None, None, None
+    h = x
+    if needs[0]:
+        gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
+    if gelu_input and needs[0]:  # gelu(x) recomputed (cheaper than keeping (B, T, 4C)), gx *= gelu'(x)
+        xp = array_module_of(x)
+        h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
+        h2 = _rows(h)
+
+        def work(i, lo, hi):
+            _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
+
+        by_rows(xp, x2.shape[0], x2.shape[1], work)
+    elif gelu_input and needs[1]:
+        h = gelu_array(x)
+    if needs[1]:
+        h2 = _rows(h)
+        gw = h2.T @ g2 if not transpose_w else g2.T @ h2
+    if b is None:
+        return gx, gw
+    if needs[2]:
+        gb = g2.sum(axis=0)
+    return gx, gw, gb
+
+
+@primitive("linear", vjp=_linear_vjp, takes_needs=True)
+def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
+    """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
+
+    gelu_input=True computes gelu(x) @ w + b without keeping gelu(x) for backward (the MLP's second
+    layer): the largest activation of a transformer block is then never stored.
+    """
+    w_in = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[-1] != w_in:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
+    h = gelu_array(x) if gelu_input else x
+    out = _rows(h) @ (w.T if transpose_w else w)
+    if b is not None:
+        out += b
+    return out.reshape(*x.shape[:-1], out.shape[-1]), None
+
+
+# -- LayerNorm ------------------------------------------------------------------------------------
+
+
+def sum_of_products(xp, a, b, axis: int):
+    """(a * b).sum(axis) of 2-D arrays: on the CPU with no (rows, C) temporary (einsum); on a GPU as a
+    product and a sum (CuPy's einsum is not measured there)."""
+    if xp is not np:
+        return (a * b).sum(axis=axis)
+    return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
+
+
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
+    """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std."""
+    mean, rstd = saved
+    xp = array_module_of(x)
+    x2, g2 = _rows(x), _rows(g)
+    n, C = x2.shape
+    gx = xp.empty_like(x)
+    gx2 = _rows(gx)
+    parts = {}  # per block: partial sums for the weight and bias gradients
+
+    def work(i, lo, hi):
+        gc = g2[lo:hi]
+        xhat = x2[lo:hi] - mean[lo:hi]
+        xhat *= rstd[lo:hi]
+        parts[i] = (sum_of_products(xp, gc, xhat, axis=0), gc.sum(axis=0))
+        gxhat = gc * w  # gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat))
+        projection = sum_of_products(xp, gxhat, xhat, axis=1)[:, None]
+        projection *= 1.0 / C
+        out = gx2[lo:hi]
+        xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
+        xhat *= projection
+        out -= xhat
+        out *= rstd[lo:hi]
+
+    blocks = by_rows(xp, n, C, work)
+    gw = sum(parts[i][0] for i in range(blocks))
+    return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
+
+
+@primitive("layer_norm", vjp=_layer_norm_vjp)
+def _layer_norm(x, w, b=None, eps=1e-5):
+    """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
+    xp = array_module_of(x)
+    x2 = _rows(x)
+    n, C = x2.shape
+    out = xp.empty_like(x)
+    o2 = _rows(out)
+    mean = xp.empty((n, 1), dtype=x.dtype)
+    rstd = xp.empty((n, 1), dtype=x.dtype)
+
+    def work(i, lo, hi):
+        o = o2[lo:hi]
+        mean[lo:hi] = x2[lo:hi].mean(axis=-1, keepdims=True)
+        xp.subtract(x2[lo:hi], mean[lo:hi], out=o)
+        rstd[lo:hi, 0] = 1.0 / xp.sqrt(sum_of_products(xp, o, o, axis=1) / C + eps)
+        _scale_shift(o, rstd[lo:hi], w, b)
+
+    by_rows(xp, n, C, work)
+    return out, (mean, rstd)
+
+
+def _scale_shift(o, rstd, w, b):
+    """o = (x - mean) -> the LayerNorm's output, in place (the forward's and the recompute's passes)."""
+    o *= rstd
+    o *= w
+    if b is not None:
+        o += b
+
+
+def _layer_norm_again(x, mean, rstd, w, b):
+    """The LayerNorm's output recomputed from x and its saved statistics: the same passes as the
+    forward, so the same bits."""
+    xp = array_module_of(x)
+    out = xp.empty_like(x)
+    x2, o2 = _rows(x), _rows(out)
+
+    def work(i, lo, hi):
+        xp.subtract(x2[lo:hi], mean[lo:hi], out=o2[lo:hi])
+        _scale_shift(o2[lo:hi], rstd[lo:hi], w, b)
+
+    by_rows(xp, *x2.shape, work)
+    return out
+
+
+# -- LayerNorm into a linear ----------------------------------------------------------------------
+# A pre-LN block's LayerNorm output feeds one GEMM only. Fused, the tape keeps x (kept anyway: the
+# residual stream) and two numbers per row instead of another (B, T, C) array; backward recomputes
+# the output in two passes (peer config, N = 2: peak RSS 616 -> 581 MiB per rank, no slower).
+
+
+def _split_ln_linear(arrays, ln_bias: bool, bias: bool):
+    """(x, ln_w, ln_b, w, b) from the primitive's inputs; None for an absent bias."""
+    x, ln_w, *rest = arrays
+    ln_b = rest.pop(0) if ln_bias else None
+    return x, ln_w, ln_b, rest[0], rest[1] if bias else None
+
+
+def _layer_norm_linear_vjp(
+    g, saved, *arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False, needs=None
+):
+    x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
+    needs = needs or (True,) * len(arrays)
+    n_ln = 2 + ln_bias
+    y = _layer_norm_again(x, *saved, ln_w, ln_b)
+    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=(any(needs[:n_ln]), *needs[n_ln:]))
+    del y
+    ln = _layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps) if gy is not None else (None,) * n_ln
+    return (*ln, *lin)
+
+
+@primitive("layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True)
+def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
+    """linear(layer_norm(x)) whose normalized x is not kept (inputs: x, ln_w[, ln_b], w[, b])."""
+    x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
+    y, stats = _layer_norm.forward(x, ln_w, ln_b, eps)
+    out, _ = _linear.forward(y, w, b, transpose_w)
+    return out, stats
+
+
+# -- cross-entropy --------------------------------------------------------------------------------
+
+
+def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
+    """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
+    lse, valid, count = saved
+    xp = array_module_of(logits)
+    flat = _rows(logits)
+    picked = xp.where(valid, targets.reshape(-1), 0)
+    weight = (valid * (g / count)).astype(logits.dtype)[:, None]
+    grad = xp.empty_like(flat)
+
+    def work(i, lo, hi):  # in slices of rows: the three passes over a slice stay in cache
+        for a, b in row_slices(xp, lo, hi, flat.shape[1]):
+            out = grad[a:b]
+            xp.subtract(flat[a:b], lse[a:b, None], out=out)
+            xp.exp(out, out=out)
+            out[xp.arange(b - a), picked[a:b]] -= 1
+            out *= weight[a:b]
+
+    by_rows(xp, flat.shape[0], flat.shape[1], work)
+    return (grad.reshape(logits.shape),)
+
+
+@primitive("cross_entropy", vjp=_cross_entropy_vjp)
+def _cross_entropy(logits, targets, ignore_index=-1, count=None):
+    """Sum over non-ignored positions of -log softmax(logits)[target], divided by `count` (default:
+    the number of non-ignored positions, i.e. their mean); numerically stable."""
+    xp = array_module_of(logits)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets {targets.shape} must match logits {logits.shape[:-1]}")
+    flat = _rows(logits)
+    t = targets.reshape(-1)
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integer class ids, got {targets.dtype}")
+    valid = t != ignore_index
+    outside = valid & ((t < 0) | (t >= flat.shape[1]))
+    if outside.any():
+        raise IndexError(
+            f"cross_entropy: target {int(t[outside][0])} is outside [0, {flat.shape[1]}) "
+            f"and is not the ignore_index {ignore_index}"
+        )
+    lse = xp.empty(flat.shape[0], dtype=logits.dtype)
+
+    def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
+        for a, b in row_slices(xp, lo, hi, flat.shape[1]):
+            peak = flat[a:b].max(axis=1)
+            e = flat[a:b] - peak[:, None]
+            xp.exp(e, out=e)
+            lse[a:b] = peak + xp.log(e.sum(axis=1))
+
+    by_rows(xp, flat.shape[0], flat.shape[1], work)
+    picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
+    count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
+    loss = ((lse - picked) * valid).sum() / count
+    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)

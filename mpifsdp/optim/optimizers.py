@@ -1,0 +1,188 @@
+"""AdamW, Adam and SGD: the arithmetic of one step on a flat vector (flat_optimizer.py has the rest)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..base.backend import array_module_of
+from ..base.threads import for_row_blocks
+from ..ops import gpu_kernels
+from .flat_optimizer import FlatOptimizer, NonFiniteError
+
+__all__ = ["SGD", "Adam", "AdamW", "NonFiniteError", "adamw_update"]
+
+
+SLICE = 1 << 16  # elements updated at a time: the temporary stays small and in cache
+
+
+def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
+    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read).
+
+    Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
+    PyTorch's AdamW. The update, decay included, runs slice by slice (in parallel over the rank's
+    threads on the CPU) with one slice-sized temporary: no buffer of the model's size is allocated
+    per step, and p is read and written once. A zero gradient where m and v are zero leaves p
+    unchanged, which keeps FSDP padding at zero (docs/design.md, invariant 2).
+    """
+    xp = array_module_of(p)
+    decay = 1.0 - lr * weight_decay
+    segments = list(decay_segments) if weight_decay else []
+    bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    if xp is not np:  # a GPU decays, then updates the whole vector in one kernel
+        for start, stop in segments:
+            p[start:stop] *= decay
+        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps)
+        return
+
+    def update(lo, hi, s):
+        s = s[: hi - lo]
+        gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
+        xp.multiply(gs, 1.0 - beta1, out=s)
+        ms *= beta1
+        ms += s
+        xp.multiply(gs, gs, out=s)
+        s *= 1.0 - beta2
+        vs *= beta2
+        vs += s
+        xp.sqrt(vs, out=s)
+        s /= bias2
+        s += eps
+        xp.divide(ms, s, out=s)
+        s *= lr / bias1
+        for start, stop in segments:  # the decay, while this slice of p is in cache
+            if start < hi and lo < stop:
+                p[max(start, lo) : min(stop, hi)] *= decay
+        p[lo:hi] -= s
+
+    def block(i, lo, hi):
+        s = np.empty(min(SLICE, hi - lo), dtype=p.dtype)
+        for start in range(lo, hi, SLICE):
+            update(start, min(start + SLICE, hi), s)
+
+    for_row_blocks(p.size, 1, block)
+
+
+class AdamW(FlatOptimizer):
+    """AdamW with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+
+    Defaults are torch's: betas (0.9, 0.999), eps 1e-8, weight decay 0.01 on every tensor; our GPT
+    examples pass nanoGPT's betas (0.9, 0.95) and decay="matrices" (ndim >= 2) explicitly.
+    """
+
+    STATE = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        targets,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.01,
+        decay="all",
+        comm=None,
+        nonfinite="raise",
+    ):
+        _check_hyperparameters(type(self).__name__, lr, betas, eps, weight_decay)
+        super().__init__(targets, lr, weight_decay, decay, comm, nonfinite)
+        (self.beta1, self.beta2), self.eps = betas, eps
+
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "betas": [self.beta1, self.beta2], "eps": self.eps}
+
+    def _update(self, i, p, g, state, step):
+        adamw_update(
+            p,
+            g,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            lr=self.lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            step=step,
+            decay_segments=self._decoupled(i),
+            weight_decay=self.weight_decay,
+        )
+
+    def _decoupled(self, i):
+        return self.decay_segments[i]
+
+
+class Adam(AdamW):
+    """Adam with coupled L2 regularization, as torch.optim.Adam: the decay term weight_decay * p is
+    added to the gradient (in place) before the moments see it. Defaults: no decay."""
+
+    def __init__(self, targets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decay="all", **kw):
+        super().__init__(targets, lr, betas, eps, weight_decay, decay, **kw)
+
+    def _update(self, i, p, g, state, step):
+        self._add_l2(i, p, g)
+        super()._update(i, p, g, state, step)
+
+    def _decoupled(self, i):
+        return ()
+
+
+class SGD(FlatOptimizer):
+    """SGD with momentum (and Nesterov), coupled weight decay, as torch.optim.SGD (no dampening):
+    buf = momentum * buf + g;  step = g + momentum * buf (Nesterov) or buf;  p -= lr * step."""
+
+    def __init__(
+        self,
+        targets,
+        lr=1e-3,
+        momentum=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        decay="all",
+        comm=None,
+        nonfinite="raise",
+    ):
+        problems = [f"lr={lr}"] if not (math.isfinite(lr) and lr >= 0) else []
+        problems += [f"momentum={momentum}"] if not 0 <= momentum < 1 else []
+        problems += (
+            [f"weight_decay={weight_decay}"]
+            if not (math.isfinite(weight_decay) and weight_decay >= 0)
+            else []
+        )
+        if nesterov and momentum == 0:
+            problems.append("nesterov=True needs momentum > 0")
+        if problems:
+            raise ValueError(f"SGD: invalid {', '.join(problems)} (lr, weight_decay >= 0; 0 <= momentum < 1)")
+        self.STATE = ("momentum_buffer",) if momentum else ()
+        super().__init__(targets, lr, weight_decay, decay, comm, nonfinite)
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def hyperparameters(self) -> dict:
+        return {**super().hyperparameters(), "momentum": self.momentum, "nesterov": self.nesterov}
+
+    def _update(self, i, p, g, state, step):
+        self._add_l2(i, p, g)
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            if step == 1:
+                buf[...] = g  # torch starts the buffer at the first gradient
+            else:
+                buf *= self.momentum
+                buf += g
+            if self.nesterov:
+                g += self.momentum * buf
+            else:
+                g = buf
+        p -= self.lr * g
+
+
+def _check_hyperparameters(name, lr, betas, eps, weight_decay):
+    problems = []
+    if not (math.isfinite(lr) and lr >= 0):
+        problems.append(f"lr={lr} (a finite number >= 0)")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        problems.append(f"betas={betas} (two numbers in [0, 1))")
+    if not (math.isfinite(eps) and eps > 0):
+        problems.append(f"eps={eps} (a finite number > 0)")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        problems.append(f"weight_decay={weight_decay} (a finite number >= 0)")
+    if problems:
+        raise ValueError(f"{name}: invalid " + ", ".join(problems))

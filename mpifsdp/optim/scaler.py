@@ -1,0 +1,74 @@
+"""Dynamic loss scaling for float16 compute (mixed precision, fsdp.fully_shard(param_dtype=...))."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from .optimizers import FlatOptimizer, NonFiniteError
+
+log = logging.getLogger(__name__)
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 compute: scale the loss, unscale the gradients, skip overflows.
+
+        scaler.scale(loss).backward()
+        scaler.step(opt, max_norm=1.0)   # False when the step overflowed and was skipped
+        opt.zero_grad()
+
+    A step whose gradients overflow (a global check: every rank agrees) is skipped and the scale
+    halved; after `growth_interval` good steps in a row the scale doubles. Skipping cannot go on
+    unnoticed: `max_skips_in_a_row` overflowing steps in a row, or an overflow at `min_scale` (where
+    halving cannot help), raise NonFiniteError on every rank.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**15,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        max_skips_in_a_row: int = 20,
+    ):
+        if not (0 < min_scale <= init_scale < math.inf) or growth_interval < 1 or max_skips_in_a_row < 1:
+            raise ValueError(
+                "LossScaler needs 0 < min_scale <= init_scale (finite), growth_interval >= 1 and "
+                f"max_skips_in_a_row >= 1; got min_scale={min_scale}, init_scale={init_scale}, "
+                f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
+            )
+        self.scale_value = float(init_scale)
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_skips_in_a_row = max_skips_in_a_row
+        self.good_steps = 0
+        self.skipped_steps = 0
+        self.skips_in_a_row = 0
+
+    def scale(self, loss):
+        return loss * self.scale_value
+
+    def step(self, optimizer: FlatOptimizer, max_norm: float | None = None) -> bool:
+        optimizer.scale_grads(1.0 / self.scale_value)
+        norm = optimizer.grad_norm()
+        if not math.isfinite(norm):
+            if self.scale_value <= self.min_scale or self.skips_in_a_row + 1 >= self.max_skips_in_a_row:
+                raise NonFiniteError(
+                    f"the gradients overflow at loss scale {self.scale_value:g} ({self.skips_in_a_row + 1} "
+                    f"steps in a row, {self.skipped_steps + 1} in all): the loss or the model itself is "
+                    "not finite in this precision; lower the lr, or compute in float32 or bfloat16"
+                )
+            self.skipped_steps += 1
+            self.skips_in_a_row += 1
+            self.good_steps = 0
+            self.scale_value = max(self.min_scale, self.scale_value / 2)
+            log.warning("loss scale overflow: skipped the step, scale now %g", self.scale_value)
+            return False
+        self.skips_in_a_row = 0
+        if max_norm is not None:
+            optimizer.clip_grad_norm(max_norm, norm=norm)
+        optimizer.set_grad_norm(norm)  # one global norm a step
+        optimizer.step()
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale_value *= 2
+        return True

@@ -1,0 +1,10 @@
+"""plan(): memory, traffic and step time of any model on any cluster, before a job runs; the probes
+that measure this machine's links and FLOP rate.
+
+May import: fsdp (which parameters a unit owns), nn, ops, autodiff, base. It sizes a model it is
+given; a GPT's units come from `mpifsdp.models.gpt_units`.
+"""
+
+from .planner import Link, UnitSize, plan
+
+__all__ = ["Link", "UnitSize", "plan"]

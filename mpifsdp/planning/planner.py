@@ -1,0 +1,327 @@
+"""plan(): per-rank memory, bytes per step by level and collective, and a predicted step time, for
+any model on any cluster, before a job is queued (`python -m mpifsdp plan`, docs/scaling.md).
+
+Exact where the runtime is measurable: the shard, gradient and optimizer bytes, the gathered peaks
+and every big collective's elements use the formulas the runtime's ledgers count (tests/test_planner.py
+holds them equal at N = 1..4); the GPT activation bytes are the tape's, term by term. A model where
+we cannot measure: the step time, from an alpha-beta model of each collective (a ring: alpha per
+hop, bytes over the link's bandwidth) and a FLOP rate, with the overlap the schedule allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..fsdp.partition import owned_params
+from ..nn.module import Module
+from ..ops import causal_attention as attention
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level's links: the latency of one ring hop (s) and each rank's bandwidth (bytes/s)."""
+
+    alpha: float = 10e-6
+    bandwidth: float = 25e9
+
+    def __post_init__(self):
+        if not (self.alpha >= 0 and self.bandwidth > 0):  # NaN fails both
+            raise ValueError(f"Link: alpha {self.alpha} s must be >= 0, bandwidth {self.bandwidth} B/s > 0")
+
+    def ring(self, hops: int, nbytes: float) -> float:
+        """Seconds for a ring collective of `hops` steps moving `nbytes` per rank."""
+        return hops * self.alpha + nbytes / self.bandwidth if hops else 0.0
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    name: str
+    numel: int
+    trainable: bool = True
+    kept: bool = False  # the root: gathered from forward to backward, its scope around the others
+
+
+def unit_sizes(model: Module, units) -> list[UnitSize]:
+    """The units fully_shard(model, units=units) makes, as sizes (the root last, kept): works on a
+    model built under deferred_init (shapes only, any size). A GPT's: `mpifsdp.models.gpt_units`."""
+    names = {id(m): n for n, m in model.named_modules()}
+    ids = {id(u) for u in units}
+    sizes = [UnitSize(names[id(u)], sum(p.size for _, p in owned_params(u, "", ids))) for u in units]
+    root = sum(p.size for _, p in owned_params(model, "", ids))
+    return sizes + [UnitSize("root", root, kept=True)]
+
+
+def _padded(numel: int, shard_size: int) -> int:
+    return -(-numel // shard_size) * shard_size
+
+
+def gpt_activation_bytes(
+    config, batch: int, itemsize: int, recompute: bool = False, device: str = "cpu"
+) -> int:
+    """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
+    10 B·T·C values (no LayerNorm output: layer_norm_linear recomputes it) and 4 per token (LayerNorm
+    statistics), and past the attention block (256 positions on the CPU, 1024 on a GPU:
+    attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
+    keeps them); outside them the final LayerNorm's input, the logits, and per token two statistics,
+    the log-sum-exp and a one-byte mask. Checkpointed blocks keep only their input (B·T·C). Equal to
+    autodiff.graph_nbytes (tests/test_planner.py)."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
+    _require_at_least("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
+    B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
+    whole = attention.ATTENTION_BLOCK if device == "cpu" else attention.GPU_ATTENTION_BLOCK
+    block = 10 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
+    per_block = B * T * C if recompute else block
+    outside = B * T * C + B * T * config.vocab_size + 3 * B * T
+    return itemsize * (config.n_layer * per_block + outside) + B * T
+
+
+def plan(
+    units: list[UnitSize],
+    world_size: int,
+    *,
+    shard_size: int | None = None,
+    ranks_per_node: int | None = None,
+    itemsize: int = 4,
+    compute_itemsize: int | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    grad_accum: int = 1,
+    no_sync: bool = False,
+    activation_bytes: int = 0,
+    flops_per_step: float = 0.0,
+    flops: float = 0.0,
+    intra: Link = Link(),
+    inter: Link = Link(),
+) -> dict:
+    """Per-rank memory (bytes), elements and bytes per optimizer step by level and collective, and
+    the predicted step time, for `units` sharded over `world_size` ranks (see the module docstring).
+
+    itemsize: of the shards, gradient shards and AdamW state (fp32 masters: 4); compute_itemsize: of
+    what is gathered and communicated (fully_shard's param_dtype = reduce_dtype, e.g. 2 for
+    bfloat16; default itemsize). Exact against the ledgers with one dtype.
+    shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
+    flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
+    """
+    _require_at_least(
+        "plan",
+        world_size=(world_size, 1),
+        shard_size=(shard_size or 1, 1),
+        ranks_per_node=(ranks_per_node or 1, 1),
+        itemsize=(itemsize, 1),
+        compute_itemsize=(compute_itemsize or 1, 1),
+        prefetch=(prefetch, 0),
+        grad_accum=(grad_accum, 1),
+        activation_bytes=(activation_bytes, 0),
+        flops_per_step=(flops_per_step, 0),
+        flops=(flops, 0),
+    )
+    S = shard_size or world_size
+    if world_size % S:
+        raise ValueError(f"shard_size {S} must divide world_size {world_size}")
+    node, wire = ranks_per_node or world_size, compute_itemsize or itemsize
+    sizes = _Sizes(units, S, world_size // S, wire, reshard_after_forward, grad_accum, no_sync)
+    group_link = intra if S <= node else inter  # a group within a node, or spanning nodes
+    replica_link = inter if world_size > node else intra
+    setup = {
+        "world_size": world_size,
+        "shard_size": S,
+        "replicas": world_size // S,
+        "ranks_per_node": node,
+        "units": len(units),
+        "params": sum(u.numel for u in units),
+        "itemsize": itemsize,
+        "compute_itemsize": wire,
+        "prefetch": prefetch,
+        "reshard_after_forward": reshard_after_forward,
+        "grad_accum": grad_accum,
+        "no_sync": no_sync,
+        "flops": flops,
+        "group_link": dataclasses.asdict(group_link),
+        "replica_link": dataclasses.asdict(replica_link),
+    }
+    return {
+        "setup": setup,
+        "memory_bytes": sizes.memory(itemsize, prefetch, activation_bytes),
+        "traffic": sizes.traffic(),
+        "time_s": sizes.seconds(group_link, replica_link, flops_per_step / flops if flops else 0.0),
+    }
+
+
+class _Sizes:
+    """One plan's units as padded sizes and shards over groups of S ranks (R groups), and what they
+    hold, move and cost: plan()'s three parts."""
+
+    def __init__(self, units, S, R, wire, reshard_after_forward, grad_accum, no_sync):
+        self.S, self.R, self.wire = S, R, wire
+        self.kept = [u.kept or not reshard_after_forward for u in units]
+        self.outer = [u.kept for u in units]  # the root: its scope spans every other unit's backward
+        self.padded = [_padded(u.numel, S) for u in units]
+        self.shard = [p // S for p in self.padded]
+        self.trainable = [u.trainable for u in units]
+        self.gathers = [1 if k else 2 for k in self.kept]  # a kept unit skips its backward gather
+        self.grad_accum, self.no_sync = grad_accum, no_sync
+        self.reductions = grad_accum if not no_sync else 1
+
+    def memory(self, itemsize: int, prefetch: int, activation_bytes: int) -> dict:
+        padded, kept, trainable = self.padded, self.kept, self.trainable
+        blocks = [p for p, k in zip(padded, kept) if not k]
+        accumulating = self.grad_accum > 1 and not self.no_sync
+        trained = sum(s for s, t in zip(self.shard, trainable) if t)
+        grads = _grads_peak(padded, self.shard, self.outer, trainable, accumulating, self.no_sync)
+        memory = {
+            "param_shards": itemsize * sum(self.shard),
+            "grad_shards": itemsize * trained,
+            "optimizer": 2 * itemsize * trained,  # AdamW: m and v
+            "gathered_params_peak": self.wire
+            * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch)),
+            "gathered_grads_peak": self.wire * grads,
+            "activations": activation_bytes,
+        }
+        memory["total"] = sum(memory.values())
+        return memory
+
+    def traffic(self) -> dict:
+        S, R, trained = self.S, self.R, [s for s, t in zip(self.shard, self.trainable) if t]
+        in_group = {
+            "all_gather": self.grad_accum * sum(g * (S - 1) * s for g, s in zip(self.gathers, self.shard)),
+            "reduce_scatter": self.reductions * sum((S - 1) * s for s in trained),
+        }
+        across = {"all_reduce": self.reductions * sum(2 * (R - 1) * s // R for s in trained)}
+        return {
+            "elements": {"in_group": in_group, "across_groups": across},
+            "bytes": {
+                "in_group": {k: v * self.wire for k, v in in_group.items()},
+                "across_groups": {k: v * self.wire for k, v in across.items()},
+            },
+        }
+
+    def seconds(self, group_link: Link, replica_link: Link, compute: float) -> dict:
+        S, R, wire = self.S, self.R, self.wire
+
+        def gather_s(p):  # one all_gather or reduce_scatter of a unit padded to p, inside the group
+            return group_link.ring(S - 1, wire * (S - 1) * (p // S))
+
+        def all_reduce_s(p):  # one all-reduce of its gradient shard across the groups
+            return replica_link.ring(2 * (R - 1), wire * (2 * (R - 1) * (p // S) // R)) if R > 1 else 0.0
+
+        trained = [p for p, t in zip(self.padded, self.trainable) if t]
+        comm_group = self.grad_accum * sum(g * gather_s(p) for g, p in zip(self.gathers, self.padded))
+        comm_group += self.reductions * sum(gather_s(p) for p in trained)
+        comm_across = self.reductions * sum(all_reduce_s(p) for p in trained)
+        # Overlap: each unit's gathers, reduce-scatter and all-reduce across groups run while other units
+        # compute, except the first unit's gather of each micro-batch and the last reduction of a step.
+        largest = max(self.padded, default=0)
+        fixed = self.grad_accum * gather_s(largest) + self.reductions * (
+            gather_s(largest) + all_reduce_s(largest)
+        )
+        total = comm_group + comm_across
+        exposed = min(fixed, total) + max(0.0, total - fixed - compute)
+        return {
+            "compute": compute,
+            "comm_in_group": comm_group,
+            "comm_across_groups": comm_across,
+            "exposed_comm": exposed,
+            "step": compute + exposed,
+        }
+
+
+def _require_at_least(where: str, **values):
+    """ValueError naming every name=(value, least) whose value is below its least (or NaN): a plan of
+    -3 ranks or a negative FLOP rate would otherwise come out as a table of plausible numbers."""
+    bad = [
+        f"{name} = {value!r} (must be >= {least})"
+        for name, (value, least) in values.items()
+        if not value >= least
+    ]
+    if bad:
+        raise ValueError(f"{where}: {'; '.join(bad)}")
+
+
+def _live(blocks: list[int], prefetch: int) -> int:
+    """Resharded units gathered at once: the running one and up to `prefetch` ahead (largest first)."""
+    return sum(sorted(blocks, reverse=True)[: 1 + prefetch])
+
+
+def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bool) -> int:
+    """Full gradients at once in backward: the outer units' (the root: its scope spans the others),
+    the unit running and the one whose reduce-scatter is still in flight; with no_sync, every unit's.
+    A reduce-scatter into a shard that already holds a gradient (accumulating micro-batches) receives
+    into a shard-sized temporary first: two of those are alive with the two full gradients."""
+    full = [p for p, t in zip(padded, trainable) if t]
+    if no_sync:
+        return sum(full)
+    enclosing = sum(p for p, o, t in zip(padded, outer, trainable) if o and t)
+    inner = sorted(
+        ((p, s) for p, s, o, t in zip(padded, shard, outer, trainable) if t and not o), reverse=True
+    )
+    return enclosing + sum(p + (s if accumulating else 0) for p, s in inner[:2])
+
+
+def probe(comm, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats: int = 5) -> dict:
+    """alpha and bandwidth of Allgather and Reduce_scatter on `comm` (collective), from the median
+    time at several sizes fitted to t = hops * alpha + bytes moved / bandwidth."""
+    if comm.size == 1:
+        return {}
+    fits = {}
+    for op in ("all_gather", "reduce_scatter"):
+        rows = [(comm.size - 1, (comm.size - 1) * n, _median_seconds(comm, op, n, repeats)) for n in sizes]
+        hops, moved, seconds = (np.array(c, dtype=float) for c in zip(*rows))
+        (alpha, inverse_bw), *_ = np.linalg.lstsq(np.stack([hops, moved], axis=1), seconds, rcond=None)
+        fits[op] = {"alpha": max(float(alpha), 0.0), "bandwidth": 1.0 / max(float(inverse_bw), 1e-15)}
+    return fits
+
+
+def _median_seconds(comm, op: str, nbytes: int, repeats: int) -> float:
+    shard = np.ones(max(1, nbytes // 4), dtype=np.float32)
+    full = np.empty(shard.size * comm.size, dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        if op == "all_gather":
+            comm.all_gather(shard, full, phase="probe")
+        else:
+            comm.reduce_scatter(full, shard, phase="probe")
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def gemm_flops(repeats: int = 3, n: int = 1024) -> float:
+    """This process's fp32 GEMM rate (FLOP/s), for --probe: the compute side of a step."""
+    a = np.ones((n, n), dtype=np.float32)
+    a @ a  # warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def block_flops(config, batch: int, repeats: int = 2) -> float:
+    """The FLOP rate one transformer block's forward and backward achieves here (training FLOPs per
+    second, as flops_per_token counts them): what a step runs at, elementwise passes and all, where
+    gemm_flops is only its GEMMs' ceiling. For --probe; builds one block of the config's width."""
+    from ..autodiff.tensor import Tensor
+    from ..nn.layers import Block
+
+    rng = np.random.default_rng(0)
+    block = Block(config.n_embd, config.n_head, rng=rng, dtype=np.float32, device="cpu")
+    x = Tensor(rng.standard_normal((batch, config.block_size, config.n_embd), dtype=np.float32), True)
+    params = sum(p.size for p in block.parameters())
+    tokens = batch * config.block_size
+    work = (6 * params + 12 * config.n_embd * config.block_size) * tokens
+    (block(x) * 1.0).sum().backward()  # warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        (block(x) * 1.0).sum().backward()
+    return work * repeats / (time.perf_counter() - start)
+
+
+def flops_per_step(model, block_size: int, tokens: int, recompute: bool = False) -> float:
+    """Training FLOPs of `tokens` tokens (GPT.flops_per_token); recomputing adds one forward (1/3)."""
+    per_token = model.flops_per_token(block_size)
+    return per_token * tokens * (4 / 3 if recompute else 1)

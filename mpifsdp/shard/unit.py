@@ -1,0 +1,400 @@
+"""Unit: one flat-sharded parameter group. The framework-agnostic core of mpifsdp.
+
+A Unit takes named arrays, lays them end to end (FlatLayout) and keeps only this rank's slice:
+`shard` and `grad_shard` persist; `full` and `full_grad` exist only while the unit is unsharded.
+Nothing here knows about autodiff, so a NumPy/CuPy code with hand-written gradients can use it:
+
+    unit = Unit("model", {"w": w0, "b": b0}, comm)
+    with unit.unsharded() as p:                   # Allgather -> views of the full parameters
+        grads = my_gradients(p["w"], p["b"], my_batch)
+    unit.reduce_grad(grads)                        # Reduce_scatter (mean over ranks) -> grad_shard
+    opt = AdamW([unit], lr=1e-2); opt.step()       # local update of this rank's shard
+
+The gathers and reduce-scatters can also run nonblocking (start_unshard, start_reduce_grad) so
+that FSDP overlaps them with compute; `full` and `full_grad` come from a BufferPool, so no large
+buffer is allocated per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import numpy as np
+
+from ..base.accounting import MemoryLedger
+from ..base.backend import array_module_of, to_numpy
+from ..base.checks import float_dtype
+from .flat import UnshardedParams, agreed_layout, require_same_edit
+from .pool import BufferPool
+
+
+@dataclasses.dataclass
+class _Reduction:
+    """A gradient reduction in flight: the reduce-scatter inside the group (source still held), then,
+    with HSDP, the all-reduce of `receive` across the groups (source None)."""
+
+    request: object
+    receive: object
+    source: object
+    divisor: float
+    phase: str
+
+
+class Unit:
+    """One flat-sharded parameter group: this rank's shard, its gradient, gathers and reductions."""
+
+    def __init__(
+        self,
+        name: str,
+        named_arrays,
+        comm,
+        *,
+        dtype=None,
+        ledger: MemoryLedger | None = None,
+        pool: BufferPool | None = None,
+        param_dtype=None,
+        reduce_dtype=None,
+        sync_values: bool = False,
+        trainable: bool = True,
+        replicas=None,
+    ):
+        """replicas: hybrid sharding (HSDP). `comm` is then this rank's shard group and `replicas` the
+        ranks holding the same shard in the other groups: each gradient shard, once reduce-scattered
+        inside the group, is all-reduced across them (the mean over every rank of both).
+        trainable=False: frozen parameters, gathered for compute but never given a gradient, reduced
+        or stepped (no grad_shard: 4 bytes per shard element in fp32 instead of 16 with AdamW).
+        param_dtype: the dtype parameters are gathered and computed in (e.g. float16), while the shard,
+        its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
+        dtype gradients are reduce-scattered in (default param_dtype).
+        sync_values: take rank 0's values (a broadcast per array); by default every rank must pass the
+        same values, which is checked (a hash per rank, in the layout check's one exchange)."""
+        named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
+        self.name, self.comm, self.replicas = name, comm, replicas
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        if replicas is not None:  # the same layout and values in every group too
+            agreed_layout(name, named_arrays, replicas, dtype, check_values=not sync_values)
+        self.layout = agreed_layout(name, named_arrays, comm, dtype, check_values=not sync_values)
+        if sync_values:  # across groups first, then inside: every rank ends with world rank 0's values
+            for level in (replicas, comm) if replicas is not None else (comm,):
+                named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
+        self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
+        self.param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
+        self.reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or self.param_dtype)
+        self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
+        n = self.layout.shard_numel
+        # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
+        # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
+        self.shard = self.xp.zeros(n, dtype=self.layout.dtype)
+        arrays = dict(named_arrays)
+        for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
+            self.shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+        self.trainable = trainable
+        self.grad_shard = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
+        self.has_grad = False
+        self.ledger.alloc("param_shard", self.shard.nbytes)
+        if trainable:
+            self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
+        self.full = None  # gathered parameters, while unsharded (or gathering)
+        self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
+        self._gathering = None  # (request, send buffer) of an unshard in flight
+        self._reducing: _Reduction | None = None  # a reduction in flight
+
+    def _from_rank_0(self, array, comm):
+        """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
+        out = array_module_of(array).array(array, copy=True, order="C")
+        comm.broadcast(out.reshape(-1), root=0, unit=self.name, phase="setup")
+        return out
+
+    def __repr__(self):
+        frozen = "" if self.trainable else ", frozen"
+        return f"Unit({self.name!r}, {self.layout.describe()}, {self.state}{frozen})"
+
+    def _require_trainable(self, what: str):
+        if not self.trainable:
+            raise RuntimeError(
+                f"unit {self.name!r} is frozen (trainable=False): it has no gradients to {what}"
+            )
+
+    @property
+    def state(self) -> str:
+        if self.full is None:
+            return "sharded"
+        return "gathering" if self._gathering is not None else "unsharded"
+
+    def _take(self, category: str, dtype, numel: int | None = None, zero: bool = False):
+        buf = self.pool.take(numel or self.layout.padded_numel, dtype, self.xp, zero=zero)
+        self.ledger.alloc(category, buf.nbytes)
+        return buf
+
+    def _cast(self, category: str, array, dtype):
+        """`array` itself, or a pooled copy in `dtype` (mixed precision)."""
+        if array.dtype == dtype:
+            return array
+        copy = self._take(category, dtype, numel=array.size)
+        with np.errstate(over="ignore"):  # an overflow is named once gathered: _check_representable
+            copy[...] = array
+        return copy
+
+    def _give(self, category: str, buf):
+        self.ledger.free(category, buf.nbytes)
+        self.pool.give(buf)
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def start_unshard(self, phase: str = "forward"):
+        """Begin gathering the full parameters without waiting (a no-op unless sharded)."""
+        if self.full is None:
+            self.full = self._take("gathered_params", self.param_dtype)
+            send = self._cast("gathered_params", self.shard, self.param_dtype)
+            self._gathering = (self.comm.iall_gather(send, self.full, unit=self.name, phase=phase), send)
+
+    def unshard(self, phase: str = "forward") -> dict:
+        """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
+        self.start_unshard(phase)
+        self._finish_gather()
+        return self.layout.views(self.full)
+
+    def _finish_gather(self):
+        if self._gathering is not None:
+            request, send = self._gathering
+            self._gathering = None
+            self.comm.wait(request)
+            if send is not self.shard:
+                self._give("gathered_params", send)
+                self._check_representable(self.full)
+
+    def _gather_into(self, full, phase: str):
+        """Blocking: `full` = every rank's shard, in param_dtype (a buffer of the caller's)."""
+        send = self._cast("gathered_params", self.shard, self.param_dtype)
+        try:
+            self.comm.all_gather(send, full, unit=self.name, phase=phase)
+        finally:
+            if send is not self.shard:
+                self._give("gathered_params", send)
+        if send is not self.shard:
+            self._check_representable(full)
+
+    def _check_representable(self, full):
+        """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it. Every rank sees
+        the same gathered values, so every rank raises here alike (no collective needed)."""
+        if not bool(self.xp.isfinite(full).all()):
+            raise FloatingPointError(
+                f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
+                f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
+                f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
+                "a wider param_dtype"
+            )
+
+    def reshard(self):
+        """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""
+        self._finish_gather()  # a buffer MPI is still writing cannot go back to the pool
+        if self.full is not None:
+            self._give("gathered_params", self.full)
+            self.full = None
+
+    @contextlib.contextmanager
+    def unsharded(self, phase: str = "other", writeback: bool = False):
+        """`with unit.unsharded() as params:` the full parameters inside the block, only the shard after.
+
+        The arrays are read-only (an in-place edit would be lost) views of a buffer of their own, not
+        of the pool: an array kept after the block keeps the values it had, never another unit's;
+        `params` itself refuses access after the block. writeback=True makes them writable and copies
+        this rank's slice of the edited values back into its shard at the end (e.g. a projection onto
+        constraints; edits that differ between ranks by more than rounding raise on every rank).
+        (FSDP's own path, `unshard`, uses the pool.)"""
+        if writeback and self.param_dtype != self.layout.dtype:
+            raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
+        full = self.xp.empty(self.layout.padded_numel, dtype=self.param_dtype)
+        self.ledger.alloc("gathered_params", full.nbytes)
+        params = None
+        try:
+            self._gather_into(full, phase)
+            views = self.layout.views(full)
+            for v in views.values():
+                v.flags.writeable = writeback
+            params = UnshardedParams(self.name, views)
+            yield params
+            if writeback:  # ranks that edited differently would keep a mixture of their edits
+                require_same_edit(self.name, full, self.comm)
+                lo, hi = self.layout.shard_range(self.comm.rank)
+                self.shard[...] = full[lo:hi]
+        finally:
+            if params is not None:
+                params.close()
+            full.flags.writeable = False  # the buffer is the kept arrays' own now: read-only
+            self.ledger.free("gathered_params", full.nbytes)
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def zero_full_grad(self) -> dict:
+        """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
+        self._require_trainable("accumulate")
+        if self.full_grad is None:
+            self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
+        return self.layout.views(self.full_grad)
+
+    def drop_full_grad(self):
+        """Discard `full_grad` without reducing it (a backward that failed part-way)."""
+        if self.full_grad is not None:
+            self._give("gathered_grads", self.full_grad)
+            self.full_grad = None
+
+    def start_reduce_grad(
+        self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce: str = "mean"
+    ):
+        """Begin the reduce-scatter of `full_grad` (or of the given name -> array grads).
+
+        reduce="mean": the ranks' gradients averaged with equal weights, or, given `weight` (e.g.
+        this rank's number of samples), weighted by it: sum_r weight_r * g_r / sum_r weight_r, the
+        global mean when each rank's gradient is its own samples' mean (the weights' sum is one
+        scalar all-reduce). reduce="sum": the plain sum over ranks."""
+        self._require_trainable("reduce")
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        if weight is not None:  # a number, or a 0-d array (a CuPy count): not a string, not a bool
+            number = float(weight) if hasattr(weight, "__float__") and not isinstance(weight, bool) else -1.0
+            if not (math.isfinite(number) and number >= 0):
+                raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight!r}")
+            weight = number
+        if grads is not None:
+            self._load_grads(grads)
+        elif self.full_grad is None:
+            raise RuntimeError(
+                f"unit {self.name!r}: reduce_grad() without gradients: pass them, or zero_full_grad() first"
+            )
+        divisor = self.comm.size * (self.replicas.size if self.replicas else 1) if reduce == "mean" else 1
+        if weight is not None and reduce == "mean":
+            what = f"the weights of {self.name}"
+            divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=what)
+            if self.replicas is not None:
+                divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
+            if divisor == 0:  # the same sum on every rank: all of them raise
+                raise ValueError(
+                    f"unit {self.name!r}: the weights sum to 0 over the ranks (no rank had samples): "
+                    "there is no mean to take; skip this step, or give weights > 0"
+                )
+        self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
+        source = self._cast("gathered_grads", self.full_grad, self.reduce_dtype)
+        if source is not self.full_grad:
+            self._give("gathered_grads", self.full_grad)
+        self.full_grad = None
+        # A zero grad_shard (after zero_grad) of the reduce dtype receives the sum directly; otherwise a
+        # temporary does, so gradients accumulate across backward calls until zeroed.
+        receive = self.grad_shard
+        if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
+            receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
+        if weight is not None:
+            source *= weight
+        request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
+        self._reducing = _Reduction(request, receive, source, divisor, phase)
+
+    def advance_reduce_grad(self):
+        """HSDP: once the reduce-scatter inside the group is done, start the all-reduce of the
+        gradient shard across the groups without waiting for it (the sharded model calls this when the
+        next unit's reduce-scatter starts, so it overlaps that unit's backward). A no-op otherwise."""
+        r = self._reducing
+        if r is None or self.replicas is None or r.source is None:
+            return
+        self.comm.wait(r.request)
+        self._give("gathered_grads", r.source)
+        r.source = None  # across the groups now: the group's sums, summed over the groups
+        r.request = self.replicas.iall_reduce(r.receive, unit=self.name, phase=r.phase)
+
+    def finish_reduce_grad(self):
+        """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).
+
+        [Note: gradient averaging] (docs/design.md, invariant 3) Reduce-scatter sums over ranks;
+        dividing by N gives the gradient of the global-batch mean when every rank's loss is its share
+        of that mean (equal batches; losses that divide by the global count, ops.mean_over_ranks).
+        """
+        self.advance_reduce_grad()  # HSDP: the reduce-scatter done, the all-reduce across groups started
+        r = self._reducing
+        if r is None:
+            return
+        self._reducing = None
+        (self.comm if r.source is not None else self.replicas).wait(r.request)
+        if r.source is not None:
+            self._give("gathered_grads", r.source)
+        if r.divisor != 1:
+            r.receive /= r.divisor
+        if r.receive is not self.grad_shard:
+            self.grad_shard += r.receive
+            self._give("gathered_grads", r.receive)
+        self.has_grad = True
+
+    def reduce_grad(self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce="mean"):
+        """Reduce-scatter the gradients now: grad_shard += the mean (or, weighted, the weighted mean;
+        or the sum) over ranks, of this rank's slice. See start_reduce_grad."""
+        self.start_reduce_grad(grads, phase, weight=weight, reduce=reduce)
+        self.finish_reduce_grad()
+
+    def _load_grads(self, grads: dict):
+        views = self.zero_full_grad()
+        missing = set(self.layout.names) - set(grads)
+        if missing:
+            raise KeyError(f"unit {self.name!r}: reduce_grad is missing gradients for {sorted(missing)}")
+        for name, g in grads.items():
+            if name not in views:
+                raise KeyError(f"unit {self.name!r} has no tensor {name!r}")
+            if not hasattr(g, "shape"):  # a list, a scalar, None: say so, not an AttributeError
+                raise TypeError(
+                    f"unit {self.name!r}: gradient {name!r} is {type(g).__name__}, not an array; give an "
+                    f"array of shape {views[name].shape} (zeros where the tensor gets no gradient)"
+                )
+            if tuple(g.shape) != views[name].shape:
+                raise ValueError(
+                    f"unit {self.name!r}: gradient {name!r} has shape {tuple(g.shape)}, "
+                    f"expected {views[name].shape}"
+                )
+            views[name][...] = g
+
+    # -- the flat-group protocol of optim.AdamW ---------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.shard_numel
+
+    def decay_segments(self, decays) -> list[tuple[int, int]]:
+        """This shard's ranges of the tensors for which decays(name, shape) is true (AdamW's filter)."""
+        return self.layout.decay_segments(self.comm.rank, decays)
+
+    def flat_param(self):
+        return self.shard
+
+    def flat_grad(self):
+        if self.full_grad is not None:  # an optimizer step now would miss these gradients
+            raise RuntimeError(
+                f"unit {self.name!r} holds gradients that were never reduced (backward ran with gradient "
+                "sync off: no_sync()); run the last micro-batch's backward with sync on before step(), "
+                "or zero_grad() to drop them"
+            )
+        return self.grad_shard if self.has_grad else None
+
+    def zero_grad(self):
+        """Forget every gradient: the shard's and a full one kept unreduced (no_sync)."""
+        self.drop_full_grad()
+        if self.trainable:
+            self.grad_shard[...] = 0
+        self.has_grad = False
+
+    # -- consolidation (tests, export) ------------------------------------------------------------
+    def gather(self, shard_like) -> dict:
+        """Full name -> array of any shard-shaped vector (parameters, grads, moments): a new buffer."""
+        full = self.xp.empty(self.layout.padded_numel, dtype=shard_like.dtype)
+        self.comm.all_gather(shard_like, full, unit=self.name, phase="other")
+        return self.layout.views(full)
+
+
+def state_dict(units) -> dict:
+    """Host copies of every parameter of `units`, by tensor name (collective: call on every rank).
+
+    Full arrays of their own, not views into a buffer that is reused; tensor names must be unique
+    across the units."""
+    out, owner = {}, {}
+    for unit in units:
+        for name, value in unit.gather(unit.shard).items():
+            if name in out:
+                raise ValueError(
+                    f"tensor {name!r} is in units {owner[name]!r} and {unit.name!r}: name them uniquely"
+                )
+            out[name], owner[name] = to_numpy(value).copy(), unit.name
+    return out
