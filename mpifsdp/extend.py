@@ -1,6 +1,6 @@
 """What the engine is extended with: new primitives (a forward and its VJP), scopes around recorded
 nodes (the hooks FSDP itself uses), finite-difference checks of both, and recompute (activation
-checkpointing of any function; fully_shard(checkpoint=...) applies it per unit).
+checkpointing of any function; fully_shard(recompute=...) applies it per unit).
 
     from mpifsdp.extend import primitive, check_vjp
 
@@ -13,7 +13,7 @@ checkpointing of any function; fully_shard(checkpoint=...) applies it per unit).
 
     check_vjp("cube", [np.random.default_rng(0).standard_normal(5)])  # raises if the VJP is wrong
 
-Use it as `mpifsdp.autodiff.apply("cube", tensor)`, or wrap that in a function of your own.
+Use it as `mpifsdp.extend.apply("cube", tensor)`, or wrap that in a function of your own.
 """
 
 from .autodiff.gradcheck import check_grad, check_vjp

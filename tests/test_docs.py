@@ -5,6 +5,7 @@ reader would), in a fresh directory, as a user would run them: `python script.py
 `mpiexec -n 2 python -m mpi4py script.py`.
 """
 
+import ast
 import os
 import re
 import subprocess
@@ -49,3 +50,55 @@ def test_every_public_name_is_in_the_api_reference():
     text = (ROOT / "docs" / "api.md").read_text()
     missing = [n for n in [*mpifsdp.__all__, *mpifsdp.extend.__all__] if f"### `{n}`" not in text]
     assert not missing, f"docs/api.md lacks {missing}: add each with its signature and purpose"
+
+
+DESIGN = ROOT / "docs" / "design.md"
+CITED_FILE = re.compile(r"(?<![\w/.])((?:tests|bench|docs|examples|models|[a-z_]+)/[\w/]*\w\.(?:py|md))\b")
+CITED_SYMBOL = re.compile(r"(?<![\w/.])([\w/]+\.py) `([A-Za-z_][\w.]*)`")
+
+
+def _cited(path: str) -> Path:
+    """A path as design.md writes it: from the repository root, or inside mpifsdp/."""
+    return ROOT / path if (ROOT / path).exists() else ROOT / "mpifsdp" / path
+
+
+def test_every_file_the_design_cites_exists():
+    text = DESIGN.read_text().split("## Layers", 1)[1].split("```", 2)[2]  # the Layers block: test_layering
+    cited = {m for m in CITED_FILE.findall(DESIGN.read_text().split("## Layers")[0] + text)}
+    assert len(cited) > 20
+    missing = sorted(p for p in cited if not _cited(p).exists())
+    assert not missing, f"docs/design.md cites files that do not exist: {missing}"
+
+
+def test_every_function_the_design_names_after_a_file_is_in_that_file():
+    """'fsdp/model.py `ShardedModel.run_model`': the class, and its method, are defined there."""
+    pairs = set(CITED_SYMBOL.findall(DESIGN.read_text()))
+    assert len(pairs) > 15
+    wrong = []
+    for path, symbol in sorted(pairs):
+        tree = ast.parse(_cited(path).read_text())
+        scope = tree.body
+        for part in symbol.split("."):
+            found = [n for n in scope if getattr(n, "name", None) == part or _assigns(n, part)]
+            if not found:
+                wrong.append(f"{path} `{symbol}`")
+                break
+            scope = getattr(found[0], "body", [])
+    assert not wrong, f"docs/design.md names what is not there: {wrong}"
+
+
+def _assigns(node, name: str) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else []
+    return any(getattr(t, "id", None) == name for t in targets)
+
+
+def test_the_design_lists_the_public_surface_exactly():
+    import mpifsdp
+    import mpifsdp.extend
+
+    section = DESIGN.read_text().split("## Public surface", 1)[1].split("\n\n")
+    for paragraph, module in zip(section[1:3], (mpifsdp, mpifsdp.extend)):
+        listed = re.findall(r"`(\w+)`", paragraph.split(":", 1)[1])
+        assert sorted(listed) == sorted(module.__all__), (
+            f"docs/design.md's list for {module.__name__} differs"
+        )

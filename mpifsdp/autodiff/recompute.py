@@ -7,7 +7,7 @@ and every Param fn used (accumulated into .grad as always). Memory: the function
 only during its own backward, at the price of a second forward. `replay` makes the second run equal
 the first where fn draws random numbers (layers.dropout_replay rewinds dropout's positions).
 
-Under FSDP (fully_shard(..., checkpoint=...)) the node is recorded inside its unit's scope, so the
+Under FSDP (fully_shard(..., recompute=...)) the node is recorded inside its unit's scope, so the
 unit's parameters are gathered for backward before the re-run, as they would be anyway: no extra
 gather.
 """

@@ -2,7 +2,8 @@
 
 [Note: same collectives everywhere] (docs/design.md, invariant 5) Comm announces every collective
 here first with its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into
-a rolling hash. Once per step (at the end of backward) ranks compare (sequence number, hash) with one
+a rolling hash. The ranks compare (sequence number, hash) at the start of every forward (with the
+batch-size check), at the end of every backward and in every optimizer step, with one
 tiny nonblocking allgather (Comm.check_schedule); in debug mode (MPIFSDP_DEBUG=1 or
 Comm(debug=True)) they compare every fingerprint before its collective runs. A mismatch raises
 ScheduleError on every rank naming what each rank was about to do. Every wait is watched: a

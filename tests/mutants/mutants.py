@@ -256,7 +256,7 @@ MUTANTS = {
     ),
     "configuration_check": Mutant(
         _no_configuration_check,
-        "identical model configuration on every rank (partition.configuration_differs, as fsdp/build.py calls it)",
+        "identical model configuration on every rank (partition.configuration_differs, called by fsdp/build)",
         ["tests/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"],
         ranks=2,
     ),
