@@ -17,14 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     add_config_arguments,
     config_from,

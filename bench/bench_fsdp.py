@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 from common import (  # noqa: E402
     LocalComm,
     add_config_arguments,

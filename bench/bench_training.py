@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 from common import PEER, gpt_config, peak_rss_mib, random_batch, run_json  # noqa: E402
 
 

@@ -1,4 +1,6 @@
-"""Shared pieces of the benchmarks: the peer config, timing, peak RSS."""
+"""Shared pieces of the benchmarks: the peer config, timing, peak RSS. The one import helper:
+every script runs as `python bench/<script>.py`, so Python puts bench/ first on sys.path and
+`from common import ...` finds this file (no sys.path edits)."""
 
 from __future__ import annotations
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import CONFIGS, gpt_config, median_time, random_batch, synchronizer, train_step  # noqa: E402
 
 import mpifsdp  # noqa: E402

@@ -17,7 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
 from common import run_json  # noqa: E402
 
 HEAD_SIZE = 64  # and one layer per 64 features: 4/8/12/16 layers at 256/512/768/1024

@@ -2,7 +2,7 @@
 
 Machines differ in CPU and BLAS kernel, and a kernel change moves float32's last bits. OpenBLAS lets
 one machine run the kernels of others (OPENBLAS_CORETYPE, set for the child processes alone), so
-this runs tests/test_parity.py at N = 1..4 under each kernel and prints, per kernel, one JSON line
+this runs tests/features/test_parity.py at N = 1..4 under each kernel and prints, per kernel, one JSON line
 with the worst ratio of a sharded run's error to its bound (tests/tolerance.py; must stay <= 1).
 
     python bench/parity_kernels.py [--kernels Haswell SkylakeX ...] [--sizes 1 2 3 4]
@@ -27,7 +27,7 @@ def run(kernel: str, size: int) -> tuple[int, list]:
     env = {**os.environ, "OPENBLAS_CORETYPE": kernel, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     env.pop("OPENBLAS_L2_SIZE", None)
     pytest = [str(BIN / "python"), "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
-    pytest.append("tests/test_parity.py")
+    pytest.append("tests/features/test_parity.py")
     if size > 1:
         pytest = [str(BIN / "mpiexec"), "-n", str(size), str(BIN / "python"), "-m", "mpi4py", *pytest[1:]]
     done = subprocess.run(pytest, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -11,17 +11,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import add_config_arguments, config_from, peak_rss_mib, random_batch  # noqa: E402
+from torch.distributed.fsdp import fully_shard
 
 
 class Block(nn.Module):

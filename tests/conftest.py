@@ -1,3 +1,8 @@
+"""Where a new test goes: tests/unit/<package>/ for one sub-package's behaviour (unit/ itself for a
+top-level module), tests/features/ for a feature across packages (parity, HSDP, accumulation, ...),
+tests/failures/ for misuse, faults and their messages, tests/project/ for the repository itself (docs,
+layering). Helpers go in tests/support.py, never in a test module; fixtures here."""
+
 import os
 import sys
 
@@ -69,10 +74,3 @@ def comm():
     from mpifsdp import Comm
 
     return Comm()
-
-
-def agree(comm, ok: bool, message: str):
-    """Assert on every rank if the check failed on any: a rank must never leave the others in a collective."""
-    verdicts = comm.allgather_object((ok, message))
-    failed = [f"rank {r}: {m}" for r, (good, m) in enumerate(verdicts) if not good]
-    assert not failed, "\n".join(failed)

@@ -8,7 +8,18 @@ May import: fsdp, shard, base.
 """
 
 from . import consolidated
-from .manifest import CheckpointError
+from .manifest import CheckpointError, verify
+from .publish import recover
 from .sharded import checkpoints, load, load_latest, save, save_step
 
-__all__ = ["CheckpointError", "checkpoints", "consolidated", "load", "load_latest", "save", "save_step"]
+__all__ = [
+    "CheckpointError",
+    "checkpoints",
+    "consolidated",
+    "load",
+    "load_latest",
+    "recover",
+    "save",
+    "save_step",
+    "verify",
+]

@@ -5,7 +5,7 @@ By default it works on a Clone of COMM_WORLD (as mpi4jax does), so our collectiv
 a user's own messages; pass any communicator to embed mpifsdp in a code that already uses MPI.
 
 [Note: same collectives everywhere] (docs/design.md, invariant 5) No other module of the package
-calls an MPI collective (tests/test_comm.py greps for it; transport.py moves the bytes of the large
+calls an MPI collective (tests/unit/comm/test_comm.py greps for it; transport.py moves the bytes of the large
 ones). So every collective, from a unit's gather to a checkpoint's barrier, is announced to the
 schedule (its fingerprint enters the per-step check), completes under the watchdog, and is
 counted in the ledger.

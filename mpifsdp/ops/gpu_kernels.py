@@ -4,7 +4,7 @@ softmax and its backward, and optim.py's AdamW update.
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
 launch and a trip through device memory, so the same arithmetic is done in one kernel that reads
 each element once. The formulas are the NumPy ones; float16 computes in float32 and rounds once (the
-NumPy path rounds after every pass). tests/test_gpu_kernels.py holds both paths to the same float64
+NumPy path rounds after every pass). tests/unit/ops/test_gpu_kernels.py holds both paths to the same float64
 formulas, and the attention and parity checks to each other. Kernels are compiled by CuPy on first
 use and cached; nothing here imports CuPy.
 """

@@ -2,10 +2,11 @@
 any model on any cluster, before a job is queued (`python -m mpifsdp plan`, docs/scaling.md).
 
 Exact where the runtime is measurable: the shard, gradient and optimizer bytes, the gathered peaks
-and every big collective's elements use the formulas the runtime's ledgers count (tests/test_planner.py
-holds them equal at N = 1..4); the GPT activation bytes are the tape's, term by term. A model where
-we cannot measure: the step time, from an alpha-beta model of each collective (a ring: alpha per
-hop, bytes over the link's bandwidth) and a FLOP rate, with the overlap the schedule allows.
+and every big collective's elements use the formulas the runtime's ledgers count
+(tests/unit/planning/test_planner.py holds them equal at N = 1..4); the GPT activation bytes are the
+tape's, term by term. A model where we cannot measure: the step time, from an alpha-beta model of
+each collective (a ring: alpha per hop, bytes over the link's bandwidth) and a FLOP rate, with the
+overlap the schedule allows.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def gpt_activation_bytes(
     attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
     keeps them); outside them the final LayerNorm's input, the logits, and per token two statistics,
     the log-sum-exp and a one-byte mask. Checkpointed blocks keep only their input (B·T·C). Equal to
-    autodiff.graph_nbytes (tests/test_planner.py)."""
+    autodiff.graph_nbytes (tests/unit/planning/test_planner.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     _require_at_least("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))

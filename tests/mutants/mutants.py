@@ -1,4 +1,4 @@
-"""Mutants: each switches one safety mechanism off, so tests/test_mutations.py can show that the test
+"""Mutants: each switches one safety mechanism off, so tests/failures/test_mutations.py can show that the test
 named for it fails without it (a safety test that cannot fail proves nothing).
 
 A mutant is applied at interpreter start by this folder's sitecustomize.py when MPIFSDP_MUTANT names
@@ -224,146 +224,152 @@ MUTANTS = {
     "schedule_check": Mutant(
         _no_schedule_check,
         "per-step schedule check (Comm.check_schedule)",
-        ["tests/test_faults.py::test_units_swapped_on_one_rank_are_caught_by_the_per_step_check"],
+        ["tests/failures/test_faults.py::test_units_swapped_on_one_rank_are_caught_by_the_per_step_check"],
     ),
     "debug_check": Mutant(
         _no_debug_check,
         "debug-mode check before every collective (Comm._announce)",
-        ["tests/test_faults.py::test_a_skipped_unit_is_named_on_every_rank_in_debug_mode"],
+        ["tests/failures/test_faults.py::test_a_skipped_unit_is_named_on_every_rank_in_debug_mode"],
     ),
     "watchdog": Mutant(
         _no_watchdog,
         "watchdog on every wait (Schedule.wait)",
-        ["tests/test_faults.py::test_a_stalled_rank_trips_the_watchdog_which_names_the_collective"],
+        ["tests/failures/test_faults.py::test_a_stalled_rank_trips_the_watchdog_which_names_the_collective"],
     ),
     "nonfinite": Mutant(
         _no_nonfinite_check,
         "NaN/Inf policy of AdamW (global gradient norm)",
-        ["tests/test_faults.py::test_a_nan_on_one_rank_is_seen_by_every_rank"],
+        ["tests/failures/test_faults.py::test_a_nan_on_one_rank_is_seen_by_every_rank"],
         ranks=2,
     ),
     "uneven_batch": Mutant(
         _no_uneven_batch_check,
         "uneven-batch refusal (ShardedModel.check_inputs)",
-        ["tests/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
+        ["tests/failures/test_faults.py::test_uneven_batches_are_refused_on_every_rank"],
         ranks=2,
     ),
     "initial_value_check": Mutant(
         _no_initial_value_check,
         "identical initial values on every rank (flat._values_digest)",
-        ["tests/test_misuse.py::test_ranks_built_from_different_seeds_are_refused_or_synced"],
+        ["tests/failures/test_misuse.py::test_ranks_built_from_different_seeds_are_refused_or_synced"],
         ranks=2,
     ),
     "configuration_check": Mutant(
         _no_configuration_check,
         "identical model configuration on every rank (partition.configuration_differs, called by fsdp/build)",
-        ["tests/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"],
+        [
+            "tests/failures/test_misuse.py::test_a_configuration_that_differs_without_changing_shapes_is_refused"
+        ],
         ranks=2,
     ),
     "optimizer_step_schedule_check": Mutant(
         _no_schedule_check_in_the_optimizer_step,
         "schedule check in AdamW.step",
-        ["tests/test_misuse.py::test_clipping_on_one_rank_only_is_caught_at_the_step"],
+        ["tests/failures/test_misuse.py::test_clipping_on_one_rank_only_is_caught_at_the_step"],
         ranks=2,
     ),
     "input_check": Mutant(
         _no_input_check,
         "model input checks, exchanged with the batch sizes (Module.check_inputs, ShardedModel.check_inputs)",
-        ["tests/test_misuse.py::test_bad_input_on_one_rank_is_named_on_every_rank"],
+        ["tests/failures/test_misuse.py::test_bad_input_on_one_rank_is_named_on_every_rank"],
         ranks=2,
     ),
     "tied_weights": Mutant(
         _no_tied_weight_check,
         "tied-weight check (partition.shared_parameters)",
-        ["tests/test_fsdp.py::test_tied_weights_split_across_units_are_refused"],
+        ["tests/failures/test_misuse.py::test_tied_weights_split_across_units_are_refused"],
     ),
     "checksum": Mutant(
         _no_checksum,
         "checkpoint slice checksums (manifest._checksum_matches)",
         [
-            "tests/test_checkpoint.py::test_truncated_missing_and_corrupted_files_are_refused_by_name",
-            "tests/test_checkpoint.py::test_keep_last_k_and_latest_falls_back_past_a_corrupted_one",
+            "tests/unit/checkpoint/test_checkpoint.py::test_truncated_missing_and_corrupted_files_are_refused_by_name",
+            "tests/unit/checkpoint/test_checkpoint.py::test_keep_last_k_and_latest_falls_back_past_a_corrupted_one",
         ],
     ),
     "manifest_checksum": Mutant(
         _no_manifest_checksum,
         "the manifest's own checksum (manifest.manifest_digest)",
-        ["tests/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
+        ["tests/failures/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
     ),
     "slice_coverage": Mutant(
         _no_coverage_check,
         "each unit's slices tile it exactly once (manifest._tiles)",
-        ["tests/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
+        ["tests/failures/test_checkpoint_safety.py::test_an_edited_manifest_is_refused"],
     ),
     "overwrite_recovery": Mutant(
         _no_recovery,
         "recovery of a checkpoint left nameless by an interrupted overwrite (publish.recover)",
-        ["tests/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"],
+        [
+            "tests/failures/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"
+        ],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,
         "atomic publish of checkpoints (staging directory + rename)",
         [
-            "tests/test_checkpoint.py::test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one",
-            "tests/test_checkpoint.py::test_a_rank_killed_during_save_leaves_the_previous_checkpoint",
+            "tests/unit/checkpoint/test_checkpoint.py::test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one",
+            "tests/unit/checkpoint/test_checkpoint.py::test_a_rank_killed_during_save_leaves_the_previous_checkpoint",
         ],
     ),
     "global_valid_count": Mutant(
         _no_global_valid_count,
         "global count of valid targets (ShardedModel.count_share)",
-        ["tests/test_parity.py::test_sharded_training_matches_single_process[prefetch1-gpt-ignored-f64]"],
+        [
+            "tests/features/test_parity.py::test_sharded_training_matches_single_process[prefetch1-gpt-ignored-f64]"
+        ],
         ranks=2,
     ),
     "gradient_mean": Mutant(
         _no_gradient_mean,
         "1/N of the gradient reduce-scatter (Unit.finish_reduce_grad)",
-        ["tests/test_parity.py::test_sharded_training_matches_single_process[prefetch1-mlp-f64]"],
+        ["tests/features/test_parity.py::test_sharded_training_matches_single_process[prefetch1-mlp-f64]"],
         ranks=2,
     ),
     "end_of_backward_sweep": Mutant(
         _no_end_of_backward_sweep,
         "end-of-backward sweep of unreached units (ShardedModel._sweep_unreached)",
-        ["tests/test_fsdp.py::test_units_backward_never_reached_are_still_reduced"],
+        ["tests/unit/fsdp/test_fsdp.py::test_units_backward_never_reached_are_still_reduced"],
     ),
     "plain_file_names": Mutant(
         _any_file_name,
         "a manifest names plain file names only (manifest.is_plain_name)",
-        ["tests/test_untrusted.py::test_a_manifest_names_only_plain_files_in_its_checkpoint"],
+        ["tests/failures/test_untrusted.py::test_a_manifest_names_only_plain_files_in_its_checkpoint"],
     ),
     "realpath_fence": Mutant(
         _no_fence,
         "every file a checkpoint opens resolves inside it (manifest.inside)",
         [
-            "tests/test_untrusted.py::test_a_link_out_of_the_checkpoint_is_refused_and_one_inside_is_followed",
-            "tests/test_untrusted.py::test_a_linked_manifest_is_refused",
+            "tests/failures/test_untrusted.py::test_a_link_out_of_the_checkpoint_is_refused_and_one_inside_is_followed",
+            "tests/failures/test_untrusted.py::test_a_linked_manifest_is_refused",
         ],
     ),
     "delete_only_ours": Mutant(
         _prune_everything,
         "pruning deletes only a checkpoint's own files (publish.remove_ours)",
         [
-            "tests/test_untrusted.py::test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link"
+            "tests/failures/test_untrusted.py::test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link"
         ],
     ),
     "failed_backward_cleanup": Mutant(
         _nothing_cleaned_after_a_failed_backward,
         "a backward that raised leaves nothing gathered or in flight (ShardedModel.backward_failed)",
-        ["tests/test_frozen.py::test_unfreezing_after_fully_shard_is_refused"],
+        ["tests/features/test_frozen.py::test_unfreezing_after_fully_shard_is_refused"],
     ),
     "dropout_replay": Mutant(
         _no_dropout_replay,
         "a checkpointed unit's re-run draws the same dropout masks (layers.dropout_replay)",
-        ["tests/test_recompute.py::test_checkpointed_units_train_bit_identically"],
+        ["tests/features/test_recompute.py::test_checkpointed_units_train_bit_identically"],
     ),
     "unreduced_gradients": Mutant(
         _step_over_unreduced_gradients,
         "no optimizer step over gradients no_sync kept unreduced (Unit.flat_grad)",
-        ["tests/test_accumulation.py::test_no_sync_holds_full_gradients_and_reduces_their_sum_once"],
+        ["tests/features/test_accumulation.py::test_no_sync_holds_full_gradients_and_reduces_their_sum_once"],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
         "collective checks raise on every rank (Comm.raise_if_any)",
-        ["tests/test_comm.py::test_raise_if_any_raises_everywhere"],
+        ["tests/unit/comm/test_comm.py::test_raise_if_any_raises_everywhere"],
         ranks=2,
     ),
 }

@@ -9,15 +9,15 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from test_abort import mpiexec
 
-sys.path.insert(0, str(Path(__file__).parent / "mutants"))
+from support import ROOT, mpiexec
+
+sys.path.insert(0, str(ROOT / "tests" / "mutants"))
 from mutants import MUTANTS  # noqa: E402
 
-TESTS = Path(__file__).parent
+TESTS = ROOT / "tests"
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_abort import mpiexec
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, mpiexec
+
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -102,3 +102,13 @@ def test_the_design_lists_the_public_surface_exactly():
         assert sorted(listed) == sorted(module.__all__), (
             f"docs/design.md's list for {module.__name__} differs"
         )
+
+
+def test_the_api_reference_is_what_make_api_writes():
+    """docs/api.md is generated (docs/make_api.py): a changed signature or docstring shows up here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
+    make_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_api)
+    assert (ROOT / "docs" / "api.md").read_text() == make_api.render(), "run python docs/make_api.py"

@@ -4,9 +4,10 @@ import re
 
 import numpy as np
 import pytest
-from conftest import agree
 
 from mpifsdp import CollectiveError
+
+from support import agree
 
 
 def test_all_gather_places_each_rank_shard(comm):

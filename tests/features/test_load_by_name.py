@@ -4,8 +4,6 @@ adds adapters or freezes part of itself, and an export without the adapters)."""
 
 import numpy as np
 import pytest
-from conftest import agree
-from test_checkpoint import CFG, sharded, shared_dir, train
 
 from mpifsdp import CollectiveError, Param, full_state_dict, fully_shard
 from mpifsdp.checkpoint.consolidated import (
@@ -17,11 +15,13 @@ from mpifsdp.checkpoint.consolidated import (
 from mpifsdp.checkpoint.sharded import CheckpointError, save
 from mpifsdp.models import GPT, GPTConfig
 
+from support import TINY_GPT, agree, sharded_tiny_gpt, shared_dir, train
+
 
 def _divided_otherwise(comm, extra=False):
     """The same GPT, other values, attention frozen (so each block is two units), the root sharded
     as one with the blocks' MLPs in it; with `extra`, a parameter the checkpoint lacks."""
-    model = GPT(CFG, seed=7)
+    model = GPT(TINY_GPT, seed=7)
     for block in model.blocks:
         block.attn.requires_grad_(False)
     if extra:
@@ -32,7 +32,7 @@ def _divided_otherwise(comm, extra=False):
 
 def test_a_checkpoint_loads_by_name_into_another_division(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 2)
     save(f"{root}/ck", model, opt, extra={"config": {"n_layer": 2}})
     want = full_state_dict(model)
@@ -51,7 +51,7 @@ def test_a_checkpoint_loads_by_name_into_another_division(comm, tmp_path):
 
 def test_load_params_refuses_other_shapes_and_unknown_tensors(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, _ = sharded(comm)
+    model, _ = sharded_tiny_gpt(comm)
     save(f"{root}/ck", model)
     wider = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=12), seed=0)
     fully_shard(wider, comm, units=wider.blocks)
@@ -81,4 +81,4 @@ def test_export_of_a_subset_holds_exactly_those_tensors(comm, tmp_path):
 
 def test_load_params_needs_a_sharded_model(tmp_path):
     with pytest.raises((ValueError, CollectiveError, CheckpointError), match="fully_shard|sharded"):
-        load_params(tmp_path, GPT(CFG, seed=0))
+        load_params(tmp_path, GPT(TINY_GPT, seed=0))

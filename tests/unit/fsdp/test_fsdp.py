@@ -2,12 +2,10 @@
 
 import numpy as np
 import pytest
-from conftest import agree
 
 from mpifsdp import (
     AbsentDataError,
     AdamW,
-    CollectiveError,
     Tensor,
     full_state_dict,
     fully_shard,
@@ -18,6 +16,8 @@ from mpifsdp.fsdp.lifecycle import Stage
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 from mpifsdp.nn.layers import Linear
 from mpifsdp.nn.module import Module
+
+from support import agree
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10)
 
@@ -192,35 +192,6 @@ def test_layernorms_that_are_units_of_their_own_are_called_not_fused(comm):
     loss.backward()
     assert loss.item() == expected  # every rank the same batch: the same arithmetic as unsharded
     assert all(np.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-
-
-class Tied(Module):
-    def __init__(self):
-        rng = np.random.default_rng(0)
-        self.a = Linear(3, 3, rng=rng)
-        self.b = Linear(3, 3, rng=rng)
-        self.b.weight = self.a.weight
-
-    def forward(self, x):
-        return self.b(self.a(x))
-
-
-def test_tied_weights_split_across_units_are_refused(comm):
-    model = Tied()
-    with pytest.raises(
-        CollectiveError, match=r"'a.weight': \['a', 'root'\].*tied weights must live in one unit"
-    ):
-        fully_shard(model, comm, units=[model.a])
-    fully_shard(Tied(), comm)  # both in the root: fine
-
-
-def test_fully_shard_misuse(comm):
-    model = MLPClassifier([3, 4, 2])
-    with pytest.raises(ValueError, match="units must be submodules"):
-        fully_shard(model, comm, units=[MLPClassifier([3, 2]).layers[0]])
-    fully_shard(model, comm, units=model.layers[:1])
-    with pytest.raises(RuntimeError, match="already called on this model"):
-        fully_shard(model, comm)
 
 
 def test_eval_under_no_grad_leaves_nothing_behind(comm):

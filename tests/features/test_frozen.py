@@ -9,13 +9,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tolerance import rel_err
 
 from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff.tensor import PRIMITIVES
 from mpifsdp.data import rank_slice
 from mpifsdp.fsdp.lifecycle import Stage
 from mpifsdp.models import GPT, GPTConfig
+
+from tolerance import rel_err
 
 STEPS = 3
 TOL = 1e-12  # float64; the sharded run only reorders sums (see test_accumulation.py)

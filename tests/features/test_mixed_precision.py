@@ -1,13 +1,14 @@
 """Mixed precision: fp32 master shards and AdamW state, float16 gathers and compute, fp32 reductions."""
 
 import numpy as np
-from conftest import agree
 from mpi4py import MPI
-from tolerance import rel_err, within
 
 from mpifsdp import AdamW, Comm, LossScaler, full_state_dict, fully_shard, sharded_model
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
+
+from support import agree
+from tolerance import rel_err, within
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -8,13 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from test_checkpoint import shared_dir
 
 from mpifsdp import fully_shard
 from mpifsdp.checkpoint.consolidated import read_safetensors_header
 from mpifsdp.checkpoint.sharded import save
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.models.hf_gpt2 import export_hf_gpt2, hf_name, load_hf_gpt2
+
+from support import shared_dir
 
 
 def _config(tie):

@@ -3,23 +3,19 @@
 Scenarios that hang or kill a rank run as real `mpiexec` jobs in subprocesses, with timeouts.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
-from conftest import agree
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_abort import mpiexec
 
 from mpifsdp import AdamW, CollectiveError, NonFiniteError, Unit, full_state_dict, fully_shard, sharded_model
 from mpifsdp.base.backend import parse_device
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+
+from support import agree, run_job
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=3, n_head=2, n_embd=8)
 
@@ -97,20 +93,7 @@ def run_scenario(comm, tmp_path, name, env=None, timeout=120):
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     script = tmp_path / f"{name}.py"
     script.write_text(PRELUDE + textwrap.dedent(SCENARIOS[name]))
-    start = time.monotonic()
-    result = subprocess.run(
-        [*mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    elapsed = time.monotonic() - start
-    for _ in range(50):  # the launcher has returned: every rank must be gone (allow teardown a moment)
-        leftovers = subprocess.run(
-            ["pgrep", "-f", str(script)], capture_output=True, text=True
-        ).stdout.split()
-        if not leftovers:
-            break
-        time.sleep(0.1)
-    assert not leftovers, f"ranks still running 5 s after the job ended: {leftovers}"
+    result, elapsed = run_job(script, 3, env=env, timeout=timeout)
     print(f"{name}: exit {result.returncode} after {elapsed:.1f} s")
     return result, elapsed
 

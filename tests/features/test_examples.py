@@ -4,12 +4,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from test_abort import mpiexec
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, mpiexec
 
 
 def run_example(comm, ranks, *args, timeout=300, returncode=0, progress=None):

@@ -8,16 +8,13 @@ lost (the scripts check their own data and print SCENARIO OK). Watchdog timeouts
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
-import time
 from dataclasses import dataclass, field
 
 import pytest
-from test_abort import mpiexec
+
+from support import run_job
 
 PRELUDE = textwrap.dedent(
     """
@@ -481,29 +478,21 @@ def test_scenario(comm, tmp_path, name):
     script = tmp_path / f"{name}.py"
     script.write_text(PRELUDE + textwrap.dedent(scenario.body) + "\n")
     (tmp_path / "data").mkdir()
-    python = [sys.executable, "-m", "mpi4py"] if scenario.launcher == "mpi4py" else [sys.executable]
-    command = [*mpiexec(), "-n", str(scenario.ranks), *python, str(script), str(tmp_path / "data")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPIFSDP_TIMEOUT": "5", **scenario.env}
-    start = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scenario.seconds + 60)
-    elapsed = time.monotonic() - start
+    env = {"OMP_NUM_THREADS": "1", "MPIFSDP_TIMEOUT": "5", **scenario.env}
+    result, elapsed = run_job(
+        script,
+        scenario.ranks,
+        tmp_path / "data",
+        launcher=scenario.launcher,
+        env=env,
+        timeout=scenario.seconds + 60,
+    )
     output = result.stdout + result.stderr
-    leftovers = _ranks_still_running(script)
-    assert not leftovers, f"ranks still running after the job ended: {leftovers}"
     assert elapsed < scenario.seconds, f"{name} took {elapsed:.1f} s (bound {scenario.seconds} s)"
     assert (result.returncode == 0) == scenario.ok, f"exit {result.returncode}:\n{output[-3000:]}"
     assert re.search(scenario.expect, output, re.S), f"{scenario.expect!r} not in:\n{output[-3000:]}"
     if not scenario.ok:
         assert "SCENARIO OK" not in output
-
-
-def _ranks_still_running(script) -> list:
-    for _ in range(50):  # the launcher has returned: allow teardown a moment
-        found = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
-        if not found:
-            return []
-        time.sleep(0.1)
-    return found
 
 
 def test_the_battery_is_large_enough():

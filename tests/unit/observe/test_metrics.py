@@ -2,35 +2,12 @@
 
 import json
 
-import numpy as np
 import pytest
-from test_checkpoint import shared_dir
 
-from mpifsdp import AdamW, StepMetrics, fully_shard
-from mpifsdp.data import rank_slice
+from mpifsdp import StepMetrics
 from mpifsdp.models import GPT, GPTConfig
 
-
-def train_with_metrics(comm, tmp_path, steps: int, **write_values) -> tuple[str, list]:
-    """A small sharded GPT trained `steps` steps under StepMetrics; the file (one for all ranks) and
-    what write() returned on this rank."""
-    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10), seed=0)
-    fully_shard(model, comm, units=model.blocks)
-    opt = AdamW(model, lr=1e-2)
-    path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
-    metrics = StepMetrics(path, model)
-    x = rank_slice(np.arange(32 * comm.size).reshape(-1, 8) % 37, comm.rank, comm.size)
-    returned = []
-    for step in range(1, steps + 1):
-        metrics.start()
-        loss = model(x, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        returned.append(metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32, **write_values))
-        metrics.note(step=step, val_loss=3.5)
-    comm.barrier()
-    return path, returned
+from support import train_with_metrics
 
 
 def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):

@@ -6,7 +6,8 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 PACKAGE = ROOT / "mpifsdp"
 MAX_FUNCTION_LINES = 45  # a function's body, below its signature and docstring
 ABOVE_THE_LIBRARY = "models"  # mpifsdp.models: built on the library; only command lines import it

@@ -7,13 +7,14 @@ a checkpoint saved under one shape loads under any other, bit-identically.
 
 import numpy as np
 import pytest
-from test_checkpoint import shared_dir, sub_comm
-from tolerance import rel_err
 
 from mpifsdp import AdamW, CollectiveError, Comm, full_state_dict, fully_shard, sharded_model
 from mpifsdp.checkpoint.sharded import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
+
+from support import shared_dir, sub_comm
+from tolerance import rel_err
 
 STEPS = 3
 TOL = 1e-12  # float64; only the order of sums differs (see test_accumulation.py)

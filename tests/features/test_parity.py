@@ -11,12 +11,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import agree
-from tolerance import rel_err, within
 
 from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, sharded_model
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+
+from support import agree
+from tolerance import rel_err, within
 
 GLOBAL_BATCH = 12  # divides over 1, 2, 3 and 4 ranks
 STEPS = 4

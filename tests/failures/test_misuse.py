@@ -21,6 +21,7 @@ from mpifsdp import (
 )
 from mpifsdp.comm.schedule import ScheduleError
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
+from mpifsdp.nn import Linear, Module
 from mpifsdp.nn.layers import Dropout
 
 CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8)
@@ -239,3 +240,32 @@ def test_units_used_in_another_order_on_one_rank_are_caught_at_the_step(comm):
         unit.reduce_grad(grads)
     with pytest.raises(ScheduleError, match="ranks disagree on the sequence of collectives"):
         opt.step()
+
+
+class Tied(Module):
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.a = Linear(3, 3, rng=rng)
+        self.b = Linear(3, 3, rng=rng)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_tied_weights_split_across_units_are_refused(comm):
+    model = Tied()
+    with pytest.raises(
+        CollectiveError, match=r"'a.weight': \['a', 'root'\].*tied weights must live in one unit"
+    ):
+        fully_shard(model, comm, units=[model.a])
+    fully_shard(Tied(), comm)  # both in the root: fine
+
+
+def test_units_that_are_not_submodules_and_a_second_fully_shard_are_refused(comm):
+    model = MLPClassifier([3, 4, 2])
+    with pytest.raises(ValueError, match="units must be submodules"):
+        fully_shard(model, comm, units=[MLPClassifier([3, 2]).layers[0]])
+    fully_shard(model, comm, units=model.layers[:1])
+    with pytest.raises(RuntimeError, match="already called on this model"):
+        fully_shard(model, comm)

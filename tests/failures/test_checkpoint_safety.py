@@ -10,8 +10,6 @@ import sys
 import numpy as np
 import pytest
 import safetensors.numpy
-from conftest import agree
-from test_checkpoint import CFG, sharded, shared_dir, train
 
 from mpifsdp import full_state_dict
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
@@ -19,19 +17,12 @@ from mpifsdp.checkpoint.manifest import with_digest
 from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, load_latest, save, save_step
 from mpifsdp.models import GPT
 
-
-def on_rank_0(comm, action):
-    """Change files on rank 0 only (all ranks share this disk) once every rank is done reading them,
-    then let every rank see the change."""
-    comm.barrier()
-    if comm.rank == 0:
-        action()
-    comm.barrier()
+from support import TINY_GPT, agree, on_rank_0, sharded_tiny_gpt, shared_dir, sub_comm, train
 
 
 def test_pruning_and_latest_see_only_step_checkpoints(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     save(f"{root}/best", model, opt, {"step": 0})
     save(f"{root}/warm-start", model, opt, {"step": 0})
     for step in (1, 2, 3, 4):
@@ -39,13 +30,13 @@ def test_pruning_and_latest_see_only_step_checkpoints(comm, tmp_path):
         save_step(root, step, model, opt, keep=2)
     assert [p.name for p in checkpoints(root)] == ["step-00000004", "step-00000003"]
     assert os.path.isdir(f"{root}/best") and os.path.isdir(f"{root}/warm-start")  # a user's, untouched
-    path, extra = load_latest(root, *sharded(comm, seed=5))
+    path, extra = load_latest(root, *sharded_tiny_gpt(comm, seed=5))
     assert path.name == "step-00000004" and extra["step"] == 4
 
 
 def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     save_step(root, 1, model, opt, extra={"copy": "old"})
     save(f"{root}/new", model, opt, {"step": 1, "copy": "new"})
 
@@ -55,7 +46,7 @@ def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_pat
 
     on_rank_0(comm, killed_between_renames)
     assert checkpoints(root) == []  # nameless for now: neither copy is lost
-    path, extra = load_latest(root, *sharded(comm, seed=5))
+    path, extra = load_latest(root, *sharded_tiny_gpt(comm, seed=5))
     assert path.name == "step-00000001" and extra["copy"] == "new"  # the complete newer copy
     save_step(root, 2, model, opt, keep=3)  # the next save deletes nothing it cannot prove superseded
     assert [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"]
@@ -65,12 +56,12 @@ def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_pat
         os.makedirs(f"{root}/step-00000002.tmp-dddd0000")
 
     on_rank_0(comm, only_the_old_copy_left)
-    assert load(f"{root}/step-00000002", *sharded(comm, seed=5))["step"] == 2
+    assert load(f"{root}/step-00000002", *sharded_tiny_gpt(comm, seed=5))["step"] == 2
 
 
 def test_an_edited_manifest_is_refused(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     train(model, opt, comm, 1)
     path = save(f"{root}/ck", model, opt)
     original = (path / "manifest.json").read_text()
@@ -85,7 +76,7 @@ def test_an_edited_manifest_is_refused(comm, tmp_path):
 
         on_rank_0(comm, change)
         with pytest.raises(CheckpointError, match=expect):
-            load(path, *sharded(comm, seed=3))
+            load(path, *sharded_tiny_gpt(comm, seed=3))
         comm.barrier()
 
     def drop_a_slice(m):
@@ -101,7 +92,7 @@ def test_an_edited_manifest_is_refused(comm, tmp_path):
     refused(swap_two_slices, "do not match their checksum", redo_checksum=True)
     refused(lambda m: m.update(world_size=0), "world_size must be a positive integer", redo_checksum=True)
     on_rank_0(comm, lambda: (path / "manifest.json").write_text(original))
-    load(path, *sharded(comm, seed=3))  # restored: loads again
+    load(path, *sharded_tiny_gpt(comm, seed=3))  # restored: loads again
 
 
 @pytest.mark.parametrize(
@@ -121,7 +112,7 @@ def test_a_malformed_manifest_is_not_a_valid_checkpoint(comm, tmp_path, content,
         comm, lambda: (os.makedirs(f"{root}/bad"), open(f"{root}/bad/manifest.json", "wb").write(content))
     )
     with pytest.raises(CheckpointError, match=f"not a valid checkpoint: {root}/bad .*{why}"):
-        load(f"{root}/bad", *sharded(comm))
+        load(f"{root}/bad", *sharded_tiny_gpt(comm))
 
 
 def _safetensors_file(header: dict, data: bytes, length=None) -> bytes:
@@ -160,23 +151,23 @@ def test_a_malformed_safetensors_file_is_named_and_the_reference_reader_agrees(c
     with pytest.raises(Exception):  # noqa: B017 - the safetensors package refuses it too, in its own words
         safetensors.numpy.load_file(path)
     with pytest.raises(CheckpointError, match=f"not a valid safetensors file: {path}"):
-        load_safetensors(path, GPT(CFG, seed=0))
+        load_safetensors(path, GPT(TINY_GPT, seed=0))
 
 
 def test_a_safetensors_file_with_extra_tensors_is_refused_unless_not_strict(comm, tmp_path):
-    model = GPT(CFG, seed=0)
+    model = GPT(TINY_GPT, seed=0)
     path = tmp_path / "extra.safetensors"
     safetensors.numpy.save_file({**model.state_dict(), "extra.weight": np.ones(3, np.float32)}, path)
     with pytest.raises(CheckpointError, match=r"unexpected extra.weight \(strict=False ignores it\)"):
-        load_safetensors(path, GPT(CFG, seed=1))
-    other = GPT(CFG, seed=1)
+        load_safetensors(path, GPT(TINY_GPT, seed=1))
+    other = GPT(TINY_GPT, seed=1)
     load_safetensors(path, other, strict=False)
     assert all(np.array_equal(other.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_failed_save_leaves_nothing_behind_and_fails_on_every_rank(comm, tmp_path, monkeypatch):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     on_rank_0(comm, lambda: open(f"{root}/a-file", "w").write("mine"))
     with pytest.raises(CheckpointError, match="it exists and is not a directory"):
         save(f"{root}/a-file", model, opt)
@@ -200,21 +191,23 @@ def test_a_failed_save_leaves_nothing_behind_and_fails_on_every_rank(comm, tmp_p
     left = sorted(os.listdir(root))
     agree(comm, left == ["a-file", "ck"], f"left behind: {left}")
     assert open(f"{root}/a-file").read() == "mine"
-    assert load(f"{root}/ck", *sharded(comm, seed=3))["step"] == 1  # the earlier checkpoint is intact
+    assert (
+        load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=3))["step"] == 1
+    )  # the earlier checkpoint is intact
 
 
 def test_saving_into_a_directory_of_other_files_is_refused(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
     on_rank_0(comm, lambda: (os.makedirs(f"{root}/notes"), open(f"{root}/notes/todo.txt", "w").write("x")))
     with pytest.raises(CheckpointError, match="it holds files that are not a checkpoint.s .todo.txt."):
-        save(f"{root}/notes", *sharded(comm))
+        save(f"{root}/notes", *sharded_tiny_gpt(comm))
     assert os.listdir(f"{root}/notes") == ["todo.txt"]
 
 
 def test_the_command_line_names_every_problem_without_a_traceback(comm, tmp_path):
     if comm.size > 1:
         pytest.skip("runs single-process commands: the plain-pytest pass covers it")
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     save_step(tmp_path / "run", 1, model, opt)
     save_step(tmp_path / "run", 2, model, opt)
     (tmp_path / "empty").mkdir()
@@ -252,7 +245,7 @@ def test_the_command_line_names_every_problem_without_a_traceback(comm, tmp_path
 
 def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, _ = sharded(comm)
+    model, _ = sharded_tiny_gpt(comm)
     export_safetensors(f"{root}/m.safetensors", model)
     assert set(safetensors.numpy.load_file(f"{root}/m.safetensors")) == set(full_state_dict(model))
 
@@ -260,7 +253,6 @@ def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):
 def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
     """The framework-free path: a list of Units (and their AdamW) saves, loads at another world size,
     and exports, with the same atomicity and checksums as a sharded model."""
-    from test_checkpoint import sub_comm
 
     from mpifsdp import AdamW, Unit, state_dict
 
@@ -301,11 +293,11 @@ def test_sgd_momentum_is_checkpointed_and_another_optimizer_is_refused(comm, tmp
     from mpifsdp import SGD
 
     root = shared_dir(comm, tmp_path)
-    model, _ = sharded(comm)
+    model, _ = sharded_tiny_gpt(comm)
     opt = SGD(model, lr=0.1, momentum=0.9, nesterov=True)
     train(model, opt, comm, 2)
     path = save(f"{root}/c", model, opt, {"step": 2})
-    other, _ = sharded(comm, seed=4)
+    other, _ = sharded_tiny_gpt(comm, seed=4)
     other_opt = SGD(other, lr=0.1, momentum=0.9, nesterov=True)
     load(path, other, other_opt)
     same = all(
@@ -315,4 +307,4 @@ def test_sgd_momentum_is_checkpointed_and_another_optimizer_is_refused(comm, tmp
     same_steps = other_opt.summary()["group_steps"] == opt.summary()["group_steps"]
     agree(comm, same and same_steps, "momentum buffers or steps differ after loading")
     with pytest.raises(CheckpointError, match="holds the state of SGD, the optimizer given is AdamW"):
-        load(path, *sharded(comm, seed=4))
+        load(path, *sharded_tiny_gpt(comm, seed=4))

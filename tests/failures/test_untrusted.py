@@ -11,22 +11,21 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import agree
-from test_checkpoint import sharded, shared_dir, train
-from test_checkpoint_safety import on_rank_0
 
 from mpifsdp import full_state_dict
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.manifest import with_digest
 from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, save, save_step
 
+from support import agree, on_rank_0, sharded_tiny_gpt, shared_dir, train
+
 
 def _two_checkpoints(comm, tmp_path):
     """`ck` (the one we load) and `elsewhere` (a valid checkpoint of other values, outside it)."""
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     ck = save(f"{root}/ck", model, opt)
-    other, other_opt = sharded(comm, seed=3)
+    other, other_opt = sharded_tiny_gpt(comm, seed=3)
     train(other, other_opt, comm, 1)
     elsewhere = save(f"{root}/elsewhere", other, other_opt)
     return root, ck, elsewhere
@@ -50,7 +49,7 @@ def _point_files_at(ck, elsewhere, name_of):
 
 def _refused(comm, path, why: str):
     """Loading `path` raises CheckpointError naming `why`, and the model keeps its own values."""
-    model, opt = sharded(comm, seed=7)
+    model, opt = sharded_tiny_gpt(comm, seed=7)
     before = full_state_dict(model)
     with pytest.raises(CheckpointError, match=why) as caught:
         load(path, model, opt)
@@ -98,9 +97,9 @@ def test_a_link_out_of_the_checkpoint_is_refused_and_one_inside_is_followed(comm
             link.symlink_to(f"data-{link.name}")
 
     on_rank_0(comm, link_inside)
-    model, opt = sharded(comm, seed=7)
+    model, opt = sharded_tiny_gpt(comm, seed=7)
     load(ck, model, opt)
-    other, _ = sharded(comm, seed=7)
+    other, _ = sharded_tiny_gpt(comm, seed=7)
     load(elsewhere, other, None)
     want, got = full_state_dict(other), full_state_dict(model)
     agree(comm, all(np.array_equal(want[k], got[k]) for k in want), "a link inside was not followed")
@@ -133,7 +132,7 @@ def test_huge_numbers_in_a_manifest_are_refused_before_any_allocation(comm, tmp_
     root, ck, _ = _two_checkpoints(comm, tmp_path)
     on_rank_0(comm, lambda: _rewrite(ck, change))
     if why is None:
-        load(ck, *sharded(comm, seed=7))
+        load(ck, *sharded_tiny_gpt(comm, seed=7))
     else:
         _refused(comm, ck, why)
 
@@ -165,7 +164,7 @@ def _header_file(path, header: dict, data: bytes = b""):
     ids=["header-length", "shape-overflow"],
 )
 def test_crafted_safetensors_headers_are_refused(comm, tmp_path, write, why):
-    model, _ = sharded(comm, seed=7)
+    model, _ = sharded_tiny_gpt(comm, seed=7)
     path = tmp_path / "crafted.safetensors"
     write(path)
     with pytest.raises(CheckpointError, match=f"not a valid safetensors file: .*{why}"):
@@ -174,7 +173,7 @@ def test_crafted_safetensors_headers_are_refused(comm, tmp_path, write, why):
 
 def test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     precious = save(f"{root}/precious", model, opt)  # a checkpoint outside the pruned set
 
     def plant():
@@ -195,7 +194,7 @@ def test_pruning_deletes_only_what_a_checkpoint_is_made_of_and_follows_no_link(c
 
 def test_a_save_never_overwrites_a_users_file_or_a_link(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
-    model, opt = sharded(comm)
+    model, opt = sharded_tiny_gpt(comm)
     ck = save(f"{root}/ck", model, opt)
     on_rank_0(comm, lambda: (ck / "notes.txt").write_text("mine"))
     with pytest.raises(CheckpointError, match=r"holds files that are not a checkpoint's \(notes.txt\)"):

