@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base.checks import is_count
+from .base.checks import refuse_below
 from .base.files import atomic_file
 
 VOCAB_SIZE = 256  # byte-level tokens
@@ -79,7 +79,7 @@ class TextData:
         """(x, y) int64 arrays of shape (batch_size, block_size); y is x shifted by one token."""
         if split not in self.splits:
             raise ValueError(f"TextData: split {split!r} is not one of {sorted(self.splits)}")
-        _require_counts("TextData.batch", batch_size=(batch_size, 1), block_size=(block_size, 1))
+        refuse_below("TextData.batch", integers=True, batch_size=(batch_size, 1), block_size=(block_size, 1))
         data = self.splits[split]
         if len(data) <= block_size + 1:
             raise ValueError(
@@ -92,7 +92,7 @@ class TextData:
 
     def global_batch(self, split, step, batch_size, block_size, seed=0):
         """The same global batch on every rank for (seed, split, step): slice it by rank for data parallel."""
-        _require_counts("TextData.global_batch", step=(step, 0), seed=(seed, 0))
+        refuse_below("TextData.global_batch", integers=True, step=(step, 0), seed=(seed, 0))
         rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
         return self.batch(split, batch_size, block_size, rng)
 
@@ -103,7 +103,7 @@ def rank_slice(array, rank: int, world_size: int, even: bool = True):
     even=True: the rows must divide evenly (what fully_shard's models need: equal batches).
     even=False: any number of rows; the first `n % world_size` ranks get one row more. Pass
     `weight=len(rows)` to Unit.reduce_grad so the ranks' gradients average to the global mean."""
-    _require_counts("rank_slice", world_size=(world_size, 1), rank=(rank, 0))
+    refuse_below("rank_slice", integers=True, world_size=(world_size, 1), rank=(rank, 0))
     if rank >= world_size:
         raise ValueError(f"rank_slice: rank {rank} is not below world_size {world_size}")
     if np.ndim(array) == 0:
@@ -117,15 +117,6 @@ def rank_slice(array, rank: int, world_size: int, even: bool = True):
     per, extra = divmod(n, world_size)
     start = rank * per + min(rank, extra)
     return array[start : start + per + (rank < extra)]
-
-
-def _require_counts(where: str, **values):
-    """ValueError naming every name=(value, least) that is not an integer >= least: a negative rank or
-    a zero batch would otherwise give an empty or a wrong slice, or NumPy's error about something else."""
-    bad = [f"{name} = {value!r}" for name, (value, least) in values.items() if not is_count(value, least)]
-    if bad:
-        least = ", ".join(f"{name} >= {least}" for name, (_, least) in values.items())
-        raise ValueError(f"{where}: {'; '.join(bad)} (integers with {least})")
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:

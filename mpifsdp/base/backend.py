@@ -91,6 +91,16 @@ def gpu_available() -> bool:
 # -- the node and its GPUs (threads.py, transport.py); every cupy access stays in this file -----------
 
 
+def scatter_add(target, index, values):
+    """target[index] += values with repeated indices adding up, in place (np.add.at on the CPU,
+    cupyx.scatter_add on the GPU: the one use of cupyx, kept here with every other CuPy import)."""
+    if array_module_of(target) is np:
+        np.add.at(target, index, values)
+    else:  # pragma: no cover - GPU only
+        importlib.import_module("cupyx").scatter_add(target, index, values)
+    return target
+
+
 def synchronize(array):
     """Wait for the kernels that produce `array` (a no-op for NumPy arrays): MPI does not see streams."""
     if array_module_of(array) is not np:

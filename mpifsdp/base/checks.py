@@ -4,6 +4,7 @@ JSON's true and Python's True pass isinstance(value, int))."""
 
 from __future__ import annotations
 
+import math
 from numbers import Integral
 
 import numpy as np
@@ -12,6 +13,36 @@ import numpy as np
 def is_count(value, low: int = 0) -> bool:
     """An integer (Python's or NumPy's) >= low, and not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool) and value >= low
+
+
+def refuse_invalid(where: str, *checks: tuple[bool, str]):
+    """The package's one way to refuse settings: a ValueError naming every (ok, "name=value (what it
+    must be)") whose ok is False, all at once ("AdamW: invalid lr=-1 (a finite number >= 0), ...")."""
+    bad = [what for ok, what in checks if not ok]
+    if bad:
+        raise ValueError(f"{where}: invalid {', '.join(bad)}")
+
+
+def refuse_below(where: str, *, integers: bool = False, **values):
+    """refuse_invalid for name=(value, least) pairs: each value must be >= least (NaN is not), and an
+    integer (no bool) with integers=True ("plan: invalid world_size=-3 (must be >= 1)")."""
+    kind = "an integer " if integers else ""
+    refuse_invalid(
+        where,
+        *(
+            (
+                is_count(value, least) if integers else value >= least,
+                f"{name}={value!r} (must be {kind}>= {least})",
+            )
+            for name, (value, least) in values.items()
+        ),
+    )
+
+
+def is_finite_at_least(value, least: float) -> bool:
+    """A finite number >= least (NaN, inf and a bool are not)."""
+    number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= least
 
 
 def float_dtype(name: str, value) -> np.dtype:

@@ -24,7 +24,7 @@ from ..base.checks import is_count
 from ..base.files import atomic_file, replace_durably, temporary_name
 from . import publish
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
-from .sharded import collective, require_sharded, sharded_units
+from .sharded import collective, require_sharded_units, sharded_units
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
@@ -73,7 +73,7 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
     more than its shard. A file at `path` is replaced only once the new one is complete; a failed
     export raises CheckpointError on every rank and leaves nothing behind.
     """
-    sharded = require_sharded(model)
+    sharded = require_sharded_units(model)
     comm = sharded.comm
     path = Path(path)
     entries = [e for e in _unit_entries(unit_record(u) for u in sharded.units) if include(e[0])]
@@ -253,7 +253,7 @@ def load_params(directory, model, allow_missing=lambda name: False) -> list[str]
     checkpoint lacks keeps its value if allow_missing(name) says so, and is an error otherwise.
     Returns the names of the model's tensors that were not loaded. No optimizer state is loaded.
     """
-    sharded = require_sharded(model)
+    sharded = require_sharded_units(model)
     directory = Path(directory)
     collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
     manifest, missing = collective(

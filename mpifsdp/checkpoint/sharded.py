@@ -90,7 +90,7 @@ def sharded_units(target) -> ShardedUnits | None:
     return None
 
 
-def require_sharded(target) -> ShardedUnits:
+def require_sharded_units(target) -> ShardedUnits:
     found = sharded_units(target)
     if found is None:
         raise CheckpointError(
@@ -119,7 +119,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     failed save (disk full, no permission, ...) raises CheckpointError on every rank and leaves
     nothing behind but what was there before.
     """
-    sharded = require_sharded(model)
+    sharded = require_sharded_units(model)
     comm = sharded.comm
     final = Path(directory)
     extra = collective(comm, lambda: _plain_json(extra or {}), f"saving to {final}")
@@ -233,7 +233,7 @@ def load(directory, model, optimizer=None) -> dict:
     parameters and AdamW moments come back bit-identical. Returns the checkpoint's `extra`.
     A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
     """
-    sharded = require_sharded(model)
+    sharded = require_sharded_units(model)
     directory = Path(directory)
     collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
     manifest = collective(
@@ -308,7 +308,7 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
             f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
         )
     path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
-    comm = require_sharded(model).comm
+    comm = require_sharded_units(model).comm
     collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
     return path
 
@@ -329,7 +329,7 @@ def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, 
     Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. When it holds
     some but none loads (corrupted, or made for another model), raises CheckpointError listing why
     each failed: starting from scratch would silently discard a run. Collective."""
-    comm = require_sharded(model).comm
+    comm = require_sharded_units(model).comm
     candidates = collective(
         comm, lambda: [str(p) for p in _recovered_checkpoints(Path(root))], f"listing {root}", root=0
     )

@@ -145,10 +145,10 @@ def sharded_model(model) -> ShardedModel | None:
 def no_sync(model):
     """`with mpifsdp.no_sync(model):` backward keeps full gradients unreduced (gradient accumulation
     with one reduce-scatter per unit at the end: run the last micro-batch's backward outside)."""
-    return _require_sharded(model, "no_sync").no_sync()
+    return _require_sharded_model(model, "no_sync").no_sync()
 
 
-def _require_sharded(model, what: str) -> ShardedModel:
+def _require_sharded_model(model, what: str) -> ShardedModel:
     sharded = sharded_model(model)
     if sharded is None:
         raise ValueError(f"{what}() needs a model fully_shard() was called on, got a {type(model).__name__}")
@@ -157,7 +157,7 @@ def _require_sharded(model, what: str) -> ShardedModel:
 
 def report(model) -> list[dict]:
     """Every rank's memory and communication ledgers of a sharded model (collective: all ranks call it)."""
-    return _require_sharded(model, "report").report()
+    return _require_sharded_model(model, "report").report()
 
 
 def full_state_dict(model: Module) -> dict:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..autodiff.tensor import primitive
-from ..base.backend import array_module_of
+from ..base.backend import array_module_of, scatter_add
 from .causal_attention import swap_last  # importing attention (and fused) registers their primitives
 
 
@@ -190,18 +190,6 @@ def _transpose(a, axes=None):
     return a.transpose(axes), None
 
 
-def _scatter_add(target, index, values):
-    """target[index] += values with repeated indices adding up (np.add.at; cupyx.scatter_add on GPU)."""
-    xp = array_module_of(target)
-    if xp is np:
-        np.add.at(target, index, values)
-    else:  # pragma: no cover - GPU only
-        import cupyx
-
-        cupyx.scatter_add(target, index, values)
-    return target
-
-
 def _is_basic_index(index) -> bool:
     """Ints, slices, Ellipsis and None select each element at most once: plain assignment suffices."""
     parts = index if isinstance(index, tuple) else (index,)
@@ -213,7 +201,7 @@ def _getitem_vjp(g, _, a, index):
     if _is_basic_index(index):
         grad[index] = g
         return (grad,)
-    return (_scatter_add(grad, index, g),)
+    return (scatter_add(grad, index, g),)
 
 
 @primitive("getitem", vjp=_getitem_vjp, reads_inputs=False)
@@ -261,7 +249,7 @@ def _log_softmax(x, axis=-1):
 
 def _embedding_vjp(g, _, w, idx):
     gw = array_module_of(g).zeros_like(w)
-    return (_scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
+    return (scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
 
 
 @primitive("embedding", vjp=_embedding_vjp)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ..base.backend import array_module_of
+from ..base.checks import is_finite_at_least, refuse_invalid
 from ..base.threads import for_row_blocks
 from ..ops import gpu_kernels
 from .flat_optimizer import FlatOptimizer, NonFiniteError
@@ -140,17 +141,12 @@ class SGD(FlatOptimizer):
         comm=None,
         nonfinite="raise",
     ):
-        problems = [f"lr={lr}"] if not (math.isfinite(lr) and lr >= 0) else []
-        problems += [f"momentum={momentum}"] if not 0 <= momentum < 1 else []
-        problems += (
-            [f"weight_decay={weight_decay}"]
-            if not (math.isfinite(weight_decay) and weight_decay >= 0)
-            else []
+        refuse_invalid(
+            "SGD",
+            *_rate_and_decay(lr, weight_decay),
+            (is_finite_at_least(momentum, 0) and momentum < 1, f"momentum={momentum} (in [0, 1))"),
+            (not (nesterov and momentum == 0), "nesterov=True needs momentum > 0"),
         )
-        if nesterov and momentum == 0:
-            problems.append("nesterov=True needs momentum > 0")
-        if problems:
-            raise ValueError(f"SGD: invalid {', '.join(problems)} (lr, weight_decay >= 0; 0 <= momentum < 1)")
         self.STATE = ("momentum_buffer",) if momentum else ()
         super().__init__(targets, lr, weight_decay, decay, comm, nonfinite)
         self.momentum, self.nesterov = momentum, nesterov
@@ -174,15 +170,21 @@ class SGD(FlatOptimizer):
         p -= self.lr * g
 
 
+def _rate_and_decay(lr, weight_decay) -> list[tuple[bool, str]]:
+    """The checks every optimizer makes of its learning rate and weight decay."""
+    return [
+        (is_finite_at_least(lr, 0), f"lr={lr} (a finite number >= 0)"),
+        (is_finite_at_least(weight_decay, 0), f"weight_decay={weight_decay} (a finite number >= 0)"),
+    ]
+
+
 def _check_hyperparameters(name, lr, betas, eps, weight_decay):
-    problems = []
-    if not (math.isfinite(lr) and lr >= 0):
-        problems.append(f"lr={lr} (a finite number >= 0)")
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        problems.append(f"betas={betas} (two numbers in [0, 1))")
-    if not (math.isfinite(eps) and eps > 0):
-        problems.append(f"eps={eps} (a finite number > 0)")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        problems.append(f"weight_decay={weight_decay} (a finite number >= 0)")
-    if problems:
-        raise ValueError(f"{name}: invalid " + ", ".join(problems))
+    refuse_invalid(
+        name,
+        *_rate_and_decay(lr, weight_decay),
+        (
+            len(betas) == 2 and all(0 <= b < 1 for b in betas),
+            f"betas={betas} (two numbers in [0, 1))",
+        ),
+        (is_finite_at_least(eps, 0) and eps > 0, f"eps={eps} (a finite number > 0)"),
+    )

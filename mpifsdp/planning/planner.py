@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base.checks import refuse_below
 from ..fsdp.partition import owned_params
 from ..nn.module import Module
 from ..ops import causal_attention as attention
@@ -72,7 +73,7 @@ def gpt_activation_bytes(
     autodiff.graph_nbytes (tests/unit/planning/test_planner.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
-    _require_at_least("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
+    refuse_below("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
     B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
     whole = attention.ATTENTION_BLOCK if device == "cpu" else attention.GPU_ATTENTION_BLOCK
     block = 10 * B * T * C + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
@@ -108,7 +109,7 @@ def plan(
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     """
-    _require_at_least(
+    refuse_below(
         "plan",
         world_size=(world_size, 1),
         shard_size=(shard_size or 1, 1),
@@ -229,18 +230,6 @@ class _Sizes:
             "exposed_comm": exposed,
             "step": compute + exposed,
         }
-
-
-def _require_at_least(where: str, **values):
-    """ValueError naming every name=(value, least) whose value is below its least (or NaN): a plan of
-    -3 ranks or a negative FLOP rate would otherwise come out as a table of plausible numbers."""
-    bad = [
-        f"{name} = {value!r} (must be >= {least})"
-        for name, (value, least) in values.items()
-        if not value >= least
-    ]
-    if bad:
-        raise ValueError(f"{where}: {'; '.join(bad)}")
 
 
 def _live(blocks: list[int], prefetch: int) -> int:

@@ -213,3 +213,11 @@ def test_the_old_module_paths_import_the_moved_modules_with_a_warning():
     from mpifsdp.nn import Block, Module
 
     assert layers.Module is Module and layers.Block is Block
+
+
+def test_only_the_backend_imports_cupy():
+    """docs/design.md, Layers: base/backend.py is the one module that imports cupy or cupyx (by name
+    or through importlib); every other module reaches CuPy through it."""
+    mention = re.compile(r"^\s*(import|from)\s+cupy|import_module\(\s*[\"']cupy", re.M)
+    found = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if mention.search(p.read_text())]
+    assert found == ["base/backend.py"], found

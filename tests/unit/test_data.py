@@ -38,10 +38,10 @@ def test_custom_file_and_errors(tmp_path):
         TextData(tmp_path / "missing.txt")
     for bad, message in [
         (lambda: data.global_batch("test", 0, 2, 8), r"split 'test' is not one of \['train', 'val'\]"),
-        (lambda: data.global_batch("train", 0, 0, 8), r"batch_size = 0 \(integers with batch_size >= 1"),
-        (lambda: data.global_batch("train", 0, 2, -5), r"block_size = -5"),
-        (lambda: data.global_batch("train", 0, 2.5, 8), r"batch_size = 2.5"),
-        (lambda: data.global_batch("train", -1, 2, 8), r"step = -1 \(integers with step >= 0, seed >= 0\)"),
+        (lambda: data.global_batch("train", 0, 0, 8), r"batch_size=0 \(must be an integer >= 1\)"),
+        (lambda: data.global_batch("train", 0, 2, -5), r"block_size=-5"),
+        (lambda: data.global_batch("train", 0, 2.5, 8), r"batch_size=2.5"),
+        (lambda: data.global_batch("train", -1, 2, 8), r"step=-1 \(must be an integer >= 0\)"),
         (lambda: TextData(f, val_fraction=1.5), r"val_fraction 1.5 must be in \[0, 1\)"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -54,8 +54,8 @@ def test_rank_slice_and_entropy():
     with pytest.raises(ValueError, match="do not divide over 4 ranks: make it a multiple, or pass even"):
         rank_slice(a, 0, 4)
     assert rank_slice([1, 2, 3, 4], 1, 2) == [3, 4]  # any sequence with a length
-    for rank, world, message in [(3, 3, "rank 3 is not below world_size 3"), (-1, 3, "rank = -1"),
-                                 (0, 0, "world_size = 0")]:  # fmt: skip
+    for rank, world, message in [(3, 3, "rank 3 is not below world_size 3"), (-1, 3, "rank=-1"),
+                                 (0, 0, "world_size=0")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):  # not an empty or a wrong slice
             rank_slice(a, rank, world)
     with pytest.raises(ValueError, match="no axis to split"):
