@@ -36,20 +36,8 @@ from .manifest import (
     read_slices,
     slice_digest,
     unit_record,
-    verify,
 )
-from .publish import REPLACED, STAGING, recover
-
-__all__ = [
-    "CheckpointError",
-    "checkpoints",
-    "load",
-    "load_latest",
-    "recover",
-    "save",
-    "save_step",
-    "verify",
-]
+from .publish import REPLACED, STAGING
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import pytest
 import safetensors.numpy
 
 from mpifsdp import full_state_dict
+from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.manifest import with_digest
-from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, load_latest, save, save_step
 from mpifsdp.models import GPT
 
 from support import TINY_GPT, agree, on_rank_0, sharded_tiny_gpt, shared_dir, sub_comm, train

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mpifsdp import full_state_dict
+from mpifsdp.checkpoint import CheckpointError, checkpoints, load, save, save_step
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.manifest import with_digest
-from mpifsdp.checkpoint.sharded import CheckpointError, checkpoints, load, save, save_step
 
 from support import agree, on_rank_0, sharded_tiny_gpt, shared_dir, train
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import AdamW, CollectiveError, Comm, full_state_dict, fully_shard, sharded_model
-from mpifsdp.checkpoint.sharded import load, save
+from mpifsdp.checkpoint import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 

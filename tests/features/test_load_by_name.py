@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from mpifsdp import CollectiveError, Param, full_state_dict, fully_shard
+from mpifsdp.checkpoint import CheckpointError, save
 from mpifsdp.checkpoint.consolidated import (
     export_safetensors,
     load_params,
     read_safetensors_header,
     saved_extra,
 )
-from mpifsdp.checkpoint.sharded import CheckpointError, save
 from mpifsdp.models import GPT, GPTConfig
 
 from support import TINY_GPT, agree, sharded_tiny_gpt, shared_dir, train

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from mpifsdp import full_state_dict, fully_shard, no_grad, sharded_model
-from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
-from mpifsdp.checkpoint.sharded import (
+from mpifsdp.checkpoint import (
     CheckpointError,
     checkpoints,
     load,
@@ -23,6 +22,7 @@ from mpifsdp.checkpoint.sharded import (
     save_step,
     verify,
 )
+from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.models import GPT, GPTConfig
 
 from support import TINY_GPT, agree, mpiexec, sharded_tiny_gpt, shared_dir, sub_comm, tiny_batch, train

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mpifsdp import fully_shard
+from mpifsdp.checkpoint import save
 from mpifsdp.checkpoint.consolidated import read_safetensors_header
-from mpifsdp.checkpoint.sharded import save
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.models.hf_gpt2 import export_hf_gpt2, hf_name, load_hf_gpt2
 
