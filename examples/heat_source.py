@@ -21,7 +21,7 @@ import argparse
 
 import numpy as np
 
-from mpifsdp import SGD, Comm, Unit, state_dict
+from mpifsdp import SGD, Comm, Unit, full_state_dict
 from mpifsdp.checkpoint import sharded as checkpoint
 from mpifsdp.data import rank_slice
 
@@ -112,7 +112,7 @@ def main():
         result = lbfgs(unit, comm, *mine)
         want = minimize(lambda q: (objective(q, operator, readings), gradient(q, operator, readings)),
                         np.zeros(G), jac=True, method="L-BFGS-B", options={"maxiter": 500}).x  # fmt: skip
-        q = state_dict([unit])["q"]
+        q = full_state_dict(unit)["q"]
         if comm.rank == 0:
             print(f"L-BFGS: {result.nit} iterations, misfit to the true source {np.abs(q - truth).max():.3f}")
             print(f"max difference from plain NumPy: {np.abs(q - want).max():.2e}")
@@ -132,7 +132,7 @@ def main():
         opt.zero_grad()
     if args.save:
         checkpoint.save_step(args.save, args.steps, [unit], opt)
-    q = state_dict([unit])["q"]
+    q = full_state_dict(unit)["q"]
     error = np.abs(q - reference(args.steps, operator, readings)).max()
     if comm.rank == 0:
         rows = [len(rank_slice(readings, r, comm.size, even=False)) for r in range(comm.size)]

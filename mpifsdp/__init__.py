@@ -21,12 +21,20 @@ from .base.threads import set_threads  # noqa: E402
 from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
 from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
-from .fsdp import ShardedModel, full_state_dict, fully_shard, no_sync, report, sharded_model  # noqa: E402
+from .fsdp import (  # noqa: E402
+    ShardedModel,
+    full_state_dict,
+    fully_shard,
+    no_sync,
+    report,
+    sharded_model,
+    state_dict,
+)
 from .nn import Module, deferred_init  # noqa: E402
 from .observe import StepMetrics  # noqa: E402
 from .optim import SGD, Adam, AdamW, LossScaler, NonFiniteError  # noqa: E402
 from .planning import plan  # noqa: E402
-from .shard import Unit, state_dict  # noqa: E402
+from .shard import Unit  # noqa: E402
 
 moved.install()  # the flat layout's module paths, for one more release (moved.py)
 

@@ -5,7 +5,15 @@ the outermost scope of every step: input check, prefetch, end of backward.
 May import: nn, ops, autodiff, shard, comm, base.
 """
 
-from .build import full_state_dict, fully_shard, no_sync, report, sharded_model
+from .build import full_state_dict, fully_shard, no_sync, report, sharded_model, state_dict
 from .model import ShardedModel
 
-__all__ = ["ShardedModel", "full_state_dict", "fully_shard", "no_sync", "report", "sharded_model"]
+__all__ = [
+    "ShardedModel",
+    "full_state_dict",
+    "fully_shard",
+    "no_sync",
+    "report",
+    "sharded_model",
+    "state_dict",
+]

@@ -12,7 +12,7 @@ import warnings
 
 from ..comm.communicator import Comm
 from ..nn.module import Module, initial_value
-from ..shard.unit import Unit, state_dict
+from ..shard.unit import Unit, gathered_params
 from .lifecycle import UnitLifecycle
 from .model import ShardedModel
 from .partition import configuration_differs, division_error, owned_params, per_unit, shard_groups
@@ -160,7 +160,25 @@ def report(model) -> list[dict]:
     return _require_sharded_model(model, "report").report()
 
 
-def full_state_dict(model: Module) -> dict:
-    """Host copies of every parameter by name, gathered unit by unit (collective: call on all ranks)."""
-    sharded = sharded_model(model)
-    return dict(model.state_dict()) if sharded is None else state_dict(sharded.units)
+def full_state_dict(target) -> dict:
+    """Host copies of every parameter by name, gathered unit by unit (collective: call on all ranks),
+    of a model (sharded or not), a Unit, or a list of Units: the one name for a whole state."""
+    if isinstance(target, Unit):
+        target = [target]
+    if isinstance(target, (list, tuple)) and all(isinstance(u, Unit) for u in target):
+        return gathered_params(target)
+    if isinstance(target, Module):
+        sharded = sharded_model(target)
+        return dict(target.state_dict()) if sharded is None else gathered_params(sharded.units)
+    raise TypeError(
+        f"full_state_dict takes a Module, a Unit or a list of Units, not a {type(target).__name__}"
+    )
+
+
+def state_dict(units) -> dict:
+    """Deprecated: `full_state_dict(units)`, which takes Units as it takes a model."""
+    message = (
+        "mpifsdp.state_dict(units) is now mpifsdp.full_state_dict(units); state_dict goes in the next release"
+    )
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    return full_state_dict(list(units))

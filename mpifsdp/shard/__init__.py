@@ -6,6 +6,6 @@ May import: base. Never the autodiff engine, the layers or the FSDP runtime: a s
 code shards its arrays with this package alone (examples/sharded_numpy.py).
 """
 
-from .unit import Unit, state_dict
+from .unit import Unit, gathered_params
 
-__all__ = ["Unit", "state_dict"]
+__all__ = ["Unit", "gathered_params"]

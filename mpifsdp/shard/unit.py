@@ -384,7 +384,7 @@ class Unit:
         return self.layout.views(full)
 
 
-def state_dict(units) -> dict:
+def gathered_params(units) -> dict:
     """Host copies of every parameter of `units`, by tensor name (collective: call on every rank).
 
     Full arrays of their own, not views into a buffer that is reused; tensor names must be unique

@@ -254,7 +254,7 @@ def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
     """The framework-free path: a list of Units (and their AdamW) saves, loads at another world size,
     and exports, with the same atomicity and checksums as a sharded model."""
 
-    from mpifsdp import AdamW, Unit, state_dict
+    from mpifsdp import AdamW, Unit, full_state_dict
 
     root = shared_dir(comm, tmp_path)
 
@@ -271,7 +271,7 @@ def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
     opt.step()
     save_step(root, 1, mine, opt)
     export_safetensors(f"{root}/u.safetensors", mine)
-    want = state_dict(mine)
+    want = full_state_dict(mine)
     # collective: before the sub-communicator part
     first_moment = mine[0].gather(opt.state_of(mine[0])["exp_avg"])["w"]
     small = sub_comm(1)  # world rank 0 alone: another world size
@@ -279,13 +279,13 @@ def test_a_users_units_checkpoint_and_export_like_a_model(comm, tmp_path):
         other = units(small, 1)
         other_opt = AdamW(other, lr=1e-2)
         path, extra = load_latest(root, other, other_opt)
-        got = state_dict(other)
+        got = full_state_dict(other)
         assert extra["step"] == 1 and all(np.array_equal(got[k], want[k]) for k in want)
         assert list(other_opt.summary()["group_steps"].values()) == [1, 1]
         assert np.array_equal(other[0].gather(other_opt.state_of(other[0])["exp_avg"])["w"], first_moment)
     again = units(comm, 2)
     load_safetensors(f"{root}/u.safetensors", again)
-    got = state_dict(again)
+    got = full_state_dict(again)
     agree(comm, all(np.array_equal(got[k], want[k]) for k in want), "safetensors round trip of units differs")
 
 

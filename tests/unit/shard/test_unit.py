@@ -203,9 +203,21 @@ def test_state_dict_of_units_is_full_host_copies(comm):
 
     a = Unit("a", {"w": np.arange(6.0).reshape(2, 3)}, comm)
     b = Unit("b", {"v": np.ones(5)}, comm)
-    state = mpifsdp.state_dict([a, b])
+    state = mpifsdp.full_state_dict([a, b])
     with a.unsharded(), b.unsharded():  # reuse every buffer: the copies must not change
         pass
     assert np.array_equal(state["w"], np.arange(6.0).reshape(2, 3)) and np.array_equal(state["v"], np.ones(5))
     with pytest.raises(ValueError, match="tensor 'w' is in units 'a' and 'c'"):
-        mpifsdp.state_dict([a, Unit("c", {"w": np.zeros(2)}, comm)])
+        mpifsdp.full_state_dict([a, Unit("c", {"w": np.zeros(2)}, comm)])
+
+
+def test_full_state_dict_takes_a_unit_and_names_what_it_takes(comm):
+    """One name for a whole state: a Unit, a list of Units or a model; the old state_dict(units) warns."""
+    import mpifsdp
+
+    a = Unit("a", {"w": np.arange(4.0)}, comm)
+    assert np.array_equal(mpifsdp.full_state_dict(a)["w"], np.arange(4.0))
+    with pytest.warns(DeprecationWarning, match=r"state_dict\(units\) is now mpifsdp.full_state_dict"):
+        assert np.array_equal(mpifsdp.state_dict([a])["w"], np.arange(4.0))
+    with pytest.raises(TypeError, match="takes a Module, a Unit or a list of Units, not a dict"):
+        mpifsdp.full_state_dict({"w": a})
