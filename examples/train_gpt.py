@@ -167,7 +167,7 @@ def main():
     with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit
         model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=comm.device)
     n_params = model.num_params()
-    mpifsdp.fully_shard(model, comm, units=model.blocks, checkpoint=cfg.recompute)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=cfg.recompute)
     sharded = sharded_model(model)
     plan = sharded.plan()
     say(

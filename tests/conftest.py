@@ -5,6 +5,7 @@ layering). Helpers go in tests/support.py, never in a test module; fixtures here
 
 import os
 import sys
+import time
 
 # Ranks share 2 cores here: one BLAS thread per process keeps mpiexec -n 4 from thrashing.
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -16,6 +17,7 @@ import pytest  # noqa: E402
 from mpifsdp.base.backend import array_module, gpu_available  # noqa: E402
 
 _CONFIG = None  # pytest's, for the abort below
+ABORT_GRACE_S = 0.5  # seconds the launcher gets to forward a failed test's report before the abort
 
 
 def pytest_configure(config):
@@ -49,6 +51,9 @@ def pytest_runtest_logreport(report):
             f"(in {report.when}): aborting the job\n"
         )
         sys.stderr.flush()
+        # The report is in the pipe to the launcher, not yet on its terminal: MPI_Abort tears the
+        # launcher's forwarding down with the job, and without this pause it was lost 1 time in 6 here.
+        time.sleep(ABORT_GRACE_S)
         world.Abort(1)
 
 
