@@ -24,7 +24,7 @@ from ..base.checks import is_count
 from ..base.files import atomic_file, replace_durably, temporary_name
 from . import publish
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
-from .sharded import collective, require_sharded_units, sharded_units
+from .sharded import collective, copy_overlap, counted_slices, require_sharded_units, sharded_units
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
@@ -306,12 +306,8 @@ def _fill_by_name(directory: Path, manifest: dict, sharded):
                 wanted.setdefault(index, []).append((offset + t0, offset + t1, s0))
         for index, pieces in wanted.items():
             lo, hi = min(a for a, _, _ in pieces), max(b for _, b, _ in pieces)
-            for seg_start, data in read_slices(directory, manifest, index, "param", lo, hi):
-                sharded.ledger.alloc("checkpoint_io", data.nbytes)
+            for seg_start, data in counted_slices(
+                directory, manifest, index, "param", lo, hi, sharded.ledger
+            ):
                 for a, b, s0 in pieces:
-                    x, y = max(a, seg_start), min(b, seg_start + data.size)
-                    if x < y:
-                        unit.shard[s0 + x - a : s0 + y - a] = unit.xp.asarray(
-                            data[x - seg_start : y - seg_start]
-                        )
-                sharded.ledger.free("checkpoint_io", data.nbytes)
+                    copy_overlap(unit.shard, s0, a, b, seg_start, data)

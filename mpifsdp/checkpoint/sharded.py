@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..base.backend import to_numpy
+from ..base.backend import array_module_of, to_numpy
 from ..base.checks import is_count
 from ..fsdp.build import sharded_model
 from ..shard.unit import Unit
@@ -274,12 +274,29 @@ def _fill(directory: Path, manifest: dict, sharded, optimizer):
                 optimizer.forget_state(unit)
         for kind, target in targets.items():
             target[...] = 0  # padding stays zero
-            for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):
-                sharded.ledger.alloc("checkpoint_io", data.nbytes)
-                lo, hi = max(start, seg_start), min(stop, seg_start + data.size)
-                target[lo - start : hi - start] = unit.xp.asarray(data[lo - seg_start : hi - seg_start])
-                sharded.ledger.free("checkpoint_io", data.nbytes)
+            for seg_start, data in counted_slices(
+                directory, manifest, index, kind, start, stop, sharded.ledger
+            ):
+                copy_overlap(target, 0, start, stop, seg_start, data)
         unit.zero_grad()
+
+
+def counted_slices(directory, manifest: dict, index: int, kind: str, start: int, stop: int, ledger):
+    """read_slices, each slice counted in the ledger's checkpoint_io while it is in memory."""
+    for seg_start, data in read_slices(directory, manifest, index, kind, start, stop):
+        ledger.alloc("checkpoint_io", data.nbytes)
+        yield seg_start, data
+        ledger.free("checkpoint_io", data.nbytes)
+
+
+def copy_overlap(target, offset: int, lo: int, hi: int, seg_start: int, data):
+    """Copy the part of a saved slice (flat positions seg_start onward) inside [lo, hi) into target,
+    position lo landing at target[offset]."""
+    x, y = max(lo, seg_start), min(hi, seg_start + data.size)
+    if x < y:
+        target[offset + x - lo : offset + y - lo] = array_module_of(target).asarray(
+            data[x - seg_start : y - seg_start]
+        )
 
 
 # -- a directory of checkpoints: step-N, keep the last K, load the newest intact ----------------------
