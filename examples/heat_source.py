@@ -120,7 +120,7 @@ def main():
     opt = SGD([unit], lr=LR, momentum=MOMENTUM)
     first = 0
     if args.resume:
-        path, extra = checkpoint.load_latest(args.save, [unit], opt)
+        path, extra = checkpoint.load_latest(args.save, [unit], opt, missing_ok=True)  # a first run
         first = extra["step"] if path else 0
     for _ in range(first, args.steps):
         with unit.unsharded() as p:

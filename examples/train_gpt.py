@@ -118,7 +118,8 @@ def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str 
             )
         return None, 0
     if cfg.resume == "latest":
-        path, extra = checkpoint.load_latest(cfg.save_dir, model, opt)  # raises if none of them loads
+        # raises if none of them loads; a save_dir not made yet is a first run
+        path, extra = checkpoint.load_latest(cfg.save_dir, model, opt, missing_ok=True)
         if path is None:
             return None, 0  # a first run: nothing saved yet
     else:

@@ -328,16 +328,29 @@ def _prune(root: Path, step: int, keep: int):
             publish.remove_ours(stale)
 
 
-def load_latest(root, model, optimizer=None) -> tuple[Path, dict] | tuple[None, None]:
+def load_latest(
+    root, model, optimizer=None, *, missing_ok: bool = False
+) -> tuple[Path, dict] | tuple[None, None]:
     """Load the newest step-N checkpoint under `root` that is intact; older ones are tried when newer fail.
 
-    Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. When it holds
-    some but none loads (corrupted, or made for another model), raises CheckpointError listing why
-    each failed: starting from scratch would silently discard a run. Collective."""
+    Returns (path, extra), or (None, None) when `root` holds no step-N checkpoint at all. A `root` that
+    does not exist is a CheckpointError (a mistyped path must not mean a silent fresh start) unless
+    missing_ok=True (a first run that may find nothing). When it holds some but none loads (corrupted,
+    or made for another model), raises CheckpointError listing why each failed: starting from scratch
+    would silently discard a run. Collective."""
     comm = require_sharded_units(model).comm
-    candidates = collective(
-        comm, lambda: [str(p) for p in _recovered_checkpoints(Path(root))], f"listing {root}", root=0
-    )
+
+    def listing():
+        if not Path(root).exists() and not missing_ok:
+            raise CheckpointError(
+                f"{root} does not exist: check the path, or pass missing_ok=True where a first run "
+                "finds no checkpoint directory yet"
+            )
+        if Path(root).exists() and not Path(root).is_dir():
+            raise CheckpointError(f"{root} is not a directory of step-N checkpoints")
+        return [str(p) for p in _recovered_checkpoints(Path(root))]
+
+    candidates = collective(comm, listing, f"listing {root}", root=0)
     candidates = comm.broadcast_object(candidates)
     failures = []
     for path in candidates:

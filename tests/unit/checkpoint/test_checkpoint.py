@@ -356,3 +356,20 @@ def test_each_units_adamw_step_is_saved_and_old_checkpoints_load(comm, tmp_path)
     load(path, other, other_opt)
     got = other_opt.summary()["group_steps"]
     agree(comm, list(got.values()) == [2] * len(steps), f"old format gave steps {got}")
+
+
+def test_a_missing_root_is_an_error_unless_the_caller_allows_it(comm, tmp_path):
+    """load_latest("no_such_dir") was (None, None), as an empty root: a typo meant a silent fresh start."""
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded_tiny_gpt(comm)
+    with pytest.raises(
+        CheckpointError, match=r"no_such_dir does not exist: check the path, or pass missing_ok"
+    ):
+        load_latest(f"{root}/no_such_dir", model, opt)  # raised on every rank: rank 0 looked
+    assert load_latest(f"{root}/no_such_dir", model, opt, missing_ok=True) == (None, None)
+    assert load_latest(root, model, opt) == (None, None)  # it exists and is empty: a first run
+    if comm.rank == 0:
+        (Path(root) / "a-file").write_text("x")
+    comm.barrier()
+    with pytest.raises(CheckpointError, match="is not a directory of step-N checkpoints"):
+        load_latest(f"{root}/a-file", model, opt, missing_ok=True)
