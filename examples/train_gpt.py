@@ -218,7 +218,9 @@ def main():
     val_loss, train_loss = float("nan"), float("nan")
     comm.barrier()
     t_start = time.perf_counter()
-    metrics = mpifsdp.StepMetrics(cfg.metrics, model) if cfg.metrics else None
+    # a resumed run continues its metrics file: the lines up to its checkpoint's step are kept
+    resumed = first_step if path else None
+    metrics = mpifsdp.StepMetrics(cfg.metrics, model, resume_after=resumed) if cfg.metrics else None
     bar = progress_bar(cfg.max_steps, first_step, rank)
 
     def log(text: str):  # rank 0's lines, above the bar, flushed: stdout is a pipe under mpiexec

@@ -4,8 +4,11 @@
 fn returns) and records ONE node whose inputs are the Tensor arguments. That node's VJP runs fn again
 with recording on, then backward through the fresh graph: gradients reach the arguments (returned)
 and every Param fn used (accumulated into .grad as always). Memory: the function's activations exist
-only during its own backward, at the price of a second forward. `replay` makes the second run equal
-the first where fn draws random numbers (layers.dropout_replay rewinds dropout's positions).
+only during its own backward, at the price of a second forward. The second run draws the same
+random numbers as the first from the global generators: NumPy's legacy `np.random.*` and Python's
+`random` are put back to their state at the first run, and restored after. A Generator object fn
+holds (`np.random.default_rng(...)`) cannot be seen from here: pass a `replay` that rewinds it, as
+nn.layers.dropout_replay rewinds dropout's positions.
 
 Under FSDP (fully_shard(..., recompute=...)) the node is recorded inside its unit's scope, so the
 unit's parameters are gathered for backward before the re-run, as they would be anyway: no extra
@@ -15,6 +18,9 @@ gather.
 from __future__ import annotations
 
 import contextlib
+import random
+
+import numpy as np
 
 from .tape import Node, active_scopes, backward, fresh_recording, grad_enabled, no_grad
 from .tensor import Tensor
@@ -25,16 +31,16 @@ class _Recomputed:
 
     name = "recompute"
 
-    def __init__(self, fn, args, replay):
+    def __init__(self, fn, args, replay, rng_states):
         # The Tensor arguments' places and flags only: holding the Tensors would keep the graph
         # upstream alive through the whole backward (the node's inputs hold them until its VJP ran).
-        self.fn, self.replay = fn, replay
+        self.fn, self.replay, self.rng_states = fn, replay, rng_states
         self.template = [("tensor", a.requires_grad) if isinstance(a, Tensor) else ("value", a) for a in args]
 
     def vjp(self, g, saved, *arrays):
         fresh = iter(arrays)  # new leaves in place of the Tensor arguments, same values and flags
         args = [Tensor(next(fresh), kept) if kind == "tensor" else kept for kind, kept in self.template]
-        with fresh_recording(), self.replay():
+        with fresh_recording(), self.replay(), _global_rngs_at(self.rng_states):
             out = self.fn(*args)
         if out._node is not None:  # else nothing inside depended on a gradient-carrying value
             backward(out, g)
@@ -48,11 +54,25 @@ def recompute(fn, *args, replay=contextlib.nullcontext):
     run happens inside (to replay random draws)."""
     if not grad_enabled():
         return fn(*args)
+    rng_states = (np.random.get_state(), random.getstate())  # what the first run draws from
     with no_grad():
         out = fn(*args)
     if not isinstance(out, Tensor):
         raise TypeError(f"recompute: the function must return one Tensor, got {type(out).__name__}")
     inputs = tuple(a for a in args if isinstance(a, Tensor))
     result = Tensor(out.data, requires_grad=True)
-    result._node = Node(_Recomputed(fn, args, replay), inputs, None, {}, active_scopes())
+    result._node = Node(_Recomputed(fn, args, replay, rng_states), inputs, None, {}, active_scopes())
     return result
+
+
+@contextlib.contextmanager
+def _global_rngs_at(states):
+    """Inside: NumPy's and Python's global generators at `states`; after: where they were."""
+    now = (np.random.get_state(), random.getstate())
+    np.random.set_state(states[0])
+    random.setstate(states[1])
+    try:
+        yield
+    finally:
+        np.random.set_state(now[0])
+        random.setstate(now[1])

@@ -29,14 +29,18 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..base.accounting import PERSISTENT, TRANSIENT
+from ..base.files import atomic_file
 from ..fsdp.build import sharded_model
 
 
 class StepMetrics:
     """One JSON line per training step on rank 0, with what the ledgers saw of it (module docstring)."""
 
-    def __init__(self, path, model, timeline_step: int | None = 2):
-        """timeline_step: which start() (1 = the first) also records the memory timeline; None: none."""
+    def __init__(self, path, model, timeline_step: int | None = 2, resume_after: int | None = None):
+        """timeline_step: which start() (1 = the first) also records the memory timeline; None: none.
+        resume_after: a run resumed from the checkpoint of step k continues the file: its lines up to
+        step k are kept (a run that crashed may have logged steps past its last checkpoint) and the new
+        ones follow; None starts the file afresh (one run per file). Collective."""
         self.sharded = sharded_model(model)
         if self.sharded is None:
             raise ValueError("StepMetrics needs a model fully_shard() was called on (N = 1 works too)")
@@ -44,9 +48,16 @@ class StepMetrics:
         self.path = Path(path)
         self.timeline_step, self.starts = timeline_step, 0
         self.t0 = time.perf_counter()
-        if self.comm.rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")  # one run per file: a new run starts it afresh
+        self.comm.run_everywhere(lambda: self._begin(resume_after), f"starting {self.path}", root=0)
+
+    def _begin(self, resume_after: int | None):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = b""
+        if resume_after is not None and self.path.exists():
+            lines = self.path.read_bytes().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if _step_of(line) <= resume_after)
+        with atomic_file(self.path) as f:
+            f.write(kept)
 
     def start(self):
         """A step begins: count its collectives, waits and memory peaks from here."""
@@ -119,6 +130,15 @@ class StepMetrics:
     def _append(self, line: dict):
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _step_of(line: bytes) -> float:
+    """The step a line of the file belongs to (a line that is not a step's, or unreadable, is kept)."""
+    try:
+        step = json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, (int, float)) else 0
 
 
 def _summed(dicts) -> dict:

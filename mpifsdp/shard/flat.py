@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..base.backend import array_module_of, to_numpy
+from ..base.backend import to_numpy
 
 
 @dataclass(frozen=True)
@@ -160,21 +160,19 @@ def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> F
 
 
 def require_same_edit(name: str, full, comm):
-    """Collective: a ValueError on every rank where the ranks' edits of `full` differ by more than
-    rounding. Float64 sums of x, |x| and x^2 are gathered and compared with rank 0's within 1e-3 of
-    the sum of |x| (of x^2): the same arithmetic on other CPUs or thread counts differs by rounding
-    only, which an exact hash would refuse; a different edit moves them by far more."""
-    xp, mine = array_module_of(full), np.zeros(3)
-    for lo in range(0, full.size, 1 << 20):  # float64 pieces: no copy of the whole unit
-        x = full[lo : lo + (1 << 20)].astype(xp.float64)
-        mine += [float(x.sum()), float(xp.abs(x).sum()), float((x * x).sum())]
-    sums = comm.allgather_object(tuple(mine))
-    (s0, a0, q0), tiny = sums[0], float(np.finfo(np.float64).tiny)
-    off = [r for r, (s, _, q) in enumerate(sums) if abs(s - s0) > 1e-3 * a0 + tiny or abs(q - q0) > 1e-3 * q0]
+    """Collective: a ValueError on every rank where the ranks' edits of `full` are not bitwise equal.
+
+    The same edit by the same code on the same values gives the same bits on every rank, so the check
+    is exact (a hash of the bytes, NaN a value like any other: a tolerance let small or permuted edits
+    through, and NaN compares unequal to everything). An edit that depends on the rank (its data, its
+    random numbers) or on its thread count must be made on one rank and broadcast."""
+    pieces = (full[lo : lo + (1 << 20)] for lo in range(0, full.size, 1 << 20))  # no host copy of the unit
+    digests = comm.allgather_object(_values_digest(pieces))
+    off = [r for r, d in enumerate(digests) if d != digests[0]]
     if off:
         raise ValueError(
-            f"unit {name!r}: writeback edits differ between ranks (ranks {off} differ from rank 0): every "
-            "rank must make the same edit, or each keeps its own slice of a different one"
+            f"unit {name!r}: writeback edits differ between ranks (ranks {off} differ from rank 0, bit for "
+            "bit): every rank must make the same edit, or each keeps its own slice of a different one"
         )
 
 

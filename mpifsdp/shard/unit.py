@@ -201,7 +201,7 @@ class Unit:
         of the pool: an array kept after the block keeps the values it had, never another unit's;
         `params` itself refuses access after the block. writeback=True makes them writable and copies
         this rank's slice of the edited values back into its shard at the end (e.g. a projection onto
-        constraints; edits that differ between ranks by more than rounding raise on every rank).
+        constraints; edits that are not bitwise equal on every rank raise on every rank).
         (FSDP's own path, `unshard`, uses the pool.)"""
         if writeback and self.param_dtype != self.layout.dtype:
             raise ValueError(f"unit {self.name!r}: writeback needs param_dtype == the shards' dtype")
@@ -245,17 +245,61 @@ class Unit:
         """Begin the reduce-scatter of `full_grad` (or of the given name -> array grads).
 
         reduce="mean": the ranks' gradients averaged with equal weights, or, given `weight` (e.g.
-        this rank's number of samples), weighted by it: sum_r weight_r * g_r / sum_r weight_r, the
-        global mean when each rank's gradient is its own samples' mean (the weights' sum is one
-        scalar all-reduce). reduce="sum": the plain sum over ranks."""
+        this rank's number of samples), weighted by it: sum_r (weight_r / sum_s weight_s) * g_r, the
+        global mean when each rank's gradient is its own samples' mean. reduce="sum": the plain sum
+        over ranks (weighted: sum_r weight_r * g_r). A weight costs one small exchange of every rank's
+        weight (see `agreed_weights`); the runtime's own calls give none."""
         self._require_trainable("reduce")
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        weights = None if weight is None else self.agreed_weights(weight, phase)
+        self._start_reduce(grads, phase, weights, reduce)
+
+    def agreed_weights(self, weight, phase: str = "backward") -> list[float] | None:
+        """Collective: every rank's weight (None where every rank gave none), checked on every rank.
+
+        One exchange of (weight, problem) pairs, so that a bad weight on one rank (NaN, inf, negative,
+        not a number), or a weight on some ranks and none on others (a scalar exchange would pair with
+        a reduce-scatter), raises the same ValueError on every rank instead of stalling the others."""
+        problem = None
         if weight is not None:  # a number, or a 0-d array (a CuPy count): not a string, not a bool
             number = float(weight) if hasattr(weight, "__float__") and not isinstance(weight, bool) else -1.0
-            if not (math.isfinite(number) and number >= 0):
-                raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight!r}")
-            weight = number
+            problem = None if math.isfinite(number) and number >= 0 else f"weight {weight!r}"
+            weight = None if problem else number
+        everyone = self.comm.allgather_object((weight, problem), phase=phase)
+        bad = [f"rank {r}: {why}" for r, (_, why) in enumerate(everyone) if why]
+        given = [r for r, (w, why) in enumerate(everyone) if w is not None or why]
+        if bad:
+            raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0 ({'; '.join(bad)})")
+        if given and len(given) < len(everyone):
+            raise ValueError(
+                f"unit {self.name!r}: ranks {given} gave a weight and the others none: give every rank "
+                "its weight (0 where it had no samples), or none"
+            )
+        return [w for w, _ in everyone] if given else None
+
+    def _weighted_mean_scale(self, weights: list[float], phase: str) -> float:
+        """This rank's weight over the weights' sum (over the replicas too): each gradient is scaled
+        before the reduce-scatter, so no weight and no product overflows."""
+        try:
+            total = math.fsum(weights)
+            if self.replicas is not None:
+                groups = self.replicas.allgather_object(total, phase=phase)
+                total = math.fsum(groups)
+        except OverflowError:
+            total = math.inf
+        if total == 0 or not math.isfinite(total):  # the same sum on every rank: all of them raise
+            raise ValueError(
+                f"unit {self.name!r}: the weights sum to {total:g} over the ranks: "
+                + (
+                    "no rank had samples, there is no mean to take; skip this step, or give weights > 0"
+                    if total == 0
+                    else "scale them down (a count, not a huge number)"
+                )
+            )
+        return weights[self.comm.rank] / total
+
+    def _start_reduce(self, grads, phase: str, weights: list[float] | None, reduce: str):
         if grads is not None:
             self._load_grads(grads)
         elif self.full_grad is None:
@@ -263,16 +307,10 @@ class Unit:
                 f"unit {self.name!r}: reduce_grad() without gradients: pass them, or zero_full_grad() first"
             )
         divisor = self.comm.size * (self.replicas.size if self.replicas else 1) if reduce == "mean" else 1
-        if weight is not None and reduce == "mean":
-            what = f"the weights of {self.name}"
-            divisor = self.comm.all_reduce_scalar(weight, phase=phase, what=what)
-            if self.replicas is not None:
-                divisor = self.replicas.all_reduce_scalar(divisor, phase=phase, what=what)
-            if divisor == 0:  # the same sum on every rank: all of them raise
-                raise ValueError(
-                    f"unit {self.name!r}: the weights sum to 0 over the ranks (no rank had samples): "
-                    "there is no mean to take; skip this step, or give weights > 0"
-                )
+        scale = None
+        if weights is not None:
+            scale = self._weighted_mean_scale(weights, phase) if reduce == "mean" else weights[self.comm.rank]
+            divisor = 1
         self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
         source = self._cast("gathered_grads", self.full_grad, self.reduce_dtype)
         if source is not self.full_grad:
@@ -283,8 +321,8 @@ class Unit:
         receive = self.grad_shard
         if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
             receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
-        if weight is not None:
-            source *= weight
+        if scale is not None:
+            source *= scale
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
         self._reducing = _Reduction(request, receive, source, divisor, phase)
 
@@ -324,8 +362,12 @@ class Unit:
 
     def reduce_grad(self, grads: dict | None = None, phase: str = "backward", *, weight=None, reduce="mean"):
         """Reduce-scatter the gradients now: grad_shard += the mean (or, weighted, the weighted mean;
-        or the sum) over ranks, of this rank's slice. See start_reduce_grad."""
-        self.start_reduce_grad(grads, phase, weight=weight, reduce=reduce)
+        or the sum) over ranks, of this rank's slice. See start_reduce_grad. Every rank must give a
+        weight, or none: checked on every rank first (`agreed_weights`, one small exchange)."""
+        self._require_trainable("reduce")
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        self._start_reduce(grads, phase, self.agreed_weights(weight, phase), reduce)
         self.finish_reduce_grad()
 
     def _load_grads(self, grads: dict):

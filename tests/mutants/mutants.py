@@ -212,6 +212,31 @@ def _no_input_check():
     _replace(ShardedModel, "check_inputs", sizes_only)
 
 
+def _no_writeback_agreement():
+    import mpifsdp.shard.unit
+
+    _replace(mpifsdp.shard.unit, "require_same_edit", lambda name, full, comm: None)
+
+
+def _weights_checked_locally():
+    from mpifsdp.shard.unit import Unit
+
+    def local(self, weight, phase="backward"):  # the check before: on this rank, no exchange
+        if weight is not None and not (isinstance(weight, (int, float)) and weight >= 0):
+            raise ValueError(f"unit {self.name!r}: weight must be a finite number >= 0, got {weight!r}")
+        return None if weight is None else [float(weight)] * self.comm.size
+
+    _replace(Unit, "agreed_weights", local)
+
+
+def _no_global_rng_replay():
+    import contextlib
+
+    import mpifsdp.autodiff.recompute
+
+    _replace(mpifsdp.autodiff.recompute, "_global_rngs_at", lambda states: contextlib.nullcontext())
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -221,6 +246,27 @@ class Mutant:
 
 
 MUTANTS = {
+    "global_rng_replay": Mutant(
+        _no_global_rng_replay,
+        "the global generators' replay in a recomputed forward (recompute._global_rngs_at)",
+        [
+            "tests/features/test_recompute.py::test_the_re_run_draws_the_same_numbers_from_the_global_generators"
+        ],
+    ),
+    "weights_agreed": Mutant(
+        _weights_checked_locally,
+        "every rank's weight exchanged and checked on every rank (Unit.agreed_weights)",
+        ["tests/unit/shard/test_unit.py::test_a_weight_that_one_rank_gets_wrong_is_named_on_every_rank"],
+        ranks=2,
+    ),
+    "writeback_agreement": Mutant(
+        _no_writeback_agreement,
+        "exact agreement of writeback edits across ranks (flat.require_same_edit)",
+        [
+            "tests/unit/shard/test_unit.py::test_writeback_edits_that_differ_between_ranks_are_refused_on_every_rank"
+        ],
+        ranks=2,
+    ),
     "schedule_check": Mutant(
         _no_schedule_check,
         "per-step schedule check (Comm.check_schedule)",

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from mpifsdp import StepMetrics
+from mpifsdp import StepMetrics, fully_shard
 from mpifsdp.models import GPT, GPTConfig
 
-from support import train_with_metrics
+from support import TINY_GPT, train_with_metrics
 
 
 def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
@@ -46,3 +46,18 @@ def test_the_second_step_records_every_ranks_memory_timeline_and_bytes_per_unit(
 def test_needs_a_sharded_model(tmp_path):
     with pytest.raises(ValueError, match="fully_shard"):
         StepMetrics(tmp_path / "m.jsonl", GPT(GPTConfig(n_layer=1, n_embd=8, n_head=2), seed=0))
+
+
+def test_a_resumed_run_keeps_the_lines_of_the_steps_it_resumes_from(comm, tmp_path):
+    """train_gpt --resume latest --metrics m.jsonl truncated the file: the resumed run's steps were lost."""
+    path, _ = train_with_metrics(comm, tmp_path, 4)  # steps 1-4, a note for each, one timeline line
+    model = GPT(TINY_GPT, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    before = open(path).read().splitlines() if comm.rank == 0 else []
+    StepMetrics(path, model, resume_after=2)  # resumed from the checkpoint of step 2
+    if comm.rank == 0:
+        after = open(path).read().splitlines()
+        steps = [json.loads(line).get("step", 0) for line in after]
+        assert after == [line for line in before if json.loads(line).get("step", 0) <= 2] and max(steps) == 2
+    StepMetrics(path, model)  # a new run starts the file afresh
+    assert comm.rank != 0 or open(path).read() == ""

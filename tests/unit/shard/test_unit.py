@@ -153,8 +153,11 @@ def test_weights_that_sum_to_zero_or_are_not_numbers_are_refused(comm):
     unit = Unit("fit", {"w": np.zeros(5)}, comm)
     with pytest.raises(ValueError, match="the weights sum to 0 over the ranks"):  # was 0 / 0: NaN gradients
         unit.reduce_grad({"w": np.ones(5)}, weight=0)
-    with pytest.raises(ValueError, match="weight must be a finite number >= 0, got '3'"):
+    with pytest.raises(ValueError, match=r"weight must be a finite number >= 0 \(rank 0: weight '3'"):
         unit.reduce_grad({"w": np.ones(5)}, weight="3")
+    unit.zero_grad()
+    unit.reduce_grad({"w": np.full(5, 2.0)}, weight=1e300)  # huge but summable: the mean of equal gradients
+    agree(comm, np.array_equal(unit.gather(unit.grad_shard)["w"], np.full(5, 2.0)), "a huge weight's mean")
     unit.zero_grad()
     k = comm.rank + 1
     unit.reduce_grad({"w": np.full(5, float(k))}, weight=np.array(k))  # a 0-d count (CuPy's sum gives one)
@@ -162,6 +165,23 @@ def test_weights_that_sum_to_zero_or_are_not_numbers_are_refused(comm):
     ks = np.arange(1, comm.size + 1)
     want = (ks * ks).sum() / ks.sum()
     agree(comm, np.allclose(got, want, rtol=1e-15, atol=0), f"weighted mean {got}, want {want}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_weight_that_one_rank_gets_wrong_is_named_on_every_rank(comm):
+    """A NaN weight, or a weight on one rank and none on the others (a scalar exchange paired with a
+    reduce-scatter: garbage gradients), raised on the bad rank only and left the others waiting."""
+    unit = Unit("fit", {"w": np.zeros(5)}, comm)
+    with pytest.raises(ValueError, match=r"weight must be a finite number >= 0 \(rank 1: weight nan\)"):
+        unit.reduce_grad({"w": np.ones(5)}, weight=float("nan") if comm.rank == 1 else 1.0)
+    with pytest.raises(ValueError, match=r"ranks \[0\] gave a weight and the others none"):
+        unit.reduce_grad({"w": np.ones(5)}, weight=3.0 if comm.rank == 0 else None)
+    # the sum overflowed to inf and every gradient became -0.0, silently; now refused on every rank
+    with pytest.raises(ValueError, match="the weights sum to inf over the ranks: scale them down"):
+        unit.reduce_grad({"w": np.ones(5)}, weight=1.7e308)
+    unit.zero_grad()
+    unit.reduce_grad({"w": np.ones(5)})  # and the unit still works
+    agree(comm, np.array_equal(unit.gather(unit.grad_shard)["w"], np.ones(5)), "the unit after a refusal")
 
 
 def test_unsharded_views_are_read_only_unless_written_back(comm):
@@ -191,11 +211,30 @@ def test_writeback_edits_that_differ_between_ranks_are_refused_on_every_rank(com
                 p["w"][:] = 3.0  # the others keep 0: each rank's slice was written back, a mixture
     with unit.unsharded() as p:
         agree(comm, not p["w"].any(), f"the shards took the edits: {p['w']}")
-    # the same edit computed on other CPUs or thread counts differs by rounding: accepted
-    with unit.unsharded(writeback=True) as p:
-        p["w"][:] = 1.0 + comm.rank * np.finfo(np.float64).eps
+
+    # the agreement is exact: a difference of one ulp, a permutation and a NaN on one rank are refused
+    # (a tolerance on sums let the first two through, and a NaN made every comparison False)
+    def one_ulp(w):
+        w[:] = 1.0 + comm.rank * np.finfo(np.float64).eps
+
+    def permuted(w):
+        w[:] = np.roll(np.arange(8.0), comm.rank)
+
+    def nan(w):
+        w[0] = np.nan if comm.rank == 1 else 0.0
+
+    for edit in (one_ulp, permuted, nan):
+        with pytest.raises(ValueError, match="differ from rank 0, bit for bit"):
+            with unit.unsharded(writeback=True) as p:
+                edit(p["w"])
+        with unit.unsharded() as p:
+            agree(comm, not p["w"].any(), f"the shards took the edits: {p['w']}")
+    with unit.unsharded(writeback=True) as p:  # the same edit everywhere, NaN included: kept
+        p["w"][:] = np.arange(8.0)
+        p["w"][3] = np.nan
+    want = np.where(np.arange(8) == 3, np.nan, np.arange(8.0))
     with unit.unsharded() as p:
-        agree(comm, np.allclose(p["w"], 1.0, rtol=comm.size * 2.3e-16, atol=0), f"edit kept as {p['w']}")
+        agree(comm, np.array_equal(p["w"], want, equal_nan=True), f"edit kept as {p['w']}")
 
 
 def test_state_dict_of_units_is_full_host_copies(comm):
