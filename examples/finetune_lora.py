@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 import mpifsdp
-from mpifsdp import Param, ops, sharded_model
+from mpifsdp import Param, checkpoint, ops, sharded_model
 from mpifsdp.checkpoint import consolidated
-from mpifsdp.checkpoint import sharded as checkpoint
 from mpifsdp.data import TextData, rank_slice, stdlib_corpus_path
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.nn.layers import Linear

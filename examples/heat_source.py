@@ -21,8 +21,7 @@ import argparse
 
 import numpy as np
 
-from mpifsdp import SGD, Comm, Unit, full_state_dict
-from mpifsdp.checkpoint import sharded as checkpoint
+from mpifsdp import SGD, Comm, Unit, checkpoint, full_state_dict
 from mpifsdp.data import rank_slice
 
 G, SENSORS, NOISE, SMOOTH, LR, MOMENTUM = 120, 997, 1e-3, 1e-4, 0.4, 0.9

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import mpifsdp
-from mpifsdp import sharded_model
+from mpifsdp import checkpoint, sharded_model
 from mpifsdp.base.accounting import mib, peak_rss_bytes
-from mpifsdp.checkpoint import sharded as checkpoint
+from mpifsdp.base.checks import yes_or_no
 from mpifsdp.data import TextData, rank_slice
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.observe import pictures
@@ -73,7 +73,7 @@ def parse_config() -> TrainConfig:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     for f in dataclasses.fields(TrainConfig):
-        kind = (lambda s: s.lower() in ("1", "true", "yes")) if f.type in (bool, "bool") else type(f.default)
+        kind = yes_or_no if f.type in (bool, "bool") else type(f.default)
         flags = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
         parser.add_argument(
             *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})"

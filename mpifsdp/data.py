@@ -68,6 +68,8 @@ class TextData:
         self.path = Path(path) if path is not None else stdlib_corpus_path()
         if not self.path.is_file():
             raise FileNotFoundError(f"text file {self.path} does not exist")
+        if self.path.stat().st_size == 0:  # np.memmap's own error does not name the file
+            raise ValueError(f"text file {self.path} is empty: give a file with some text to train on")
         self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
         n_val = int(len(self.tokens) * val_fraction)
         self.splits = {

@@ -39,6 +39,18 @@ def refuse_below(where: str, *, integers: bool = False, **values):
     )
 
 
+YES, NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def yes_or_no(text: str) -> bool:
+    """A command line's boolean: 1/true/yes/on or 0/false/no/off, any case; any other word is a
+    ValueError (`--fresh on` read as False, or `bias=maybe`, did something else without a word)."""
+    word = str(text).strip().lower()
+    if word not in YES + NO:
+        raise ValueError(f"{text!r} is not a yes or a no ({'/'.join(YES)} or {'/'.join(NO)})")
+    return word in YES
+
+
 def is_finite_at_least(value, least: float) -> bool:
     """A finite number >= least (NaN, inf and a bool are not)."""
     number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)

@@ -47,6 +47,15 @@ def set_threads(threads: int | str | None = "auto", ranks_on_node: int = 1) -> i
         raise ValueError(f"set_threads: threads={threads!r}: give 'auto', an integer >= 1, or None")
     if threads == "auto":
         chosen = [v for v in USER_VARIABLES if os.environ.get(v)]
+        bad = [
+            f"{v}={os.environ[v]!r}"
+            for v in chosen
+            if not os.environ[v].strip().isdigit() or not int(os.environ[v])
+        ]
+        if bad:  # BLAS would ignore it, or take 0 as "all cores": the user's limit would not hold
+            raise ValueError(
+                f"set_threads: {', '.join(bad)} is not a thread count >= 1: give one, or unset it"
+            )
         if chosen:
             log.info("BLAS threads left as set by %s=%s", chosen[0], os.environ[chosen[0]])
             return None

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 
+from ..base.checks import yes_or_no
 from ..planning.planner import (
     Link,
     block_flops,
@@ -107,7 +108,7 @@ def run_cli(args) -> int:
     return 0
 
 
-_KINDS = {"int": "an integer", "float": "a number"}
+_KINDS = {"int": "an integer", "float": "a number", "bool": "a yes or a no (true/false, 1/0, yes/no, on/off)"}
 
 
 def _probe(comm, config, batch: int) -> dict:
@@ -148,9 +149,9 @@ def _check_flags(args):
 def _parse(name: str, kind, text: str):
     """A GPTConfig field's value from its text (its annotations are strings: postponed evaluation)."""
     kind = getattr(kind, "__name__", kind)
-    if kind == "bool":
-        return text.lower() in ("1", "true", "yes")
     try:
+        if kind == "bool":
+            return yes_or_no(text)
         return float(text) if kind == "float" else int(text)
     except ValueError:
         raise ValueError(f"--gpt {name}={text}: {name} takes {_KINDS.get(kind, kind)}") from None

@@ -112,13 +112,16 @@ def _renamed(old: str, old_value, new: str, new_value, default):
 
 def _unit_modules(model: Module, units) -> list:
     units = list(units)
-    names = {id(m) for _, m in model.named_modules()}
+    names = {id(m): n for n, m in model.named_modules()}
     unknown = [type(u).__name__ for u in units if id(u) not in names]
     if unknown or any(u is model for u in units):
         raise ValueError(
             f"units must be submodules of the model (got {unknown or ['the model itself']}); "
             "the model is always the root unit"
         )
+    twice = sorted({names[id(u)] for u in units if sum(v is u for v in units) > 1})
+    if twice:
+        raise ValueError(f"units lists {twice} more than once: give each unit module once")
     return units
 
 

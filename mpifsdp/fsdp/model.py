@@ -106,7 +106,9 @@ class ShardedModel:
         issued and their hash: a rank that ran an extra forward or backward is caught here).
         [Note: gradient averaging] Reduce-scatter then /N averages ranks' gradients with equal weight;
         with unequal batches that is not the gradient of the global mean (docs/design.md, invariant 3),
-        so an uneven last batch is an error here rather than a silently wrong update.
+        so an uneven last batch is an error here rather than a silently wrong update. Without
+        gradients (an evaluation under no_grad) there is nothing to average: an uneven batch is fine,
+        and the loss is still the global mean (it divides by the global count of valid targets).
         """
         model = self._model()
         try:  # a check that fails on one rank must still reach the exchange below
@@ -116,17 +118,23 @@ class ShardedModel:
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
         seq, digest = self.comm.schedule.position()  # so forward, too, starts from a checked schedule
         verdicts = self.comm.gather_ints(
-            n, int(bool(problem)), seq, digest, phase="forward", op="batch_size_check"
+            n, int(bool(problem)), int(grad_enabled()), seq, digest, phase="forward", op="batch_size_check"
         )
-        self.comm.check_positions(verdicts[:, 2:], "at the start of a forward")
+        self.comm.check_positions(verdicts[:, 3:], "at the start of a forward")
         if verdicts[:, 1].any():
             self.comm.raise_if_any(problem and f"{type(model).__name__}: {problem}", "checking the inputs")
+        if len(set(verdicts[:, 2].tolist())) > 1:
+            without = [r for r, g in enumerate(verdicts[:, 2].tolist()) if not g]
+            raise CollectiveError(
+                f"ranks {without} run this forward under no_grad() and the others with gradients: every "
+                "rank must run the same kind of forward (their backward would issue different collectives)"
+            )
         sizes = verdicts[:, 0].tolist()
-        if len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 and grad_enabled():
             raise CollectiveError(
                 f"ranks hold different batch sizes {dict(enumerate(sizes))}: averaging their gradients would "
                 "weight samples unequally. Give every rank the same number of samples (drop or pad the "
-                "last batch; data.rank_slice splits a global batch evenly)."
+                "last batch; data.rank_slice splits a global batch evenly), or evaluate under no_grad()."
             )
 
     def count_share(self, local: int) -> float:

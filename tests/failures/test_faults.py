@@ -3,6 +3,7 @@
 Scenarios that hang or kill a rank run as real `mpiexec` jobs in subprocesses, with timeouts.
 """
 
+import contextlib
 import re
 import textwrap
 
@@ -11,7 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpifsdp import AdamW, CollectiveError, NonFiniteError, Unit, full_state_dict, fully_shard, sharded_model
+from mpifsdp import (
+    AdamW,
+    CollectiveError,
+    NonFiniteError,
+    Unit,
+    full_state_dict,
+    fully_shard,
+    no_grad,
+    sharded_model,
+)
 from mpifsdp.base.backend import parse_device
 from mpifsdp.models import GPT, GPTConfig, MLPClassifier
 
@@ -175,6 +185,31 @@ def test_uneven_batches_are_refused_on_every_rank(comm):
     with pytest.raises(CollectiveError, match=r"different batch sizes \{0: 3, 1: 2"):
         model(x, x)
     model(x[:2], x[:2]).backward()  # the model is usable afterwards
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_uneven_evaluation_batch_is_allowed_and_a_forward_of_another_kind_is_refused(comm):
+    """Under no_grad nothing is averaged: an uneven last validation batch was refused for a gradient
+    reason that does not apply. Its loss is still the global mean (the count of valid targets is
+    global). A rank in no_grad beside ranks with gradients is named on every rank."""
+    model = GPT(CFG, seed=0, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks)
+    everything = np.random.default_rng(0).integers(0, CFG.vocab_size, (2 * comm.size + 1, 4))
+    start = 0 if comm.rank == 0 else 3 + 2 * (comm.rank - 1)  # rank 0 holds 3 rows, the others 2
+    mine = everything[start : start + (3 if comm.rank == 0 else 2)]
+    with no_grad():
+        local = model(mine, mine).item()
+    plain = GPT(CFG, seed=0, dtype=np.float64)
+    with no_grad():
+        want = plain(everything, everything).item()
+    total = comm.all_reduce_scalar(local) / comm.size
+    # float64: the two sums differ only in their order, a few ulps (1e-12 leaves three orders of margin)
+    agree(comm, abs(total - want) <= 1e-12 * abs(want), f"uneven evaluation {total}, single process {want}")
+    x = np.zeros((2, 4), dtype=np.int64)
+    with pytest.raises(CollectiveError, match=r"ranks \[1\] run this forward under no_grad\(\)"):
+        with no_grad() if comm.rank == 1 else contextlib.nullcontext():
+            model(x, x)
+    model(x, x).backward()  # usable afterwards
 
 
 def test_optimizer_built_before_sharding(comm):

@@ -266,6 +266,8 @@ def test_units_that_are_not_submodules_and_a_second_fully_shard_are_refused(comm
     model = MLPClassifier([3, 4, 2])
     with pytest.raises(ValueError, match="units must be submodules"):
         fully_shard(model, comm, units=[MLPClassifier([3, 2]).layers[0]])
+    with pytest.raises(ValueError, match=r"units lists \['layers.0'\] more than once"):  # was: tied weights
+        fully_shard(model, comm, units=[model.layers[0], model.layers[0]])
     fully_shard(model, comm, units=model.layers[:1])
     with pytest.raises(RuntimeError, match="already called on this model"):
         fully_shard(model, comm)

@@ -55,6 +55,7 @@ def test_train_gpt_names_flags_it_cannot_run_with(comm):
         (["--eval_batches", "0"], "--eval_batches 0 (must be >= 1)"),
         (["--n_layer", "0"], "GPTConfig: n_layer=0: sizes are integers >= 1"),
         (["--grad_clip", "0"], "--grad_clip 0.0 (must be > 0)"),
+        (["--fresh", "maybe"], "argument --fresh: invalid yes_or_no value: 'maybe'"),  # was read as False
     ]:
         done = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, cwd=ROOT)
         assert done.returncode == 2 and message in done.stderr, done.stderr[-1000:]

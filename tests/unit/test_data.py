@@ -36,6 +36,9 @@ def test_custom_file_and_errors(tmp_path):
         data.batch("val", 1, 64, np.random.default_rng(0))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TextData(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty.txt is empty"):  # was "cannot mmap an empty file"
+        TextData(tmp_path / "empty.txt")
     for bad, message in [
         (lambda: data.global_batch("test", 0, 2, 8), r"split 'test' is not one of \['train', 'val'\]"),
         (lambda: data.global_batch("train", 0, 0, 8), r"batch_size=0 \(must be an integer >= 1\)"),

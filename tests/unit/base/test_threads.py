@@ -130,3 +130,13 @@ def test_an_invalid_thread_count_is_refused_before_anything_is_set(threads):
         with pytest.raises(ValueError, match=f"threads={threads!r}: give 'auto', an integer >= 1, or None"):
             set_threads(threads)
         assert _blas_threads() == before
+
+
+@pytest.mark.parametrize("value", ["0", "lots", "-1", "2.5"])
+def test_a_thread_variable_that_is_no_count_is_named(monkeypatch, value):
+    """OMP_NUM_THREADS=0 or =lots was accepted without a word (BLAS ignores it, or takes 0 as all cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    with pytest.raises(ValueError, match=f"OMP_NUM_THREADS={value!r} is not a thread count >= 1"):
+        set_threads("auto")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert set_threads("auto") is None  # a count the user chose: left as it is

@@ -138,6 +138,12 @@ def test_time_model_and_the_command_line(tmp_path):
         [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "bogus=1"], capture_output=True, text=True
     )
     assert bad.returncode == 1 and "unknown fields ['bogus']" in bad.stderr
+    maybe = subprocess.run(
+        [sys.executable, "-m", "mpifsdp", "plan", "--gpt", "bias=maybe"], capture_output=True, text=True
+    )  # read as False before
+    assert maybe.returncode == 1 and "--gpt bias=maybe: bias takes a yes or a no" in maybe.stderr, (
+        maybe.stderr
+    )
 
 
 @pytest.mark.parametrize(

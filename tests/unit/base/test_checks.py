@@ -1,0 +1,23 @@
+"""base/checks.py: the package's one way to read a yes or a no, and to refuse settings."""
+
+import pytest
+
+from mpifsdp.base.checks import refuse_below, refuse_invalid, yes_or_no
+
+
+def test_yes_or_no_reads_the_usual_words_and_refuses_the_others():
+    assert [yes_or_no(w) for w in ("1", "true", "Yes", "ON")] == [True] * 4
+    assert [yes_or_no(w) for w in ("0", "False", "no", "off")] == [False] * 4
+    for word in ("maybe", "", "2", "y"):  # read as False before, silently
+        with pytest.raises(ValueError, match="is not a yes or a no"):
+            yes_or_no(word)
+
+
+def test_refusals_name_every_bad_value_at_once():
+    with pytest.raises(ValueError, match=r"^SGD: invalid lr=-1 \(>= 0\), momentum=2 \(< 1\)$"):
+        refuse_invalid("SGD", (False, "lr=-1 (>= 0)"), (True, "fine"), (False, "momentum=2 (< 1)"))
+    refuse_invalid("SGD", (True, "fine"))
+    with pytest.raises(ValueError, match=r"plan: invalid world_size=0 \(must be >= 1\), flops=nan"):
+        refuse_below("plan", world_size=(0, 1), flops=(float("nan"), 0))
+    with pytest.raises(ValueError, match=r"invalid batch=2.5 \(must be an integer >= 1\)"):
+        refuse_below("data", integers=True, batch=(2.5, 1))
