@@ -7,7 +7,7 @@ read in per-rank slices (consolidated.py).
 May import: fsdp, shard, base.
 """
 
-from . import consolidated
+from . import consolidated, lock
 from .manifest import CheckpointError, verify
 from .publish import recover
 from .sharded import checkpoints, load, load_latest, save, save_step
@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "checkpoints",
     "consolidated",
+    "lock",
     "load",
     "load_latest",
     "recover",

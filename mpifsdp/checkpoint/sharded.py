@@ -25,7 +25,7 @@ from ..base.backend import array_module_of, to_numpy
 from ..base.checks import is_count
 from ..fsdp.build import sharded_model
 from ..shard.unit import Unit
-from . import publish
+from . import lock, publish
 from .manifest import (
     FORMAT,
     MANIFEST,
@@ -111,7 +111,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     comm = sharded.comm
     final = Path(directory)
     extra = collective(comm, lambda: _plain_json(extra or {}), f"saving to {final}")
-    collective(comm, lambda: publish.prepare(final), f"saving to {final}", root=0)
+    collective(comm, lambda: _claim(final), f"saving to {final}", root=0)
     staging = collective(
         comm, lambda: publish.staging_dir(final, comm), f"creating a directory next to {final}"
     )
@@ -139,6 +139,21 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
         collective(comm, lambda: publish.remove_ours(staging), "cleaning up", root=0)
         raise
     return final
+
+
+def _claim(final: Path):
+    """Rank 0: hold the writer lock of `final` (or of the root save_step holds), then check `final`;
+    a destination refused leaves no lock it took."""
+    own = None if lock.holds(lock.root_lock(final.parent)) else lock.directory_lock(final)
+    new = own is not None and not lock.holds(own)
+    if own is not None:
+        lock.hold(own)
+    try:
+        publish.prepare(final)
+    except (CheckpointError, OSError):
+        if new:
+            lock.release(own)
+        raise
 
 
 def _plain_json(extra: dict) -> dict:
@@ -312,8 +327,9 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
         raise ValueError(
             f"save_step: step and keep must be non-negative integers, got step={step!r}, keep={keep!r}"
         )
-    path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
     comm = require_sharded_units(model).comm
+    collective(comm, lambda: lock.hold(lock.root_lock(Path(root))), f"saving to {root}", root=0)
+    path = save(Path(root) / f"step-{step:08d}", model, optimizer, {**(extra or {}), "step": step})
     collective(comm, lambda: _prune(Path(root), step, keep), f"pruning {root}", root=0)
     return path
 

@@ -3,21 +3,26 @@ malformed manifests and safetensors files, failed saves, and the command line's 
 
 import json
 import os
+import re
+import socket
 import struct
 import subprocess
 import sys
+import textwrap
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
 from mpifsdp import full_state_dict
-from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, save, save_step
+from mpifsdp.checkpoint import CheckpointError, checkpoints, load, load_latest, lock, save, save_step
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.manifest import with_digest
 from mpifsdp.models import GPT
 
-from support import TINY_GPT, agree, on_rank_0, sharded_tiny_gpt, shared_dir, sub_comm, train
+from support import TINY_GPT, agree, on_rank_0, run_job, sharded_tiny_gpt, shared_dir, sub_comm, train
 
 
 def test_pruning_and_latest_see_only_step_checkpoints(comm, tmp_path):
@@ -188,8 +193,8 @@ def test_a_failed_save_leaves_nothing_behind_and_fails_on_every_rank(comm, tmp_p
     with pytest.raises(CheckpointError, match=rf"rank {comm.size - 1}: \[Errno 28\] No space left on device"):
         save(f"{root}/ck", model, opt, {"step": 2})
     comm.barrier()
-    left = sorted(os.listdir(root))
-    agree(comm, left == ["a-file", "ck"], f"left behind: {left}")
+    left = sorted(os.listdir(root))  # and the writer lock of ck this job holds (none for a-file)
+    agree(comm, left == [".ck.mpifsdp-writer.lock", "a-file", "ck"], f"left behind: {left}")
     assert open(f"{root}/a-file").read() == "mine"
     assert (
         load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=3))["step"] == 1
@@ -308,3 +313,79 @@ def test_sgd_momentum_is_checkpointed_and_another_optimizer_is_refused(comm, tmp
     agree(comm, same and same_steps, "momentum buffers or steps differ after loading")
     with pytest.raises(CheckpointError, match="holds the state of SGD, the optimizer given is AdamW"):
         load(path, *sharded_tiny_gpt(comm, seed=4))
+
+
+SECOND_WRITER = textwrap.dedent(
+    """
+    import sys
+    from mpifsdp import AdamW, Comm, fully_shard
+    from mpifsdp import checkpoint
+    from mpifsdp.models import GPT, GPTConfig
+
+    comm = Comm()
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=10), seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    try:
+        checkpoint.save_step(sys.argv[1], 2, model, AdamW(model, lr=1e-3), keep=0)
+    except checkpoint.CheckpointError as exc:
+        print(f"rank {comm.rank} refused: {exc}", flush=True)
+        sys.exit(3)
+    print("SAVED", flush=True)
+    """
+)
+
+
+def test_a_second_job_saving_into_the_same_root_is_refused_at_its_first_save(comm, tmp_path):
+    """Two jobs saving into one root removed each other's saves in progress and replaced each other's
+    checkpoints: a save that returned normally could be gone. The first job's writer lock refuses the
+    second at its first save, on every rank, naming the owner; the first job's checkpoints stay."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    model, opt = sharded_tiny_gpt(comm)
+    root = tmp_path / "ckpts"
+    save_step(root, 1, model, opt, keep=0)  # this process now holds root's writer lock
+    script = tmp_path / "second.py"
+    script.write_text(SECOND_WRITER)
+    result, elapsed = run_job(script, 2, root, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 3 and elapsed < 60, out[-2000:]
+    owner = rf"being written by another job \(host \S+, pid {os.getpid()},"
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} refused: .*{owner}", out, re.S), out
+    assert sorted(p.name for p in root.iterdir()) == [lock.SUFFIX, "step-00000001"]  # no trace of the second
+    assert load(root / "step-00000001", *sharded_tiny_gpt(comm, seed=4))["step"] == 1
+    lock.release(lock.root_lock(root))
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+def test_a_dead_owner_does_not_keep_the_lock(comm, tmp_path, monkeypatch, caplog):
+    """Same host: an owner pid that no longer runs is taken over at once. Another host: a lock not
+    refreshed for MPIFSDP_LOCK_STALE_S is; a fresh one is refused."""
+    root = Path(shared_dir(comm, tmp_path)) / "ckpts"
+    model, opt = sharded_tiny_gpt(comm)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    owners = {"dead": (socket.gethostname(), int(gone.stdout)), "elsewhere": ("another-host", 1)}
+
+    def plant(host, pid, age_s=0.0):
+        def write():
+            root.mkdir(parents=True, exist_ok=True)
+            lock.root_lock(root).write_text(json.dumps({"host": host, "pid": pid, "since": 0, "token": "x"}))
+            os.utime(lock.root_lock(root), (time.time() - age_s, time.time() - age_s))
+
+        on_rank_0(comm, write)
+
+    plant(*owners["dead"])
+    with caplog.at_level("WARNING"):
+        save_step(root, 1, model, opt)  # taken over
+    assert comm.rank != 0 or "taking over" in caplog.text
+    lock.release(lock.root_lock(root))
+    plant(*owners["elsewhere"])
+    with pytest.raises(CheckpointError, match=r"being written by another job \(host another-host, pid 1,"):
+        save_step(root, 2, model, opt)
+    monkeypatch.setenv("MPIFSDP_LOCK_STALE_S", "3600")
+    plant(*owners["elsewhere"], age_s=7200)
+    save_step(root, 2, model, opt)  # not refreshed for two hours: its job is gone
+    agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "both saved")
+    lock.release(lock.root_lock(root))

@@ -237,6 +237,12 @@ def _no_global_rng_replay():
     _replace(mpifsdp.autodiff.recompute, "_global_rngs_at", lambda states: contextlib.nullcontext())
 
 
+def _no_writer_lock():
+    import mpifsdp.checkpoint.lock
+
+    _replace(mpifsdp.checkpoint.lock, "hold", lambda lock: None)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -246,6 +252,14 @@ class Mutant:
 
 
 MUTANTS = {
+    "writer_lock": Mutant(
+        _no_writer_lock,
+        "one writer per checkpoint root (checkpoint/lock.py hold)",
+        [
+            "tests/failures/test_checkpoint_safety.py::"
+            "test_a_second_job_saving_into_the_same_root_is_refused_at_its_first_save"
+        ],
+    ),
     "global_rng_replay": Mutant(
         _no_global_rng_replay,
         "the global generators' replay in a recomputed forward (recompute._global_rngs_at)",

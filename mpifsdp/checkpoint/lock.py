@@ -1,0 +1,159 @@
+"""One job writes a checkpoint location at a time: a lock file beside it names its owner.
+
+Two jobs saving into one root removed each other's saves in progress (each took the other's staging
+directory for a dead save's) and replaced each other's checkpoints. So a job's rank 0 takes a lock at
+its first save — for `save_step(root, ...)` the whole root (`root/.mpifsdp-writer.lock`), for
+`save(directory, ...)` that directory (`.<name>.mpifsdp-writer.lock` beside it) — and holds it until
+the process ends. The file names the owner's host, pid and a token; it is refreshed at every save.
+
+A second job is refused at its first save, on every rank, naming the owner. A dead owner does not keep
+the lock: on the same host a pid that no longer runs is taken over at once; from another host (whose
+processes cannot be seen) a lock not refreshed for MPIFSDP_LOCK_STALE_S seconds (default 21600,
+6 hours) is. An owner that finds its lock taken over stops at its next save instead of writing on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from .manifest import CheckpointError
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".mpifsdp-writer.lock"
+_held: dict[Path, str] = {}  # lock path -> this process's token
+
+
+def root_lock(root: Path) -> Path:
+    return Path(root) / SUFFIX
+
+
+def directory_lock(directory: Path) -> Path:
+    directory = Path(directory)
+    return directory.parent / f".{directory.name}{SUFFIX}"
+
+
+def holds(lock: Path) -> bool:
+    return Path(lock) in _held
+
+
+def hold(lock: Path):
+    """Take `lock` for this process (or refresh it where already ours); CheckpointError where another
+    live job holds it, or where ours was taken over."""
+    lock = Path(lock)
+    if lock in _held:
+        owner = _owner(lock)
+        if owner is None or owner.get("token") != _held[lock]:
+            del _held[lock]
+            raise CheckpointError(
+                f"{_place(lock)}: another job took over this job's lock ({_who(owner)}); stopping"
+            )
+        os.utime(lock)
+        return
+    if lock.parent.exists() and not lock.parent.is_dir():
+        raise CheckpointError(f"cannot save under {lock.parent}: Not a directory (it is a file)")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):  # a stale lock moved aside, or a race with another new job: try again
+        token = uuid.uuid4().hex
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _owner(lock)
+            if owner is None and _age(lock) < 10:  # another job created it and is writing it now
+                raise CheckpointError(
+                    f"{_place(lock)}: another job is taking its writer lock {lock} now"
+                ) from None
+            if owner is not None and not _stale(lock, owner):
+                raise CheckpointError(
+                    f"{_place(lock)} is being written by another job ({_who(owner)}): give this run its own "
+                    f"directory; if that job is gone, delete {lock}"
+                ) from None
+            _move_aside(lock, owner)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(
+                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": token}, f
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        if not _held:
+            atexit.register(release_all)
+        _held[lock] = token
+        return
+    raise CheckpointError(
+        f"{_place(lock)}: could not take its writer lock {lock} (other jobs keep taking it)"
+    )
+
+
+def release(lock: Path):
+    """Remove `lock` if this process holds it (and it is still its own)."""
+    token = _held.pop(Path(lock), None)
+    owner = _owner(Path(lock)) if token else None
+    if owner is not None and owner.get("token") == token:
+        Path(lock).unlink(missing_ok=True)
+
+
+def release_all():
+    """Remove the locks this process holds: at exit (atexit), so a job that ends leaves none."""
+    for lock in list(_held):
+        release(lock)
+
+
+def _owner(lock: Path) -> dict | None:
+    try:
+        owner = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None  # gone, or half-written by an owner that died while writing it
+    return owner if isinstance(owner, dict) else None
+
+
+def _stale(lock: Path, owner: dict) -> bool:
+    if owner.get("host") == socket.gethostname():
+        try:
+            os.kill(int(owner.get("pid", -1)), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError, TypeError):
+            return False  # it runs (under another user), or the pid is unreadable: assume alive
+        return False
+    stale_after = float(os.environ.get("MPIFSDP_LOCK_STALE_S", 6 * 3600))
+    return _age(lock) > stale_after
+
+
+def _age(lock: Path) -> float:
+    """Seconds since the lock was written or refreshed (infinite where it is gone)."""
+    try:
+        return time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _move_aside(lock: Path, owner: dict | None):
+    """Take a stale (or unreadable, half-written) lock out of the way: a rename, so that of two jobs
+    finding it stale only one moves it; the other finds the winner's lock on its next try."""
+    aside = lock.with_name(f"{lock.name}.stale-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:
+        return
+    log.warning("taking over %s from a job that is gone (%s)", lock, _who(owner))
+    aside.unlink(missing_ok=True)
+
+
+def _place(lock: Path) -> Path:
+    name = lock.name
+    return lock.parent if name == SUFFIX else lock.parent / name[1 : -len(SUFFIX)]
+
+
+def _who(owner: dict | None) -> str:
+    if not owner:
+        return "an unreadable lock"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("since", 0)))
+    return f"host {owner.get('host')}, pid {owner.get('pid')}, since {since}"
