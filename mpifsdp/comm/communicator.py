@@ -22,6 +22,7 @@ import numpy as np
 from ..base.accounting import CommLedger
 from ..base.backend import parse_device, select_gpu
 from ..base.threads import set_threads
+from . import presence
 from .schedule import Schedule, ScheduleError, describe, digest
 from .transport import choose_transport
 
@@ -74,6 +75,8 @@ class Comm:
         self.schedule = Schedule(
             self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
         )
+        if self.size == MPI.COMM_WORLD.Get_size():  # every rank makes it: the side channel is collective
+            presence.open_channel(self.mpi, self.schedule.where, self.schedule.timeout)
         self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
         on_gpu = parse_device(device)[0] != "cpu"
@@ -102,7 +105,8 @@ class Comm:
 
     def split(self, color: int, key: int | None = None) -> Comm:
         """A Comm over the ranks that pass the same `color` (ordered by key, default this rank),
-        with this Comm's checks, watchdog and device; collective over this Comm."""
+        with this Comm's checks, watchdog and device; collective over this Comm (compared first)."""
+        self._announce("", "setup", "split", 1, np.dtype(np.int64))
         sub = self.mpi.Split(color, self.rank if key is None else key)
         return Comm(
             sub,
@@ -116,16 +120,21 @@ class Comm:
         )
 
     # -- the schedule: every collective is announced, and checked ----------------------------------
-    def _announce(self, unit: str, phase: str, op: str, count: int, dtype):
+    def _announce(self, unit: str, phase: str, op: str, count: int, dtype, *, hot: bool = False):
+        """Record the collective in the schedule, and compare its fingerprint across ranks before it
+        runs: always, except for the hot path (a unit's gathers and reductions, covered by the
+        per-step hash), which debug mode compares too. So ranks in different collectives (a save on
+        rank 0 alone, an evaluation one rank skipped) are named on every rank before a byte of the
+        other collective is read: every compared collective starts with the same small exchange."""
         fp = self.schedule.announce(unit, phase, op, count, dtype)
-        if self.schedule.debug:  # compare every fingerprint before its collective runs
+        if self.schedule.debug or not hot:
             self._compare(digest(fp), "before " + describe(fp))
 
-    def check_schedule(self, *, phase: str = "backward"):
+    def check_schedule(self, *, phase: str = "backward", when: str = "at the end of a step"):
         """Compare every rank's position and rolling hash of collectives: one allgather of two ints
         (itself announced first, so the hash it compares includes it)."""
-        self._announce("", phase, "schedule_check", 2 * self.size, np.dtype(np.int64))
-        self._compare(self.schedule.position()[1], "at the end of a step")
+        self._announce("", phase, "schedule_check", 2 * self.size, np.dtype(np.int64), hot=True)
+        self._compare(self.schedule.position()[1], when)
         self.ledger.record("", phase, "schedule_check", 2 * (self.size - 1), 8)
 
     def _compare(self, value: int, when: str):
@@ -181,7 +190,9 @@ class Comm:
     def _start(self, op: str, launch, shard, full, unit: str, phase: str):
         """Check the buffers, announce the collective to the schedule, launch it, count it."""
         self._check_shards(op, shard, full)
-        self._announce(unit, phase, op, full.size, full.dtype)
+        # a unit's gathers and reductions in forward and backward are the hot path (the per-step hash
+        # covers them); the same collectives elsewhere (full_state_dict, a user's gather) are compared
+        self._announce(unit, phase, op, full.size, full.dtype, hot=phase in ("forward", "backward"))
         request = launch()
         self.ledger.record(unit, phase, op, (self.size - 1) * shard.size, shard.itemsize)
         return request
@@ -211,9 +222,10 @@ class Comm:
         """A sum: callers divide by size for a mean."""
         self.wait(self.ireduce_scatter(full, shard, unit=unit, phase=phase))
 
-    def iall_reduce(self, array, *, unit: str = "", phase: str = "other"):
-        """Start the in-place sum over ranks of a contiguous array; returns a request (see wait)."""
-        self._announce(unit, phase, "all_reduce", array.size, array.dtype)
+    def iall_reduce(self, array, *, unit: str = "", phase: str = "other", hot: bool = False):
+        """Start the in-place sum over ranks of a contiguous array; returns a request (see wait).
+        hot=True: a unit's per-step traffic (HSDP's gradient shards), not compared before it runs."""
+        self._announce(unit, phase, "all_reduce", array.size, array.dtype, hot=hot)
         request = self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
         self.ledger.record(
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
@@ -231,8 +243,8 @@ class Comm:
         self.all_reduce(buf, unit=what, phase=phase)
         return float(buf[0])
 
-    def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other"):
-        self._announce(unit, phase, "broadcast", array.size, array.dtype)
+    def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other", hot: bool = False):
+        self._announce(unit, phase, "broadcast", array.size, array.dtype, hot=hot)
         self.wait(self.mpi.Ibcast(array, root=root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
@@ -254,9 +266,9 @@ class Comm:
         """`obj` of rank `root`, on every rank (its length first, then its bytes)."""
         raw = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
         length = np.array([0 if raw is None else raw.size], dtype=np.int64)
-        self.broadcast(length, root, phase=phase)
+        self.broadcast(length, root, phase=phase)  # compared: the bytes that follow pair with it
         buf = raw.copy() if raw is not None else np.empty(int(length[0]), dtype=np.uint8)
-        self.broadcast(buf, root, phase=phase)
+        self.broadcast(buf, root, phase=phase, hot=True)
         return pickle.loads(buf.tobytes())
 
     def allgather_object(self, obj, *, phase: str = "other") -> list:

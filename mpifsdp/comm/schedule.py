@@ -1,15 +1,18 @@
-"""Hang-proofing for collectives: fingerprints, a per-step schedule check, debug checks, a watchdog.
+"""Hang-proofing for collectives: fingerprints, the schedule checks, a watchdog.
 
 [Note: same collectives everywhere] (docs/design.md, invariant 5) Comm announces every collective
 here first with its fingerprint (sequence number, unit, phase, op, element count, dtype), folded into
-a rolling hash. The ranks compare (sequence number, hash) at the start of every forward (with the
-batch-size check), at the end of every backward and in every optimizer step, with one
-tiny nonblocking allgather (Comm.check_schedule); in debug mode (MPIFSDP_DEBUG=1 or
-Comm(debug=True)) they compare every fingerprint before its collective runs. A mismatch raises
-ScheduleError on every rank naming what each rank was about to do. Every wait is watched: a
-collective that does not complete within the timeout (MPIFSDP_TIMEOUT seconds, default 300) reports
-where this rank is stuck and aborts the job, so `mpiexec` exits non-zero instead of hanging. A rank
-that never arrived prints nothing: the ranks missing from the reports are the ones that did not.
+a rolling hash. Every collective but the hot path (a unit's gathers and reductions in forward and
+backward) has its fingerprint compared across ranks before it runs; the hot path is covered by the
+hash, compared (with the sequence number) at the start of every forward (with the batch-size check),
+the start and end of every backward and in every optimizer step, with one tiny nonblocking
+allgather (Comm.check_schedule); debug mode (MPIFSDP_DEBUG=1 or Comm(debug=True)) compares the hot
+path's fingerprints too. A mismatch raises ScheduleError on every rank naming what each rank was
+about to do. Every wait is watched: a collective that does not complete within the timeout
+(MPIFSDP_TIMEOUT seconds, default 300) reports where this rank is stuck, and the roll call of
+presence.py says which ranks wait where and which did not answer, then the job is aborted, so
+`mpiexec` exits non-zero instead of hanging. While it waits, a rank also learns there that another
+rank has left the job (presence.py) and ends it at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import os
 import sys
 import time
 from collections import deque
+
+from ..base.checks import yes_or_no
+from . import presence
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +42,17 @@ _OP_WORDS = {
     "allgather_object": "exchange of objects",
     "valid_target_count": "count of valid targets",
     "schedule_check": "schedule check",
+    "split": "split of the communicator",
 }
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
 def _flag(variable: str) -> bool:
-    """An on/off environment variable; anything but the accepted words is an error naming it."""
-    value = os.environ.get(variable, "").strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise ValueError(f"{variable}={os.environ[variable]!r}: use 1/true/yes/on or 0/false/no/off")
-    return value in _TRUE
+    """An on/off environment variable (unset or empty: off); any other word is an error naming it."""
+    value = os.environ.get(variable, "")
+    try:
+        return bool(value.strip()) and yes_or_no(value)
+    except ValueError:
+        raise ValueError(f"{variable}={value!r}: use 1/true/yes/on or 0/false/no/off") from None
 
 
 def _seconds(variable: str, default: float) -> float:
@@ -169,6 +174,7 @@ class Schedule:
         while not self._test(request):
             if time.monotonic() > deadline:
                 self._stalled()
+            presence.check(request)  # a rank that left, or a roll call
             time.sleep(delay)
             delay = min(2 * delay, 2e-4)
 
@@ -186,6 +192,10 @@ class Schedule:
                 "not); MPIFSDP_DEBUG=1 names the first collective where they differ."
             ) from exc
 
+    def where(self) -> str:
+        """The collective this rank is in (or its last one), in words."""
+        return self._whereabouts()[0]
+
     def _whereabouts(self) -> tuple[str, str]:
         """The collective this rank is in, and the three before it, for a report."""
         where = describe(self.current) if self.current else "a collective"
@@ -195,8 +205,7 @@ class Schedule:
         where, history = self._whereabouts()
         message = (
             f"mpifsdp watchdog: rank {self.rank} waited {self.timeout:.1f} s in {where}. "
-            f"Before it: {history}. "
-            "Ranks that did not report are the ones that never arrived (blocked elsewhere, or dead). "
+            f"Before it: {history}. {presence.roll_call()} "
             "Raise MPIFSDP_TIMEOUT if a collective can legitimately take this long."
         )
         if not self.abort_on_timeout:

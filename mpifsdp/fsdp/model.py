@@ -192,6 +192,10 @@ class ShardedModel:
 
     # -- backward: the outermost scope ------------------------------------------------------------
     def pre_backward(self):
+        """Backward begins: the ranks compare their schedules first (one small exchange), so a rank
+        that skipped this backward, or runs another step, is named on every rank before the units'
+        gathers, which carry no fingerprint, could pair with something else."""
+        self.comm.check_schedule(phase="backward", when="at the start of a backward")
         self._start_gathers(self._backward_order[: self.prefetch_depth], "backward")
 
     def reducing(self, unit: Unit):

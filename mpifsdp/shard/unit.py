@@ -336,7 +336,7 @@ class Unit:
         self.comm.wait(r.request)
         self._give("gathered_grads", r.source)
         r.source = None  # across the groups now: the group's sums, summed over the groups
-        r.request = self.replicas.iall_reduce(r.receive, unit=self.name, phase=r.phase)
+        r.request = self.replicas.iall_reduce(r.receive, unit=self.name, phase=r.phase, hot=True)
 
     def finish_reduce_grad(self):
         """Complete a started reduce-scatter and add the mean into grad_shard (no-op if none).

@@ -1,6 +1,7 @@
 """An exception on one rank ends the whole mpiexec job promptly (no rank left waiting in a collective)."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from support import ROOT, mpiexec
+from support import ROOT, mpiexec, run_job
 
 SCRIPT = textwrap.dedent(
     """
@@ -81,3 +82,78 @@ def test_a_failed_test_on_one_rank_ends_pytest_with_mpi_promptly(tmp_path, comm)
     assert result.returncode != 0 and "planted failure on rank 1" in output, output[-2000:]
     assert "FAILED test_planted.py::test_fails_on_rank_1_only on rank 1" in output
     assert elapsed < 60, f"the job took {elapsed:.1f} s to end"
+
+
+LEAVES = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from mpifsdp import Comm
+
+    comm = Comm()
+    how = sys.argv[1]
+    for step in range(400):
+        if comm.rank == 1 and step == 3:
+            if how == "exit":
+                sys.exit(0)
+            if how == "raise":
+                raise ValueError("injected failure on rank 1")
+            if how == "budget":  # its time budget ran out sooner: it stops, the others go on
+                break
+            if how == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+        comm.all_reduce_scalar(1.0, what="a step")
+    print(f"rank {comm.rank} done", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "how, launcher, says",
+    [
+        ("exit", "mpi4py", r"rank 1 left the job \(its program ended; its last collective: .*all-reduce"),
+        (
+            "raise",
+            "plain",
+            r"rank 1 left the job \(an exception ended it: ValueError: injected failure on rank 1",
+        ),
+        ("budget", "mpi4py", r"rank 1 left the job \(its program ended"),
+    ],
+    ids=["exit", "raise", "budget"],
+)
+def test_a_rank_that_leaves_early_is_named_within_seconds(tmp_path, comm, how, launcher, says):
+    """sys.exit on one rank, an exception without `-m mpi4py`, ranks with different step budgets: the
+    others waited for the 300 s watchdog. The exit handshake ends the job in seconds, naming the rank."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES)
+    result, elapsed = run_job(script, 3, how, launcher=launcher, env={"MPIFSDP_TIMEOUT": "20"}, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and elapsed < 15, f"exit {result.returncode} after {elapsed:.1f} s:\n{out}"
+    assert re.search(says, out), out
+    assert re.search(r"while rank [02] waited in .*all-reduce of a step", out), out
+
+
+def test_a_normal_end_on_every_rank_stays_fast_and_successful(tmp_path, comm):
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "ends.py"
+    script.write_text(LEAVES)
+    for launcher in ("mpi4py", "plain"):
+        result, elapsed = run_job(script, 3, "none", launcher=launcher, timeout=120)
+        assert result.returncode == 0 and elapsed < 15, result.stdout + result.stderr
+        assert all(f"rank {r} done" in result.stdout for r in range(3)), result.stdout  # lines may interleave
+
+
+def test_a_frozen_rank_is_named_by_the_watchdog_and_the_running_ones_are_not_blamed(tmp_path, comm):
+    """A SIGSTOPped rank of 4: the report said the ranks that did not report never arrived, false for
+    the ones that were running. The roll call names who waits where, and who did not answer."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "freezes.py"
+    script.write_text(LEAVES)
+    result, elapsed = run_job(script, 4, "freeze", env={"MPIFSDP_TIMEOUT": "3"}, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and elapsed < 30, out
+    assert re.search(r"rank\(s\) \[1\] did not answer within 2 s: they are the ones missing", out), out
+    assert re.search(r"rank [023] waits in .*all-reduce of a step", out), out

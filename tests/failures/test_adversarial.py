@@ -70,8 +70,30 @@ PRELUDE = textwrap.dedent(
         comm.barrier()
         if rank == 0:
             print("SCENARIO OK", flush=True)
+
+    def named_on_every_rank(action):  # each rank says what stopped it, then the job ends (exit 4)
+        from mpifsdp import CollectiveError, ScheduleError
+
+        try:
+            action()
+        except (ScheduleError, CollectiveError) as exc:
+            print(f"rank {rank} named: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+            sys.exit(4)
     """
 )
+
+
+def on_every_rank(ranks: int, what: str = "(ScheduleError|CollectiveError)") -> str:
+    """A regex: every one of `ranks` ranks named the mismatch itself (no rank was left waiting)."""
+    return "(?s)" + "".join(f"(?=.*rank {r} named: {what})" for r in range(ranks))
+
+
+ONE_RANK_ONLY = {  # a collective-issuing call one rank makes and the others do not (then they train)
+    "save": 'ck.save(ROOT / "c", model, opt)',
+    "evaluation": "with mpifsdp.no_grad(): model(*batch())",
+    "full-state-dict": "full_state_dict(model)",
+    "optimizer-step": "opt.step()",
+}
 
 
 @dataclass
@@ -102,6 +124,42 @@ CLIP_ON_ONE_RANK = """
 """
 
 SCENARIOS = {
+    # -- a collective one rank makes alone is named on every rank, without debug mode ----------------
+    **{
+        f"{name}-on-rank-0-only-at-{ranks}": bad(
+            f"""
+        model, opt = make()
+        train(model, opt)
+        def diverge():
+            if rank == 0:
+                {call}
+            train(model, opt, first=1)
+        named_on_every_rank(diverge)
+        """,
+            on_every_rank(ranks),
+            ranks=ranks,
+            seconds=20,
+        )
+        for name, call in ONE_RANK_ONLY.items()
+        for ranks in (2, 4)
+    },
+    **{
+        f"a-skipped-backward-at-{ranks}": bad(
+            """
+        model, opt = make()
+        def diverge():
+            loss = model(*batch())
+            if rank != 1:
+                loss.backward()
+            opt.step()
+        named_on_every_rank(diverge)
+        """,
+            on_every_rank(ranks),
+            ranks=ranks,
+            seconds=20,
+        )
+        for ranks in (2, 4)
+    },
     # -- checkpoints never lose data ------------------------------------------------------------------
     "prune-spares-a-users-checkpoint": good("""
         model, opt = make()
@@ -286,9 +344,10 @@ SCENARIOS = {
             ck.sharded._write_rank_file = broken  # an unexpected error: raised on rank 1 only
         ck.save(ROOT / "c", model, opt)
     """,
-        r"mpifsdp watchdog: rank 0 waited 5\.0 s in",
+        # the exit handshake: rank 0 learns in seconds, not from its watchdog, that rank 1 is gone
+        r"rank 1 left the job \(an exception ended it: RuntimeError: a bug on rank 1",
         launcher="plain",
-        seconds=25,
+        seconds=15,
     ),
     # -- no rank may silently diverge -----------------------------------------------------------------
     "different-seeds": bad("make(seed=rank)", r"starts from different parameter values on different ranks"),
@@ -339,7 +398,7 @@ SCENARIOS = {
         train(model, opt, steps=3)
         print("trained a mixture", flush=True)
     """,
-        r"ScheduleError: ranks disagree .*\(at the end of a step\)",
+        r"ScheduleError: ranks disagree .*\(at the start of a backward\)",
     ),
     "extra-forward-on-one-rank": bad(
         """

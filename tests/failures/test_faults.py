@@ -128,11 +128,11 @@ def test_a_skipped_unit_ends_the_job_without_debug_mode(comm, tmp_path):
 
 
 def test_units_swapped_on_one_rank_are_caught_by_the_per_step_check(comm, tmp_path):
-    """Equal-sized collectives of different units pair silently; the end-of-step comparison of the
-    ranks' fingerprint hashes stops the job before the optimizer uses the mixed gradients."""
+    """Equal-sized collectives of different units pair silently; the comparison of the ranks'
+    fingerprint hashes at the start of backward stops the job before the mixed values are used."""
     result, elapsed = run_scenario(comm, tmp_path, "swap_units", {"MPIFSDP_TIMEOUT": "10"})
     assert result.returncode != 0 and elapsed < 30, result.stdout + result.stderr
-    assert "ScheduleError: ranks disagree on the sequence of collectives (at the end of a step)" in (
+    assert "ScheduleError: ranks disagree on the sequence of collectives (at the start of a backward)" in (
         result.stderr
     )
     assert "finished without noticing" not in result.stdout

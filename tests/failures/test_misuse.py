@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from mpifsdp import (
+    SGD,
     AdamW,
     CollectiveError,
     Comm,
     LossScaler,
     NonFiniteError,
+    Unit,
     full_state_dict,
     fully_shard,
     sharded_model,
@@ -131,13 +133,27 @@ def test_a_per_unit_setting_for_a_module_that_is_no_unit_is_refused(comm, option
 
 
 @pytest.mark.mpi(min_size=2)
-def test_clipping_on_one_rank_only_is_caught_at_the_step(comm):
+def test_clipping_on_one_rank_only_is_named_on_every_rank_before_the_reduction(comm):
     model = fully_shard(GPT(CFG, seed=0), comm, units=[])
     opt = AdamW(model, lr=1e-3)
     model(GOOD, GOOD).backward()
-    if comm.rank == 0:
-        opt.clip_grad_norm(1.0)  # a scalar all-reduce the other ranks do not make for this purpose
     with pytest.raises(ScheduleError, match="the gradient norm of clip_grad_norm"):
+        if comm.rank == 0:
+            opt.clip_grad_norm(1.0)  # a scalar all-reduce the other ranks do not make for this purpose
+        opt.step()  # the others: their own norm's all-reduce is compared with rank 0's, and differs
+
+
+@pytest.mark.mpi(min_size=2)
+def test_units_reduced_in_another_order_on_one_rank_are_caught_at_the_step(comm):
+    """Hot-path collectives (a unit's reduce-scatter) carry no fingerprint of their own: two units of
+    one size reduced in swapped order on one rank pair a's gradient with b's. The schedule check in
+    step() names it on every rank before the mixed gradients are used."""
+    a, b = Unit("a", {"w": np.zeros(4)}, comm), Unit("b", {"v": np.zeros(4)}, comm)
+    opt = SGD([a, b], lr=0.1)
+    for unit in [a, b] if comm.rank == 0 else [b, a]:
+        unit.start_reduce_grad({unit.layout.names[0]: np.ones(4)})
+        unit.finish_reduce_grad()
+    with pytest.raises(ScheduleError, match="ranks disagree on the sequence of collectives"):
         opt.step()
 
 
@@ -228,18 +244,17 @@ def test_a_loss_scaler_that_keeps_skipping_says_so(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_units_used_in_another_order_on_one_rank_are_caught_at_the_step(comm):
-    """The framework-free path gets the same per-step check: AdamW.step compares the schedules."""
+def test_units_used_in_another_order_on_one_rank_are_named_at_the_gather(comm):
+    """The framework-free path: a user's gather (`unsharded()`) is compared before it runs, so units
+    used in another order on one rank are named on every rank before their gathers pair silently."""
     from mpifsdp import Unit
 
     a, b = Unit("a", {"w": np.ones(6)}, comm), Unit("b", {"w2": np.ones(6)}, comm)  # equal sizes
-    opt = AdamW([a, b], lr=1e-2)
-    for unit in (a, b) if comm.rank == 0 else (b, a):  # pairs silently with the other unit's gather
-        with unit.unsharded() as p:
-            grads = {name: np.ones_like(value) for name, value in p.items()}
-        unit.reduce_grad(grads)
-    with pytest.raises(ScheduleError, match="ranks disagree on the sequence of collectives"):
-        opt.step()
+    with pytest.raises(ScheduleError, match=r"ranks disagree .*\(before other gather of unit '(a|b)'"):
+        for unit in (a, b) if comm.rank == 0 else (b, a):
+            with unit.unsharded() as p:
+                grads = {name: np.ones_like(value) for name, value in p.items()}
+            unit.reduce_grad(grads)
 
 
 class Tied(Module):

@@ -192,7 +192,7 @@ def _no_schedule_check_in_the_optimizer_step():
     _replace(
         Comm,
         "check_schedule",
-        lambda self, phase="backward": None if phase == "optimizer" else check(self, phase=phase),
+        lambda self, phase="backward", **kw: None if phase == "optimizer" else check(self, phase=phase, **kw),
     )
 
 
@@ -243,6 +243,18 @@ def _no_writer_lock():
     _replace(mpifsdp.checkpoint.lock, "hold", lambda lock: None)
 
 
+def _no_exit_notices():
+    import mpifsdp.comm.presence
+
+    _replace(mpifsdp.comm.presence, "check", lambda request: None)
+
+
+def _no_roll_call():
+    import mpifsdp.comm.presence
+
+    _replace(mpifsdp.comm.presence, "roll_call", lambda: "")
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -252,6 +264,18 @@ class Mutant:
 
 
 MUTANTS = {
+    "exit_notices": Mutant(
+        _no_exit_notices,
+        "a rank that left is named by the others (comm/presence.py check)",
+        ["tests/failures/test_abort.py::test_a_rank_that_leaves_early_is_named_within_seconds[exit]"],
+    ),
+    "roll_call": Mutant(
+        _no_roll_call,
+        "the watchdog's roll call names the missing rank (comm/presence.py roll_call)",
+        [
+            "tests/failures/test_abort.py::test_a_frozen_rank_is_named_by_the_watchdog_and_the_running_ones_are_not_blamed"
+        ],
+    ),
     "writer_lock": Mutant(
         _no_writer_lock,
         "one writer per checkpoint root (checkpoint/lock.py hold)",
@@ -325,7 +349,9 @@ MUTANTS = {
     "optimizer_step_schedule_check": Mutant(
         _no_schedule_check_in_the_optimizer_step,
         "schedule check in AdamW.step",
-        ["tests/failures/test_misuse.py::test_clipping_on_one_rank_only_is_caught_at_the_step"],
+        [
+            "tests/failures/test_misuse.py::test_units_reduced_in_another_order_on_one_rank_are_caught_at_the_step"
+        ],
         ranks=2,
     ),
     "input_check": Mutant(

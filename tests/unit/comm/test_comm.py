@@ -127,11 +127,13 @@ def test_no_module_but_comm_and_transport_calls_mpi_collectives():
     offenders = [
         f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
         for path in sorted(package.rglob("*.py"))
-        if path.name not in ("communicator.py", "transport.py")
+        if path.name not in ("communicator.py", "transport.py", "presence.py")  # presence: its side channel
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if collectives.search(line)
     ]
-    assert not offenders, "MPI collectives outside comm/ (communicator, transport):\n" + "\n".join(offenders)
+    assert not offenders, "MPI collectives outside comm/ (communicator, transport, presence):\n" + "\n".join(
+        offenders
+    )
 
 
 def test_object_collectives_barrier_and_agreement_are_announced_and_counted(comm):

@@ -1,0 +1,158 @@
+"""Who is still here: the ranks' side channel for an exit handshake and the watchdog's roll call.
+
+A rank that leaves early (its script ended, `sys.exit`, an uncaught exception without
+`python -m mpi4py`, a time budget that ran out sooner) left the others blocked in their next
+collective until the watchdog fired (300 s). So each rank of the first Comm made over several ranks
+says, at exit, that it leaves and why (the exception that ended it, if one did) and where (its last
+collective), then waits for every rank to leave too: at the normal end of a program all do at once
+and this takes milliseconds. A rank still running finds the notice while it waits for a collective
+(Schedule.wait polls here) and ends the job at once, naming the rank that left and where.
+
+When the watchdog fires, the rank asks every other rank where it is (a roll call) and reports which
+ranks wait in a collective, and where, and which did not answer: those are the ones missing from the
+collective (frozen, blocked outside mpifsdp, or dead), not the ones that had no time to print.
+Messages travel on a Dup of the Comm's communicator: they can never match anyone else's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+
+import numpy as np
+
+LEFT, ROLL, HERE = 7301, 7302, 7303  # tags: a rank left; where are you?; here I am
+MESSAGE_BYTES = 1024
+GRACE_S = 2.0  # how long a collective may still complete after a notice, and a roll call waits
+_channel = None  # this process's Channel, made by the first Comm over several ranks
+
+
+def open_channel(mpi_comm, where, timeout: float):
+    """Start the side channel over `mpi_comm`, the world's ranks (once per process: the first Comm
+    over all of them; a Comm over some ranks only has none). where(): this rank's position (the
+    collective it is in, or its last one); timeout: how long the exit handshake may wait."""
+    global _channel
+    if _channel is None and mpi_comm.Get_size() > 1:
+        _channel = Channel(mpi_comm, where, timeout)
+
+
+def check(request):
+    """Called while `request` (a collective) is awaited: answer a roll call; end the job if another
+    rank has left and the collective does not complete within GRACE_S (one of its ranks is gone)."""
+    if _channel is not None:
+        _channel.check(request)
+
+
+def roll_call() -> str:
+    """Where every other rank is, as far as they answer within GRACE_S (for the watchdog's report)."""
+    return _channel.roll_call() if _channel is not None else ""
+
+
+def _encode(text: str) -> np.ndarray:
+    raw = text.encode()[:MESSAGE_BYTES]
+    message = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
+    message[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return message
+
+
+def _decode(message: np.ndarray) -> str:
+    return message.tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+class Channel:
+    def __init__(self, mpi_comm, where, timeout: float):
+        from mpi4py import MPI
+
+        self.mpi, self.comm = MPI, mpi_comm.Dup()
+        self.rank, self.size, self.where, self.timeout = (
+            self.comm.Get_rank(),
+            self.comm.Get_size(),
+            where,
+            timeout,
+        )
+        self.why = "its program ended"
+        self._sends = []  # answers in flight (completed at exit)
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self.leave)
+
+    def _excepthook(self, kind, value, traceback):
+        self.why = f"an exception ended it: {kind.__name__}: {value}"
+        self._previous_hook(kind, value, traceback)
+
+    def _probe(self, tag):
+        status = self.mpi.Status()
+        return status if self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=tag, status=status) else None
+
+    def _receive(self, status) -> str:
+        message = np.empty(MESSAGE_BYTES, dtype=np.uint8)
+        self.comm.Recv(message, source=status.Get_source(), tag=status.Get_tag())
+        return _decode(message)
+
+    def _answer_roll_calls(self, where: str):
+        while (asked := self._probe(ROLL)) is not None:
+            self._receive(asked)
+            self._sends.append(self.comm.Isend(_encode(where), dest=asked.Get_source(), tag=HERE))
+
+    def check(self, request):
+        self._answer_roll_calls(self.where())  # a watchdog elsewhere asks: say where this rank waits
+        left = self._probe(LEFT)
+        if left is None:
+            return
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:  # left right after this very collective: it completes here
+            if request.Test():
+                return  # the notice stays queued: leave() receives it at this rank's own exit
+            time.sleep(1e-3)
+        why = self._receive(left)
+        self._end(
+            f"mpifsdp: rank {left.Get_source()} left the job ({why}) while rank {self.rank} waited in "
+            f"{self.where()}: ending the job (every rank must run the same collectives to the end)"
+        )
+
+    def roll_call(self) -> str:
+        message = _encode("roll call")
+        sends = [self.comm.Isend(message, dest=r, tag=ROLL) for r in range(self.size) if r != self.rank]
+        answers, deadline = {}, time.monotonic() + GRACE_S
+        while len(answers) < self.size - 1 and time.monotonic() < deadline:
+            self._answer_roll_calls(self.where())  # the others' watchdogs may be asking at once
+            if (status := self._probe(HERE)) is not None:
+                answers[status.Get_source()] = self._receive(status)
+            else:
+                time.sleep(1e-3)
+        self._sends += sends  # the silent ranks never receive theirs: the job ends before that matters
+        waiting = "; ".join(f"rank {r} waits in {where}" for r, where in sorted(answers.items()))
+        silent = [r for r in range(self.size) if r != self.rank and r not in answers]
+        missing = (
+            f"rank(s) {silent} did not answer within {GRACE_S:.0f} s: they are the ones missing from the "
+            "collective (frozen, blocked outside mpifsdp's collectives, or dead)"
+            if silent
+            else "every rank answered: they wait in collectives that do not match"
+        )
+        return f"{waiting + '. ' if waiting else ''}{missing}."
+
+    def leave(self):
+        """At exit: tell every other rank, then wait (bounded) until every rank has left."""
+        message = _encode(f"{self.why}; its last collective: {self.where()}")
+        sends = [self.comm.Isend(message, dest=r, tag=LEFT) for r in range(self.size) if r != self.rank]
+        everyone = self.comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        while not everyone.Test():
+            self._answer_roll_calls(f"its exit (it ended its program; its last collective: {self.where()})")
+            if time.monotonic() > deadline:
+                self._end(
+                    f"mpifsdp: rank {self.rank} ended its program {self.timeout:.0f} s ago and the others "
+                    "did not: ending the job"
+                )
+            time.sleep(1e-3)
+        received = np.empty(MESSAGE_BYTES, dtype=np.uint8)
+        for _ in range(self.size - 1):  # every rank posted one notice to each other before the barrier
+            self.comm.Recv(received, source=self.mpi.ANY_SOURCE, tag=LEFT)
+        self.mpi.Request.Waitall(sends)
+
+    def _end(self, text: str):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        time.sleep(0.5)  # the launcher forwards the message before the abort tears it down
+        self.comm.Abort(1)
