@@ -69,15 +69,18 @@ def objective(q, operator, readings):
 
 def lbfgs(unit, comm, operator, readings):
     """Full-batch L-BFGS from SciPy on the gathered vector. Every rank runs the same iterations on the
-    same full vector (identical inputs, deterministic algorithm); only the data is split: each
-    evaluation is a weighted reduce-scatter of the gradient (then gathered) and one scalar all-reduce
-    of the objective. The result is written back into the shards."""
+    same full vector (identical inputs, deterministic algorithm: checked at every evaluation, bit for
+    bit); only the data is split: each evaluation is a weighted reduce-scatter of the gradient (then
+    gathered) and one scalar all-reduce of the objective. The result is written back into the shards."""
     from scipy.optimize import minimize
 
     rows = len(readings)
     total = comm.all_reduce_scalar(rows, what="the sensor rows")
 
     def value_and_gradient(q):
+        # every rank must evaluate at the same point (the same iterations on the same values): a rank
+        # whose inputs differ would otherwise write back a mixture at the end, with no check firing
+        comm.require_same(q, "the L-BFGS iterates", "give every rank the same problem and settings")
         unit.zero_grad()
         unit.reduce_grad({"q": gradient(q, operator, readings)}, weight=rows)
         penalty = 0.5 * SMOOTH * G * float(np.diff(q) @ np.diff(q))

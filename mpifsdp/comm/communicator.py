@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ..base.accounting import CommLedger
-from ..base.backend import parse_device, select_gpu
+from ..base.backend import bytes_digest, parse_device, select_gpu
 from ..base.threads import set_threads
 from . import presence
 from .schedule import Schedule, ScheduleError, describe, digest
@@ -280,6 +280,21 @@ class Comm:
         return everyone
 
     # -- collective checks -------------------------------------------------------------------------
+    def require_same(self, array, what: str, remedy: str, *, phase: str = "other"):
+        """Collective: a ValueError on every rank unless `array` holds the same bits on every rank.
+
+        For values every rank must agree on exactly (the same code on the same inputs gives the same
+        bits): an optimizer's iterate, an edit written back. A hash of the bytes, taken a piece at a
+        time (no host copy of a large device array), exchanged once; NaN is a value like any other."""
+        flat = array.reshape(-1)
+        pieces = (flat[lo : lo + (1 << 20)] for lo in range(0, flat.size, 1 << 20))
+        digests = self.allgather_object(bytes_digest(pieces), phase=phase)
+        off = [r for r, d in enumerate(digests) if d != digests[0]]
+        if off:
+            raise ValueError(
+                f"{what} differ between ranks (ranks {off} differ from rank 0, bit for bit): {remedy}"
+            )
+
     def raise_if_any(self, error: str | None, what: str, error_type=CollectiveError):
         """Collective check: if any rank reports an error, raise on every rank with all messages.
 

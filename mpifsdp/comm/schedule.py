@@ -31,6 +31,9 @@ from . import presence
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
+# A wait tests without sleeping this long first: a sleep costs ~100 us here, many times a small
+# collective whose ranks arrive together (measured: a 2-int exchange 280 us with sleeps at once).
+SPIN_S = 2e-4
 _OP_WORDS = {
     "all_gather": "gather",
     "reduce_scatter": "reduce-scatter",
@@ -169,9 +172,12 @@ class Schedule:
         """Request.Wait() under the watchdog: polls with Test so a stall can be reported."""
         if self._test(request):
             return
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline, spin_until = start + self.timeout, start + SPIN_S
         delay = 2e-5
         while not self._test(request):
+            if time.monotonic() < spin_until:  # the other ranks are usually microseconds behind
+                continue
             if time.monotonic() > deadline:
                 self._stalled()
             presence.check(request)  # a rank that left, or a roll call

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..base.backend import to_numpy
+from ..base.backend import bytes_digest
 
 
 @dataclass(frozen=True)
@@ -120,14 +120,6 @@ class FlatLayout:
         return f"{n} tensors, {self.numel} elements of {self.dtype} (padded to {self.padded_numel})"
 
 
-def _values_digest(arrays) -> str:
-    """A hash of the arrays' bytes (on the host), equal on every rank exactly when the values are."""
-    digest = hashlib.blake2b(digest_size=16)
-    for array in arrays:
-        digest.update(np.ascontiguousarray(to_numpy(array)).view(np.uint8))
-    return digest.hexdigest()
-
-
 def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> FlatLayout:
     """Build the layout and check, collectively, that every rank built the same one from the same
     values: ranks that start from different values would train a silent mixture of models."""
@@ -137,7 +129,7 @@ def agreed_layout(name: str, named_arrays, comm, dtype, check_values: bool) -> F
         if layout.numel == 0:
             error = "has no parameters: give it at least one array, or leave it out"
         elif check_values:
-            values = _values_digest(a for _, a in named_arrays)
+            values = bytes_digest(a for _, a in named_arrays)
     except (TypeError, ValueError) as exc:
         error = str(exc)
     everyone = comm.allgather_object(None if layout is None else (layout.fingerprint(), values))
@@ -163,17 +155,14 @@ def require_same_edit(name: str, full, comm):
     """Collective: a ValueError on every rank where the ranks' edits of `full` are not bitwise equal.
 
     The same edit by the same code on the same values gives the same bits on every rank, so the check
-    is exact (a hash of the bytes, NaN a value like any other: a tolerance let small or permuted edits
-    through, and NaN compares unequal to everything). An edit that depends on the rank (its data, its
-    random numbers) or on its thread count must be made on one rank and broadcast."""
-    pieces = (full[lo : lo + (1 << 20)] for lo in range(0, full.size, 1 << 20))  # no host copy of the unit
-    digests = comm.allgather_object(_values_digest(pieces))
-    off = [r for r, d in enumerate(digests) if d != digests[0]]
-    if off:
-        raise ValueError(
-            f"unit {name!r}: writeback edits differ between ranks (ranks {off} differ from rank 0, bit for "
-            "bit): every rank must make the same edit, or each keeps its own slice of a different one"
-        )
+    is exact (Comm.require_same: NaN a value like any other; a tolerance let small or permuted edits
+    through). An edit that depends on the rank (its data, its random numbers) or on its thread count
+    must be made on one rank and broadcast."""
+    comm.require_same(
+        full,
+        f"unit {name!r}: writeback edits",
+        "every rank must make the same edit, or each keeps its own slice of a different one",
+    )
 
 
 class UnshardedParams(Mapping):

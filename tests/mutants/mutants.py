@@ -176,7 +176,7 @@ def _errors_raised_where_they_happen():
 def _no_initial_value_check():
     import mpifsdp.shard.flat
 
-    _replace(mpifsdp.shard.flat, "_values_digest", lambda arrays: "the same everywhere")
+    _replace(mpifsdp.shard.flat, "bytes_digest", lambda arrays: "the same everywhere")
 
 
 def _no_configuration_check():
@@ -334,7 +334,7 @@ MUTANTS = {
     ),
     "initial_value_check": Mutant(
         _no_initial_value_check,
-        "identical initial values on every rank (flat._values_digest)",
+        "identical initial values on every rank (flat: bytes_digest of the initial values)",
         ["tests/failures/test_misuse.py::test_ranks_built_from_different_seeds_are_refused_or_synced"],
         ranks=2,
     ),
