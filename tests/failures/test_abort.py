@@ -102,6 +102,8 @@ LEAVES = textwrap.dedent(
             if how == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)
         comm.all_reduce_scalar(1.0, what="a step")
+    if how == "rank 0 works on" and comm.rank == 0:
+        time.sleep(3)  # a report written by rank 0 alone, after the others ended: legitimate
     print(f"rank {comm.rank} done", flush=True)
     """
 )
@@ -157,3 +159,16 @@ def test_a_frozen_rank_is_named_by_the_watchdog_and_the_running_ones_are_not_bla
     assert result.returncode != 0 and elapsed < 30, out
     assert re.search(r"rank\(s\) \[1\] did not answer within 2 s: they are the ones missing", out), out
     assert re.search(r"rank [023] waits in .*all-reduce of a step", out), out
+
+
+def test_a_rank_still_at_work_after_the_others_ended_is_not_killed(tmp_path, comm):
+    """Rank 0 working alone after the others' programs ended (a report, a plot) is no error: the
+    ranks waiting at exit say so once, and the job ends with status 0 when rank 0 does."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "works_on.py"
+    script.write_text(LEAVES)
+    result, _ = run_job(script, 3, "rank 0 works on", env={"MPIFSDP_TIMEOUT": "1"}, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ended its program and waits for the others to end" in result.stderr, result.stderr
+    assert all(f"rank {r} done" in result.stdout for r in range(3)), result.stdout
