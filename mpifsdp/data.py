@@ -22,12 +22,12 @@ VOCAB_SIZE = 256  # byte-level tokens
 
 
 def cache_dir() -> Path:
-    """$MPIFSDP_CACHE, else $XDG_CACHE_HOME/mpifsdp, else ~/.cache/mpifsdp."""
-    root = (
-        os.environ.get("MPIFSDP_CACHE")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mpifsdp"
-    )
-    return Path(root)
+    """$MPIFSDP_CACHE, else $XDG_CACHE_HOME/mpifsdp, else ~/.cache/mpifsdp. An empty or relative
+    XDG_CACHE_HOME is ignored, as the XDG specification says (it wrote 31 MB into the working directory)."""
+    if os.environ.get("MPIFSDP_CACHE"):
+        return Path(os.environ["MPIFSDP_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "mpifsdp"
 
 
 def stdlib_sources(package: str = "") -> list[Path]:

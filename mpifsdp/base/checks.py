@@ -4,6 +4,7 @@ JSON's true and Python's True pass isinstance(value, int))."""
 
 from __future__ import annotations
 
+import json
 import math
 from numbers import Integral
 
@@ -37,6 +38,28 @@ def refuse_below(where: str, *, integers: bool = False, **values):
             for name, (value, least) in values.items()
         ),
     )
+
+
+def plain_json(what: str, value, error_type=ValueError):
+    """`value` as JSON will hold it, checked before anything is written: NumPy scalars (a step of
+    np.int64, a loss of np.float32) become Python numbers; an array or any other object is an
+    error_type naming `what` (found while writing, it would come late, and on the writing rank only)."""
+
+    def plain(item):
+        if isinstance(item, np.generic):
+            return item.item()
+        hint = " (an array: pass .tolist())" if isinstance(item, np.ndarray) else ""
+        raise error_type(
+            f"{what} holds a {type(item).__name__}{hint}: it is kept as JSON (numbers, strings, lists, "
+            "dicts with string keys)"
+        )
+
+    try:
+        return json.loads(json.dumps(value, default=plain))
+    except (TypeError, ValueError) as error:  # e.g. a dict key that is a tuple
+        if isinstance(error, error_type):
+            raise
+        raise error_type(f"{what} cannot be kept as JSON: {error}") from None
 
 
 YES, NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

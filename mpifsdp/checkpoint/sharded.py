@@ -11,7 +11,6 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import is_count
+from ..base.checks import is_count, plain_json
 from ..fsdp.build import sharded_model
 from ..shard.unit import Unit
 from . import lock, publish
@@ -110,7 +109,7 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
     sharded = require_sharded_units(model)
     comm = sharded.comm
     final = Path(directory)
-    extra = collective(comm, lambda: _plain_json(extra or {}), f"saving to {final}")
+    extra = collective(comm, lambda: plain_json("extra", extra or {}, CheckpointError), f"saving to {final}")
     collective(comm, lambda: _claim(final), f"saving to {final}", root=0)
     staging = collective(
         comm, lambda: publish.staging_dir(final, comm), f"creating a directory next to {final}"
@@ -154,27 +153,6 @@ def _claim(final: Path):
         if new:
             lock.release(own)
         raise
-
-
-def _plain_json(extra: dict) -> dict:
-    """`extra` as the manifest will hold it, checked before anything is written: NumPy scalars (a
-    step counter of np.int64, a loss of np.float32) become Python numbers; an array or any other
-    object is an error naming it (an error found while writing the manifest would come after the
-    rank files, on one rank only)."""
-
-    def plain(value):
-        if isinstance(value, np.generic):
-            return value.item()
-        hint = " (an array: pass .tolist())" if isinstance(value, np.ndarray) else ""
-        raise CheckpointError(
-            f"extra holds a {type(value).__name__}{hint}: the manifest keeps JSON (numbers, strings, "
-            "lists, dicts with string keys)"
-        )
-
-    try:
-        return json.loads(json.dumps(extra, default=plain))
-    except (TypeError, ValueError) as error:  # e.g. a dict key that is a tuple
-        raise CheckpointError(f"extra cannot be kept as JSON: {error}") from None
 
 
 def _optimizer_state(optimizer, sharded) -> dict:

@@ -58,6 +58,9 @@ def table(result: dict) -> str:
     if not result["setup"]["flops"]:  # no compute rate: the step is its communication alone
         lines[-5] = f"time             {'compute':22s}      unknown (give --flops FLOP_PER_S, or --probe)"
         lines[-1] = f"time             {'step':22s} >= {t['step']:9.4f} s (communication alone)"
+    if "fits" in result:  # --memory: say whether it fits, not only in --json
+        verdict = "fits" if result["fits"] else "DOES NOT FIT"
+        lines.append(f"memory per rank  {verdict} in --memory ({mem['total'] / 2**20:.1f} MiB needed)")
     return "\n".join(lines)
 
 
@@ -138,8 +141,8 @@ def _check_flags(args):
     """Every flag is checked before --probe measures anything."""
     if not args.memory >= 0:
         raise ValueError(f"--memory {args.memory}: give the device's bytes (0: do not check the fit)")
-    if args.shard_size not in ("", "node") and not args.shard_size.isdigit():
-        raise ValueError(f"--shard-size {args.shard_size}: give a group size (ranks) or 'node'")
+    if args.shard_size not in ("", "node") and not (args.shard_size.isdigit() and int(args.shard_size) >= 1):
+        raise ValueError(f"--shard-size {args.shard_size}: give a group size (ranks, >= 1) or 'node'")
     if args.dtype not in ("float16", "float32", "float64"):
         raise ValueError(f"--dtype {args.dtype}: the shards' dtype is float16, float32 or float64")
     if args.batch < 1:  # before --probe times a block on it

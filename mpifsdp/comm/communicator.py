@@ -90,13 +90,16 @@ class Comm:
         """(this rank's index, number of ranks, lowest rank) on its node: for BLAS threads, GPU choice
         and hybrid sharding's groups."""
         pretend = os.environ.get("MPIFSDP_RANKS_PER_NODE")
-        if pretend:
-            per_node = int(pretend)
-            if per_node < 1 or self.size % per_node:
+        if pretend:  # nodes of K consecutive world ranks; a Comm over some of them sees its own share
+            world = _mpi().COMM_WORLD
+            if not pretend.strip().isdigit() or int(pretend) < 1 or world.Get_size() % int(pretend):
                 raise ValueError(
-                    f"MPIFSDP_RANKS_PER_NODE={pretend} must be >= 1 and divide {self.size} ranks"
+                    f"MPIFSDP_RANKS_PER_NODE={pretend!r} must be an integer >= 1 dividing the "
+                    f"{world.Get_size()} ranks of the job"
                 )
-            return self.rank % per_node, per_node, self.rank - self.rank % per_node
+            nodes = self.mpi.allgather(world.Get_rank() // int(pretend))  # setup: before any schedule
+            mine = [r for r, node in enumerate(nodes) if node == nodes[self.rank]]
+            return mine.index(self.rank), len(mine), mine[0]
         node = self.mpi.Split_type(_mpi().COMM_TYPE_SHARED)
         rank, size = node.Get_rank(), node.Get_size()
         lowest = node.allreduce(self.rank, op=_mpi().MIN)

@@ -17,8 +17,10 @@ Messages travel on a Dup of the Comm's communicator: they can never match anyone
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -71,15 +73,21 @@ class Channel:
             where,
             timeout,
         )
-        self.why = "its program ended"
+        self.why, self.failed = "its program ended", False
         self._sends = []  # answers in flight (completed at exit)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.leave)
 
-    def _excepthook(self, kind, value, traceback):
+    def _excepthook(self, kind, value, tb):
         self.why = f"an exception ended it: {kind.__name__}: {value}"
-        self._previous_hook(kind, value, traceback)
+        self.failed = True
+        if self._previous_hook is not sys.__excepthook__:
+            self._previous_hook(kind, value, tb)
+            return
+        # One write: every rank printing the same traceback line by line interleaved them
+        # ("NonFiniteErrorNonFiniteError: : ..."), and a pipe keeps a single write of it whole.
+        os.write(2, "".join(traceback.format_exception(kind, value, tb)).encode(errors="replace"))
 
     def _probe(self, tag):
         status = self.mpi.Status()
@@ -138,6 +146,8 @@ class Channel:
         finds the notice and ends the job; after `timeout` seconds this rank says once that it waits."""
         message = _encode(f"{self.why}; its last collective: {self.where()}")
         sends = [self.comm.Isend(message, dest=r, tag=LEFT) for r in range(self.size) if r != self.rank]
+        if self.failed:  # an exception: `-m mpi4py` aborts the job next, and must not be delayed
+            return
         everyone = self.comm.Ibarrier()
         said = time.monotonic() + self.timeout
         while not everyone.Test():

@@ -29,6 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..base.accounting import PERSISTENT, TRANSIENT
+from ..base.checks import plain_json
 from ..base.files import atomic_file
 from ..fsdp.build import sharded_model
 
@@ -79,8 +80,13 @@ class StepMetrics:
         loss: this rank's (the line has the mean over ranks); tokens: the step's, over all ranks;
         values: anything else to record as it is (lr, grad_norm, ...)."""
         reports = [level.ledger.report() for level in self.sharded.levels()]
+        try:  # NumPy scalars become numbers; anything else JSON cannot hold is refused on every rank
+            values, problem = plain_json("StepMetrics.write", {"loss": loss, **values}), None
+        except ValueError as exc:
+            values, problem = {}, str(exc)
         mine = {
-            "loss": loss,
+            "problem": problem,
+            "loss": values.get("loss"),
             "wait_s": sum(r["wait_s"] for r in reports),
             "peak": {c: self.sharded.ledger.peak[c] for c in PERSISTENT + TRANSIENT},
             "bytes_by_phase": _summed([r["bytes_by_phase"] for r in reports]),
@@ -89,6 +95,10 @@ class StepMetrics:
         if timeline:
             mine["memory_events"] = self.sharded.ledger.stop_timeline()
         everyone = self.comm.allgather_object(mine)
+        problems = [f"rank {r}: {m['problem']}" for r, m in enumerate(everyone) if m["problem"]]
+        if problems:
+            raise ValueError("; ".join(problems))
+        values.pop("loss")
         if timeline and self.comm.rank == 0:
             self._append(
                 {

@@ -86,3 +86,17 @@ def test_atomic_files_fsync_the_file_and_its_directory_and_leave_nothing_on_fail
         f.write(b"half")
         raise RuntimeError("the writer failed")
     assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_an_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch):
+    """XDG_CACHE_HOME="" wrote the 31 MB corpus cache into the working directory."""
+    from pathlib import Path
+
+    from mpifsdp.data import cache_dir
+
+    monkeypatch.delenv("MPIFSDP_CACHE", raising=False)
+    for value in ("", "relative/dir"):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert cache_dir() == Path.home() / ".cache" / "mpifsdp"
+    monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg")
+    assert cache_dir() == Path("/tmp/xdg/mpifsdp")

@@ -7,7 +7,7 @@ import pytest
 from mpifsdp import StepMetrics, fully_shard
 from mpifsdp.models import GPT, GPTConfig
 
-from support import TINY_GPT, train_with_metrics
+from support import TINY_GPT, shared_dir, train_with_metrics
 
 
 def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
@@ -61,3 +61,23 @@ def test_a_resumed_run_keeps_the_lines_of_the_steps_it_resumes_from(comm, tmp_pa
         assert after == [line for line in before if json.loads(line).get("step", 0) <= 2] and max(steps) == 2
     StepMetrics(path, model)  # a new run starts the file afresh
     assert comm.rank != 0 or open(path).read() == ""
+
+
+def test_numpy_scalars_are_numbers_and_a_bad_value_is_named_on_every_rank(comm, tmp_path):
+    """StepMetrics refused NumPy scalars (checkpoint extra converts them), and failed on rank 0 only
+    (the writer), leaving the others in their next collective."""
+    import numpy as np
+
+    model = GPT(TINY_GPT, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    path = f"{shared_dir(comm, tmp_path)}/m.jsonl"
+    metrics = StepMetrics(path, model)
+    metrics.start()
+    line = metrics.write(step=1, loss=np.float32(2.5), seconds=1.0, tokens=8, lr=np.float64(1e-3))
+    assert comm.rank != 0 or (line["loss"] == 2.5 and line["lr"] == 1e-3)
+    metrics.start()
+    bad = {"lr": np.ones(2)} if comm.rank == comm.size - 1 else {}
+    with pytest.raises(
+        ValueError, match=rf"rank {comm.size - 1}: StepMetrics.write holds a ndarray \(an array"
+    ):
+        metrics.write(step=2, loss=1.0, seconds=1.0, tokens=8, **bad)

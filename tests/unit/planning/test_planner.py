@@ -199,3 +199,21 @@ def test_the_table_says_when_compute_time_is_unknown(capsys):
     assert main(["plan", "--world", "4", "--ranks-per-node", "2", "--flops", "1e12"]) == 0
     out = capsys.readouterr().out
     assert "unknown" not in out and "communication alone" not in out
+
+
+def test_plan_cli_refuses_a_group_of_zero_and_says_when_memory_does_not_fit():
+    """--shard-size 0 planned plain FSDP without a word; --memory 1 said nothing outside --json."""
+    zero = subprocess.run(
+        [sys.executable, "-m", "mpifsdp", "plan", "--world", "4", "--shard-size", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert zero.returncode == 1 and "--shard-size 0: give a group size (ranks, >= 1)" in zero.stderr, (
+        zero.stderr
+    )
+    small = subprocess.run(
+        [sys.executable, "-m", "mpifsdp", "plan", "--world", "4", "--ranks-per-node", "4", "--memory", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert small.returncode == 0 and "DOES NOT FIT in --memory" in small.stdout, small.stdout + small.stderr
