@@ -74,7 +74,7 @@ class Channel:
             timeout,
         )
         self.why, self.failed = "its program ended", False
-        self._sends = []  # answers in flight (completed at exit)
+        self._sends = []  # roll-call answers: small messages, never waited for (sent eagerly)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.leave)

@@ -100,13 +100,7 @@ class StepMetrics:
             raise ValueError("; ".join(problems))
         values.pop("loss")
         if timeline and self.comm.rank == 0:
-            self._append(
-                {
-                    "timeline_step": step,
-                    "memory_events": [r["memory_events"] for r in everyone],
-                    "bytes_by_unit_phase": self._bytes_by_unit_phase(),
-                }
-            )
+            self._write_timeline(step, everyone)
         if self.comm.rank != 0:
             return None
         exposed = max(r["wait_s"] for r in everyone)
@@ -125,6 +119,16 @@ class StepMetrics:
         }
         self._append(line)
         return line
+
+    def _write_timeline(self, step: int, everyone: list):
+        """The timeline step's extra line: every rank's memory events and the bytes each unit moved."""
+        self._append(
+            {
+                "timeline_step": step,
+                "memory_events": [r["memory_events"] for r in everyone],
+                "bytes_by_unit_phase": self._bytes_by_unit_phase(),
+            }
+        )
 
     def _bytes_by_unit_phase(self) -> dict:
         """{unit: {phase: bytes}} this rank moved, over the model's communicators."""
