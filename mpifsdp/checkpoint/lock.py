@@ -83,8 +83,6 @@ def hold(lock: Path):
             )
             f.flush()
             os.fsync(f.fileno())
-        if not _held:
-            atexit.register(release_all)
         _held[lock] = token
         return
     raise CheckpointError(
@@ -104,6 +102,9 @@ def release_all():
     """Remove the locks this process holds: at exit (atexit), so a job that ends leaves none."""
     for lock in list(_held):
         release(lock)
+
+
+atexit.register(release_all)  # once, at import: a no-op where this process holds no lock
 
 
 def _owner(lock: Path) -> dict | None:

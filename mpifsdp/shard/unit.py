@@ -249,11 +249,15 @@ class Unit:
         global mean when each rank's gradient is its own samples' mean. reduce="sum": the plain sum
         over ranks (weighted: sum_r weight_r * g_r). A weight costs one small exchange of every rank's
         weight (see `agreed_weights`); the runtime's own calls give none."""
+        self._check_reduce(reduce)
+        weights = None if weight is None else self.agreed_weights(weight, phase)
+        self._start_reduce(grads, phase, weights, reduce)
+
+    def _check_reduce(self, reduce: str):
+        """What both reduce_grad and start_reduce_grad refuse before any exchange."""
         self._require_trainable("reduce")
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
-        weights = None if weight is None else self.agreed_weights(weight, phase)
-        self._start_reduce(grads, phase, weights, reduce)
 
     def agreed_weights(self, weight, phase: str = "backward") -> list[float] | None:
         """Collective: every rank's weight (None where every rank gave none), checked on every rank.
@@ -364,9 +368,7 @@ class Unit:
         """Reduce-scatter the gradients now: grad_shard += the mean (or, weighted, the weighted mean;
         or the sum) over ranks, of this rank's slice. See start_reduce_grad. Every rank must give a
         weight, or none: checked on every rank first (`agreed_weights`, one small exchange)."""
-        self._require_trainable("reduce")
-        if reduce not in ("mean", "sum"):
-            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        self._check_reduce(reduce)
         self._start_reduce(grads, phase, self.agreed_weights(weight, phase), reduce)
         self.finish_reduce_grad()
 
