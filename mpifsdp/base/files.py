@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import uuid
 from pathlib import Path
+
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a scheduler's kill, a closed terminal
+_in_progress: list[Path] = []  # temporary files to remove if one of those ends the process
+_previous_handlers: dict[int, object] = {}
 
 
 def fsync_dir(path: Path):
@@ -32,16 +38,50 @@ def replace_durably(tmp: Path, path: Path):
 
 
 @contextlib.contextmanager
+def removed_if_terminated(tmp: Path):
+    """While the block runs, SIGTERM or SIGHUP removes `tmp` before the process ends as that signal
+    would have ended it (a killed export must not leave a hidden copy of the model's size in the
+    user's directory; SIGINT already raises KeyboardInterrupt, which the caller's cleanup sees).
+    Signal handlers belong to the main thread: elsewhere this only tracks nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if not _in_progress:
+        _previous_handlers.update({s: signal.signal(s, _remove_then_end) for s in ENDING_SIGNALS})
+    _in_progress.append(Path(tmp))
+    try:
+        yield
+    finally:
+        _in_progress.remove(Path(tmp))
+        if not _in_progress:
+            for number, handler in _previous_handlers.items():
+                signal.signal(number, handler)
+
+
+def _remove_then_end(number, frame):
+    for tmp in _in_progress:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    previous = _previous_handlers[number]
+    if callable(previous):
+        previous(number, frame)
+    elif previous != signal.SIG_IGN:  # the default: end the process as the signal does
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+
+@contextlib.contextmanager
 def atomic_file(path):
     """`with atomic_file(path) as f:` writes f (binary) whole over `path` at the end of the block, or
     not at all: an exception leaves `path` as it was and removes the temporary file."""
     path = Path(path)
     tmp = temporary_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        replace_durably(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with removed_if_terminated(tmp):
+        try:
+            with open(tmp, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            replace_durably(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)

@@ -21,10 +21,9 @@ import numpy as np
 
 from ..base.backend import to_numpy
 from ..base.checks import is_count
-from ..base.files import atomic_file, replace_durably, temporary_name
-from . import publish
+from ..base.files import atomic_file, removed_if_terminated, replace_durably, temporary_name
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
-from .sharded import collective, copy_overlap, counted_slices, require_sharded_units, sharded_units
+from .sharded import collective, copy_overlap, counted_slices, readable, require_sharded_units, sharded_units
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
@@ -91,13 +90,14 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
             f.write(header)
             f.truncate(len(header) + data_bytes)
 
-    try:
-        collective(comm, create, f"creating {path}", root=0)
-        collective(comm, lambda: _write_pieces(tmp, sharded, offsets, len(header)), f"writing {path}")
-        collective(comm, lambda: replace_durably(tmp, path), f"publishing {path}", root=0)
-    except CheckpointError:  # nothing left behind but what was there before
-        collective(comm, lambda: tmp.unlink(missing_ok=True), f"cleaning up {tmp}", root=0)
-        raise
+    with removed_if_terminated(tmp):
+        try:
+            collective(comm, create, f"creating {path}", root=0)
+            collective(comm, lambda: _write_pieces(tmp, sharded, offsets, len(header)), f"writing {path}")
+            collective(comm, lambda: replace_durably(tmp, path), f"publishing {path}", root=0)
+        except CheckpointError:  # nothing left behind but what was there before
+            collective(comm, lambda: tmp.unlink(missing_ok=True), f"cleaning up {tmp}", root=0)
+            raise
     return path
 
 
@@ -254,8 +254,7 @@ def load_params(directory, model, allow_missing=lambda name: False) -> list[str]
     Returns the names of the model's tensors that were not loaded. No optimizer state is loaded.
     """
     sharded = require_sharded_units(model)
-    directory = Path(directory)
-    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    directory = readable(sharded.comm, Path(directory))
     manifest, missing = collective(
         sharded.comm,
         lambda: _check_names(read_manifest(directory), sharded, allow_missing),

@@ -110,12 +110,15 @@ def remove_ours(directory: Path):
 
 
 def recover(final) -> Path | None:
-    """Put a complete checkpoint back at `final` after a save was interrupted; returns what it restored.
+    """Put a complete checkpoint back at `final` after a save was interrupted; returns where the
+    checkpoint named `final` is now (None: there is none).
 
     Only ever renames; deletes nothing but a replaced copy (`.old-*`) proven superseded by a complete
     checkpoint at `final` (the newer one: the old copy is moved aside only once the new one is whole).
     If `final` is missing, the complete new copy (`.tmp-*` with a manifest) is preferred over the
-    replaced old one. Not collective: rank 0 calls it before saving or loading."""
+    replaced old one. Loading must not need write access: where the file system refuses a rename or a
+    removal (a read-only archive), nothing changes and the copy is read where it lies. Not
+    collective: rank 0 calls it before saving or loading."""
     final = Path(final)
     if not final.parent.is_dir():
         return None
@@ -124,11 +127,31 @@ def recover(final) -> Path | None:
     if (final / MANIFEST).is_file():
         for old in complete:
             if REPLACED in old.name:
-                remove_ours(old)
-        return None
+                _try(f"remove {old.name}, a copy superseded by {final.name}", remove_ours, old)
+        return final
     if final.exists() or final.is_symlink() or not complete:
         return None
     newest = [p for p in complete if STAGING in p.name] or [p for p in complete if REPLACED in p.name]
-    os.replace(newest[-1], final)
+    if not _try(f"rename {newest[-1].name} to {final.name}", os.replace, newest[-1], final):
+        return newest[-1]
     log.warning("recovered %s from %s, left by an interrupted save", final, newest[-1].name)
     return final
+
+
+def _try(doing: str, change, *args) -> bool:
+    """Apply a recovery step; a file system that refuses it (read-only, no permission) is said once
+    and changes nothing."""
+    try:
+        change(*args)
+    except OSError as exc:
+        log.warning("could not %s (%s): reading the checkpoint as it lies", doing, exc.strerror or exc)
+        return False
+    return True
+
+
+def named_by(leftover: Path) -> str | None:
+    """The checkpoint name a save's staging or replaced copy belongs to (`step-3.tmp-ab12` -> `step-3`)."""
+    for suffix in (STAGING, REPLACED):
+        if suffix in leftover.name:
+            return leftover.name.split(suffix)[0]
+    return None

@@ -36,7 +36,7 @@ from .manifest import (
     slice_digest,
     unit_record,
 )
-from .publish import REPLACED, STAGING
+from .publish import STAGING
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,7 @@ def load(directory, model, optimizer=None) -> dict:
     A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
     """
     sharded = require_sharded_units(model)
-    directory = Path(directory)
-    collective(sharded.comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    directory = readable(sharded.comm, Path(directory))
     manifest = collective(
         sharded.comm,
         lambda: _check_fits(read_manifest(directory), sharded, optimizer),
@@ -229,6 +228,13 @@ def load(directory, model, optimizer=None) -> dict:
             name = type(optimizer).__name__
             log.warning("%s holds no optimizer state: %s starts from step 0", directory, name)
     return manifest["extra"]
+
+
+def readable(comm, directory: Path) -> Path:
+    """Where the checkpoint named `directory` is read from: rank 0 first puts back one an interrupted
+    save left nameless (publish.recover); on a read-only archive, the copy where it lies. Collective."""
+    found = collective(comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    return Path(comm.broadcast_object(str(found or directory)))
 
 
 def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
@@ -313,8 +319,11 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
 
 
 def _prune(root: Path, step: int, keep: int):
+    """After a save of `step`: finish interrupted saves (a superseded `.old-*` copy goes), keep the
+    newest `keep`, and remove staging of older steps that never completed."""
+    kept = _recovered_checkpoints(root)
     if keep > 0:
-        for old in checkpoints(root)[keep:]:
+        for old in kept[keep:]:
             publish.remove_ours(old)
     for stale in root.glob(f"step-*{STAGING}*"):
         saved = STEP.fullmatch(stale.name.split(STAGING)[0])
@@ -359,10 +368,12 @@ def load_latest(
 
 
 def _recovered_checkpoints(root: Path) -> list[Path]:
-    """checkpoints(root), after putting back any step-N left nameless by an interrupted overwrite."""
-    if root.is_dir():
-        for leftover in root.glob(f"step-*{STAGING}*"):
-            publish.recover(root / leftover.name.split(STAGING)[0])
-        for leftover in root.glob(f"step-*{REPLACED}*"):
-            publish.recover(root / leftover.name.split(REPLACED)[0])
-    return checkpoints(root)
+    """checkpoints(root), after putting back any step-N an interrupted save left nameless; on a
+    read-only archive such a copy is listed where it lies. Newest step first."""
+    found = {p.name: p for p in checkpoints(root)}
+    for name in {publish.named_by(p) for p in root.glob("step-*-*")} if root.is_dir() else ():
+        if name and STEP.fullmatch(name):
+            where = publish.recover(root / name)
+            if where is not None:
+                found[name] = where
+    return [found[name] for name in sorted(found, key=lambda n: int(STEP.fullmatch(n)[1]), reverse=True)]

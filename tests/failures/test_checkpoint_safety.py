@@ -4,6 +4,7 @@ malformed manifests and safetensors files, failed saves, and the command line's 
 import json
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -22,7 +23,7 @@ from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.checkpoint.manifest import with_digest
 from mpifsdp.models import GPT
 
-from support import TINY_GPT, agree, on_rank_0, run_job, sharded_tiny_gpt, shared_dir, sub_comm, train
+from support import ROOT, TINY_GPT, agree, on_rank_0, run_job, sharded_tiny_gpt, shared_dir, sub_comm, train
 
 
 def test_pruning_and_latest_see_only_step_checkpoints(comm, tmp_path):
@@ -62,6 +63,53 @@ def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_pat
 
     on_rank_0(comm, only_the_old_copy_left)
     assert load(f"{root}/step-00000002", *sharded_tiny_gpt(comm, seed=5))["step"] == 2
+
+
+def _read_only(monkeypatch, root):
+    """Make every change under `root` fail as a read-only file system's would (the tests run as root,
+    for whom a chmod changes nothing)."""
+    import errno
+
+    for name in ("replace", "rename", "unlink", "rmdir", "mkdir"):
+        real = getattr(os, name)
+
+        def refused(path, *args, _real=real, **kwargs):
+            if str(path).startswith(str(root)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return _real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, refused)
+
+
+def test_a_read_only_archive_holding_an_interrupted_overwrite_still_loads(comm, tmp_path, monkeypatch):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded_tiny_gpt(comm)
+    save_step(root, 1, model, opt, extra={"copy": "old"})
+    save_step(root, 2, model, opt, extra={"copy": "two"})
+    save(f"{root}/new", model, opt, {"step": 1, "copy": "new"})
+
+    def killed_between_renames():
+        os.replace(f"{root}/step-00000001", f"{root}/step-00000001.old-aaaa0000")
+        os.replace(f"{root}/new", f"{root}/step-00000001.tmp-bbbb0000")
+        shutil.copytree(f"{root}/step-00000002", f"{root}/step-00000002.old-cccc0000")  # superseded
+
+    on_rank_0(comm, killed_between_renames)
+    before = sorted(os.listdir(root))
+    _read_only(monkeypatch, root)
+    extra = load(f"{root}/step-00000001", *sharded_tiny_gpt(comm, seed=5))
+    assert extra["copy"] == "new"  # read where it lies, no rename needed
+    path, extra = load_latest(root, *sharded_tiny_gpt(comm, seed=5))
+    assert path.name == "step-00000002" and extra["copy"] == "two"
+    assert sorted(os.listdir(root)) == before  # nothing changed, nothing failed
+
+
+def test_a_superseded_copy_left_by_a_killed_overwrite_is_pruned(comm, tmp_path):
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded_tiny_gpt(comm)
+    save_step(root, 1, model, opt)
+    on_rank_0(comm, lambda: shutil.copytree(f"{root}/step-00000001", f"{root}/step-00000001.old-aaaa0000"))
+    save_step(root, 2, model, opt, keep=1)  # killed after its second rename: step-1 superseded the copy
+    assert sorted(p for p in os.listdir(root) if not p.startswith(".")) == ["step-00000002"]
 
 
 def test_an_edited_manifest_is_refused(comm, tmp_path):
@@ -246,6 +294,48 @@ def test_the_command_line_names_every_problem_without_a_traceback(comm, tmp_path
     assert rc == 1 and "pass --force to replace it" in out
     assert cli("export", tmp_path / "run", tmp_path / "m.safetensors", "--force")[0] == 0
     safetensors.numpy.load_file(tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("where", ["export", "atomic_file"])
+def test_a_write_killed_by_sigterm_leaves_no_temporary_file(comm, tmp_path, where):
+    """A scheduler's SIGTERM in the middle of writing: the process still ends by that signal, the file
+    it replaced is as it was, and no hidden temporary copy is left in the user's directory."""
+    if comm.size > 1:
+        pytest.skip("runs a single-process job: the plain-pytest pass covers it")
+    script = tmp_path / "killed.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal
+        import mpifsdp.checkpoint.consolidated as consolidated
+        from mpifsdp.base.files import atomic_file
+        from mpifsdp.checkpoint.consolidated import export_safetensors
+        from mpifsdp.models import GPT
+        from mpifsdp import Comm, fully_shard
+        from support import TINY_GPT
+
+        def killed(*args):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        model = GPT(TINY_GPT)
+        fully_shard(model, Comm(), units=model.blocks)
+        if {where!r} == "export":
+            consolidated._write_pieces = killed
+            export_safetensors("{tmp_path}/m.safetensors", model)
+        else:
+            with atomic_file("{tmp_path}/m.safetensors") as f:
+                f.write(b"partial")
+                killed()
+        """)
+    )
+    (tmp_path / "m.safetensors").write_bytes(b"the user's earlier file")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, script], env=env, capture_output=True, timeout=120)
+    assert result.returncode == -15, result.stderr.decode()[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed.py", "m.safetensors"]
+    assert (tmp_path / "m.safetensors").read_bytes() == b"the user's earlier file"
 
 
 def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):

@@ -99,6 +99,34 @@ def _no_recovery():
     _replace(mpifsdp.checkpoint.publish, "recover", lambda final: None)
 
 
+def _recovery_needs_write_access():
+    import mpifsdp.checkpoint.publish
+
+    def always(doing, change, *args):
+        change(*args)
+        return True
+
+    _replace(mpifsdp.checkpoint.publish, "_try", always)
+
+
+def _leftovers_not_seen():
+    import mpifsdp.checkpoint.publish
+
+    _replace(mpifsdp.checkpoint.publish, "named_by", lambda leftover: None)
+
+
+def _termination_keeps_temporary_files():
+    import signal
+
+    import mpifsdp.base.files
+
+    def end_at_once(number, frame):
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+    _replace(mpifsdp.base.files, "_remove_then_end", end_at_once)
+
+
 def _no_atomic_publish():
     """Write the checkpoint in place: no staging directory, no rename."""
     import mpifsdp.checkpoint.publish
@@ -389,6 +417,25 @@ MUTANTS = {
         [
             "tests/failures/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"
         ],
+    ),
+    "read_only_recovery": Mutant(
+        _recovery_needs_write_access,
+        "an interrupted overwrite loads from a read-only archive (publish._try)",
+        [
+            "tests/failures/test_checkpoint_safety.py::test_a_read_only_archive_holding_an_interrupted_overwrite_still_loads"
+        ],
+    ),
+    "leftover_pruning": Mutant(
+        _leftovers_not_seen,
+        "save_step finishes interrupted saves, so a superseded .old-* copy goes (publish.named_by)",
+        [
+            "tests/failures/test_checkpoint_safety.py::test_a_superseded_copy_left_by_a_killed_overwrite_is_pruned"
+        ],
+    ),
+    "removed_on_sigterm": Mutant(
+        _termination_keeps_temporary_files,
+        "SIGTERM during a write removes the temporary file (base/files.removed_if_terminated)",
+        ["tests/failures/test_checkpoint_safety.py::test_a_write_killed_by_sigterm_leaves_no_temporary_file"],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,
