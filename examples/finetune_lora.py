@@ -97,6 +97,10 @@ def parse_args():
     wrong = [f"--{k} {getattr(args, k)} (must be >= {v})" for k, v in least.items() if getattr(args, k) < v]
     if wrong:
         parser.error("; ".join(wrong))
+    try:  # before the fine-tune, not after it
+        consolidated.require_export_path(args.export)
+    except checkpoint.CheckpointError as exc:
+        parser.error(f"--export: {exc}")
     return args
 
 
@@ -121,6 +125,7 @@ def main():
     )
 
     data = TextData(stdlib_corpus_path(args.package))
+    data.check_fits(config.block_size)
     say(f"fine-tuning on the {args.package}/ package: {len(data.tokens) / 1e3:.0f} K byte tokens")
 
     def batch(split, index):

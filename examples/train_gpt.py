@@ -161,7 +161,12 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)
     xp = mpifsdp.array_module(comm.device)
 
-    data = TextData(cfg.data or None)
+    try:
+        data = TextData(cfg.data or None)
+        data.check_fits(cfg.block_size)  # now, not at the first evaluation
+    except (OSError, ValueError) as exc:  # every rank reads the same file: every rank stops
+        say(f"error: --data: {exc}", file=sys.stderr)
+        sys.exit(2)
     say(f"data: {data.path} ({len(data.tokens) / 1e6:.1f} M byte tokens), {world} rank(s) on {cfg.device}")
 
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})

@@ -71,6 +71,7 @@ class TextData:
         if self.path.stat().st_size == 0:  # np.memmap's own error does not name the file
             raise ValueError(f"text file {self.path} is empty: give a file with some text to train on")
         self.tokens = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.val_fraction = val_fraction
         n_val = int(len(self.tokens) * val_fraction)
         self.splits = {
             "train": self.tokens[: len(self.tokens) - n_val],
@@ -82,15 +83,27 @@ class TextData:
         if split not in self.splits:
             raise ValueError(f"TextData: split {split!r} is not one of {sorted(self.splits)}")
         refuse_below("TextData.batch", integers=True, batch_size=(batch_size, 1), block_size=(block_size, 1))
+        self._require_tokens(split, block_size)
         data = self.splits[split]
-        if len(data) <= block_size + 1:
-            raise ValueError(
-                f"the {split} split has {len(data)} tokens, fewer than block_size+1={block_size + 1}"
-            )
         starts = rng.integers(0, len(data) - block_size - 1, size=batch_size)
         x = np.stack([data[s : s + block_size] for s in starts]).astype(np.int64)
         y = np.stack([data[s + 1 : s + 1 + block_size] for s in starts]).astype(np.int64)
         return x, y
+
+    def check_fits(self, block_size: int):
+        """Refuse, before training starts, a file whose train or validation split is too short for
+        `block_size` (found otherwise at the first evaluation, maybe hours in)."""
+        refuse_below("TextData.check_fits", integers=True, block_size=(block_size, 1))
+        for split in self.splits:
+            self._require_tokens(split, block_size)
+
+    def _require_tokens(self, split: str, block_size: int):
+        if len(self.splits[split]) <= block_size + 1:
+            raise ValueError(
+                f"{self.path}: its {split} split has {len(self.splits[split])} tokens, not more than "
+                f"block_size+1 = {block_size + 1}: give a longer file, a smaller block_size, or another "
+                f"val_fraction (now {self.val_fraction})"
+            )
 
     def global_batch(self, split, step, batch_size, block_size, seed=0):
         """The same global batch on every rank for (seed, split, step): slice it by rank for data parallel."""

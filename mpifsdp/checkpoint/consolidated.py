@@ -78,7 +78,7 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
     entries = [e for e in _unit_entries(unit_record(u) for u in sharded.units) if include(e[0])]
     if not entries:  # every rank: the same entries
         raise CheckpointError(f"exporting {path}: `include` accepted none of the model's tensors")
-    collective(comm, lambda: _require_file_path(path), f"exporting {path}", root=0)
+    collective(comm, lambda: require_export_path(path), f"exporting {path}", root=0)
     header = safetensors_header(entries)
     offsets, data_bytes = {}, 0
     for name, dtype, shape in entries:
@@ -101,10 +101,18 @@ def export_safetensors(path, model, include=lambda name: True) -> Path:
     return path
 
 
-def _require_file_path(path: Path):
-    """A file may be replaced by the export (the caller named it); a directory is refused up front."""
+def require_export_path(path):
+    """Refuse a path an export cannot write (a directory; a folder above it that is a file, or that
+    cannot be written), so that a script can check it before it trains, not after. A file there may be
+    replaced (the caller named it)."""
+    path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory: give the .safetensors file's path")
+    existing = next(p for p in [path.parent, *path.parent.parents] if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise CheckpointError(f"cannot export to {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot export to {path}: {existing} cannot be written (permission)")
 
 
 def _write_pieces(tmp: Path, sharded, offsets: dict, data_start: int):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,6 +60,26 @@ def test_train_gpt_names_flags_it_cannot_run_with(comm):
     ]:
         done = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True, cwd=ROOT)
         assert done.returncode == 2 and message in done.stderr, done.stderr[-1000:]
+
+
+def test_inputs_found_late_are_refused_before_training(comm, tmp_path):
+    """Each was found only after the work it spoils: the export path after the whole fine-tune (the
+    adapters saved nowhere), a too-short validation split at the first evaluation (200 steps in)."""
+    if comm.size > 1:
+        pytest.skip("single-process commands: the plain-pytest pass covers it")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "short.txt").write_bytes(b"0123456789" * 40)  # 360 train, 40 val tokens
+    finetune, train = ROOT / "examples" / "finetune_lora.py", ROOT / "examples" / "train_gpt.py"
+    for command, message in [
+        ([finetune, "--export", tmp_path], "--export: " + f"{tmp_path} is a directory"),
+        ([finetune, "--export", tmp_path / "a_file" / "x.safetensors"], "a_file is not a directory"),
+        ([train, "--data", tmp_path / "short.txt", "--block_size", 64], "its val split has 40 tokens"),
+        ([train, "--data", tmp_path / "missing.txt"], "missing.txt does not exist"),
+    ]:
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-1000:]
+        assert "Traceback" not in done.stderr and time.monotonic() - start < 60
 
 
 def test_train_gpt_accumulates_gradients_without_sync_and_recomputes_activations(comm, tmp_path):

@@ -32,8 +32,13 @@ def test_custom_file_and_errors(tmp_path):
     f.write_bytes(b"abcdefghij" * 10)
     data = TextData(f)
     assert len(data.tokens) == 100
-    with pytest.raises(ValueError, match="fewer than block_size"):
+    with pytest.raises(
+        ValueError, match=r"t.txt: its val split has 10 tokens, not more than block_size\+1 = 65"
+    ):
         data.batch("val", 1, 64, np.random.default_rng(0))
+    data.check_fits(8)  # 90 train and 10 val tokens: both fit
+    with pytest.raises(ValueError, match=r"its val split has 10 tokens.*val_fraction \(now 0.1\)"):
+        data.check_fits(9)  # up front: the train split alone would fit
     with pytest.raises(FileNotFoundError, match="does not exist"):
         TextData(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_bytes(b"")
