@@ -19,20 +19,34 @@ from pathlib import Path
 MIB = 2**20
 
 
+DRAWN = ("step", "time_s", "loss", "val_loss", "tokens_per_s", "compute_s", "exposed_comm_s")  # numbers
+
+
 def read_run(path) -> dict:
-    """The run's lines by kind: "steps" (StepMetrics.write), "notes" (note), "timeline" (or None)."""
+    """The run's lines by kind: "steps" (StepMetrics.write), "notes" (note), "timeline" (or None).
+
+    Every value a picture draws is checked here, so a file that is not a run is refused with the line
+    and the reason instead of a traceback or a silently categorical axis."""
     run: dict = {"steps": [], "notes": [], "timeline": None}
-    for number, text in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        content = Path(path).read_text()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a text file ({exc.reason}); is this a StepMetrics file?") from exc
+    for number, text in enumerate(content.splitlines(), 1):
         if not text.strip():
             continue
+        where = f"{path}:{number}"
         try:
             line = json.loads(text)
         except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not a JSON line ({exc.msg}); is this a StepMetrics file?") from exc
+        if not isinstance(line, dict):
             raise ValueError(
-                f"{path}:{number}: not a JSON line ({exc.msg}); is this a StepMetrics file?"
-            ) from exc
+                f"{where}: a JSON {type(line).__name__}, not an object; is this a StepMetrics file?"
+            )
+        _require_numbers(where, line)
         if "timeline_step" in line:
-            run["timeline"] = line
+            run["timeline"] = _checked_timeline(where, line)
         elif "tokens_per_s" in line:
             run["steps"].append(line)
         else:
@@ -40,6 +54,48 @@ def read_run(path) -> dict:
     if not run["steps"]:
         raise ValueError(f"{path} holds no step lines: write it with mpifsdp.StepMetrics")
     return run
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_numbers(where: str, line: dict, keys=DRAWN):
+    wrong = [f"{k}={line[k]!r}" for k in keys if line.get(k) is not None and not _is_number(line[k])]
+    if wrong:
+        raise ValueError(f"{where}: {', '.join(wrong)} where a number (or null) belongs")
+
+
+def _is_event(event) -> bool:
+    """[seconds, category, bytes, rss or null]: one entry of a rank's memory timeline."""
+    if not (isinstance(event, list) and len(event) == 4):
+        return False
+    t, category, nbytes, rss = event
+    return (
+        _is_number(t)
+        and isinstance(category, str)
+        and _is_number(nbytes)
+        and (rss is None or _is_number(rss))
+    )
+
+
+def _checked_timeline(where: str, line: dict) -> dict:
+    """The timeline line: memory_events, one list per rank of [t, category, bytes, rss or null];
+    bytes_by_unit_phase, {unit: {phase: bytes}}."""
+    ranks, by_unit = line.get("memory_events"), line.get("bytes_by_unit_phase")
+    events_ok = isinstance(ranks, list) and all(
+        isinstance(events, list) and all(map(_is_event, events)) for events in ranks
+    )
+    bytes_ok = isinstance(by_unit, dict) and all(
+        isinstance(phases, dict) and all(_is_number(b) for b in phases.values())
+        for phases in by_unit.values()
+    )
+    if not (events_ok and bytes_ok and _is_number(line["timeline_step"])):
+        raise ValueError(
+            f"{where}: a timeline line needs timeline_step (a number), memory_events (per rank, a list of "
+            "[seconds, category, bytes, rss]) and bytes_by_unit_phase ({unit: {phase: bytes}})"
+        )
+    return line
 
 
 def _pyplot():
@@ -88,6 +144,9 @@ def draw_memory(plt, timeline, out: Path) -> Path:
     ranks = timeline["memory_events"]
     fig, axes = plt.subplots(len(ranks), 1, figsize=(10, 2.6 * len(ranks)), sharex=True, squeeze=False)
     for rank, (ax, events) in enumerate(zip(axes[:, 0], ranks)):
+        if not events:
+            ax.set_ylabel(f"rank {rank}: no events")
+            continue
         end = max(t for t, *_ in events)
         for category in dict.fromkeys(category for _, category, _, _ in events):
             points = [(t, b / MIB) for t, c, b, _ in events if c == category]
@@ -138,7 +197,9 @@ def draw(run_path, out=None) -> list[Path]:
     plt = _pyplot()
     paths = [draw_loss(plt, run, out), draw_throughput(plt, run, out)]
     if run["timeline"] is not None:
-        paths += [draw_memory(plt, run["timeline"], out), draw_comm(plt, run["timeline"], out)]
+        if run["timeline"]["memory_events"]:  # a timeline of no rank has no memory to draw
+            paths.append(draw_memory(plt, run["timeline"], out))
+        paths.append(draw_comm(plt, run["timeline"], out))
     plt.close("all")
     return paths
 
