@@ -35,6 +35,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: {', '.join(bad)}: sizes are integers >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
 
 
 class GPT(Module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -83,25 +84,78 @@ def export_hf_gpt2(directory, model: GPT) -> Path:
 
 
 def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
-    """A GPT (single process) from a GPT-2 directory: ours, or a Hugging Face one with biases."""
+    """A GPT (single process) from a GPT-2 directory: ours, or a Hugging Face one with biases.
+
+    A config.json that is not one, or that contradicts the weights (another number of layers, other
+    sizes), is refused by name: a model built from it would load silently wrong."""
     directory = Path(directory)
-    hf = json.loads((directory / CONFIG).read_text())
-    config = GPTConfig(
-        vocab_size=hf["vocab_size"],
-        block_size=hf["n_positions"],
-        n_layer=hf["n_layer"],
-        n_head=hf["n_head"],
-        n_embd=hf["n_embd"],
-        tie_weights=hf.get("tie_word_embeddings", True),
-        bias=True,
-    )
-    model = GPT(config, dtype=dtype, device=device)
-    header, start = read_safetensors_header(directory / WEIGHTS)
-    with open(directory / WEIGHTS, "rb") as f:
-        for name, p in model.named_parameters():
-            entry = header.get(hf_name(name))
-            if entry is None:
-                raise ValueError(f"{directory / WEIGHTS} has no {hf_name(name)} (for our {name})")
-            value = read_tensor(f, entry, start).reshape(entry["shape"])
-            p.data[...] = value.T if name == "lm_head.weight" else value
+    model = GPT(read_hf_config(directory / CONFIG), dtype=dtype, device=device)
+    _load_weights(model, directory / WEIGHTS)
     return model
+
+
+SIZES = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer", "n_head": "n_head"}
+SIZES["n_embd"] = "n_embd"  # GPT-2's name -> ours
+BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")  # torch buffers old GPT-2 files hold
+
+
+def read_hf_config(path: Path) -> GPTConfig:
+    """Our GPTConfig from a GPT-2 config.json, each problem named with the file."""
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} does not exist: a GPT-2 directory holds config.json and {WEIGHTS}"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a GPT-2 config (an object)")
+    missing = [k for k in SIZES if k not in hf]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(missing)}: a GPT-2 config.json names every size")
+    tie = hf.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise ValueError(f"{path}: tie_word_embeddings={tie!r} must be true or false")
+    try:
+        return GPTConfig(**{ours: hf[theirs] for theirs, ours in SIZES.items()}, tie_weights=tie, bias=True)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _load_weights(model: GPT, path: Path):
+    """Every parameter from the file, whose tensors must be exactly the model's (torch's buffers
+    aside) with the model's shapes; a tied model's saved head must equal the embedding."""
+    header, start = read_safetensors_header(path)
+    ours = {hf_name(n): (n, p) for n, p in model.named_parameters()}
+    tied_head = "lm_head.weight" if model.config.tie_weights and "lm_head.weight" in header else None
+    extra = sorted(n for n in header if n not in ours and not BUFFERS.fullmatch(n) and n != tied_head)
+    if extra:
+        raise ValueError(
+            f"{path} holds {len(extra)} tensors the model of config.json has not ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): config.json contradicts the weights"
+        )
+    with open(path, "rb") as f:
+        for theirs, (name, p) in ours.items():
+            p.data[...] = _read(f, header, start, theirs, p.shape, transposed=name == "lm_head.weight")
+        embedding = model.wte.weight
+        if tied_head is not None and not np.array_equal(
+            _read(f, header, start, tied_head, embedding.shape, transposed=False), embedding.data
+        ):
+            raise ValueError(
+                f"{path}: config.json ties the head to the embedding, but lm_head.weight differs"
+            )
+
+
+def _read(f, header: dict, start: int, name: str, shape: tuple, transposed: bool):
+    want = list(shape[::-1] if transposed else shape)
+    entry = header.get(name)
+    if entry is None:
+        raise ValueError(f"{f.name} has no {name}, which the model of config.json has")
+    if entry["shape"] != want:
+        raise ValueError(
+            f"{f.name}: {name} is {entry['shape']}, the model of config.json needs {want}: config.json "
+            "contradicts the weights"
+        )
+    value = read_tensor(f, entry, start).reshape(want)
+    return value.T if transposed else value

@@ -70,3 +70,78 @@ def test_command_line_exports_a_train_gpt_checkpoint(comm, tmp_path):
     odd = [sys.executable, "-m", "mpifsdp", "export", str(tmp_path / "odd"), str(tmp_path / "hf2")]
     done = subprocess.run([*odd, "--format", "hf-gpt2"], capture_output=True, text=True)  # a traceback before
     assert done.returncode == 1 and "has fields GPTConfig does not: ['bogus']" in done.stderr, done.stderr
+
+
+def _edited_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize(
+    "config_text, message",
+    [
+        ("{not json", "config.json is not JSON"),  # was a raw JSONDecodeError
+        ("[1, 2]", "holds a JSON list, not a GPT-2 config"),  # was a TypeError
+        ('{"n_layer": 2}', "has no vocab_size, n_positions, n_head, n_embd"),  # was a KeyError
+        (None, "config.json does not exist"),
+    ],
+)
+def test_a_malformed_config_is_named(tmp_path, config_text, message):
+    directory = export_hf_gpt2(tmp_path / "hf", GPT(_config(True), seed=1))
+    if config_text is None:
+        (directory / "config.json").unlink()
+    else:
+        (directory / "config.json").write_text(config_text)
+    with pytest.raises(ValueError, match=message):
+        load_hf_gpt2(directory)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_layer": 1}, r"holds 12 tensors the model of config.json has not \(transformer.h.1"),
+        ({"n_layer": 3}, "has no transformer.h.2.ln_1.weight"),
+        (
+            {"n_embd": 16, "n_head": 4},
+            r"transformer.wte.weight is \[50, 8\], the model of config.json needs \[50, 16\]",
+        ),
+        ({"n_head": 3}, "n_embd=8 must be divisible by n_head=3"),
+        ({"n_layer": "2"}, r"n_layer='2': sizes are integers"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' must be true or false"),
+        (
+            {"tie_word_embeddings": True},
+            "config.json ties the head to the embedding, but lm_head.weight differs",
+        ),
+    ],
+)
+def test_a_config_that_contradicts_the_weights_is_refused(tmp_path, changes, message):
+    directory = export_hf_gpt2(tmp_path / "hf", GPT(_config(False), seed=1))  # untied: lm_head saved
+    _edited_config(directory, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_hf_gpt2(directory)
+
+
+def test_torch_buffers_and_a_tied_head_equal_to_the_embedding_are_accepted(tmp_path):
+    """Older GPT-2 files hold the attention's mask buffers, and some a tied head: neither is a
+    contradiction (a head that differs from the embedding is)."""
+    from mpifsdp.checkpoint.consolidated import read_tensor, safetensors_header
+
+    plain = GPT(_config(True), seed=1)
+    directory = export_hf_gpt2(tmp_path / "hf", plain)
+    path = directory / "model.safetensors"
+    header, start = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        tensors = {n: read_tensor(f, e, start).reshape(e["shape"]) for n, e in header.items()}
+    mask = np.tril(np.ones((1, 1, 16, 16), np.float32))
+    for head in (tensors["transformer.wte.weight"], tensors["transformer.wte.weight"] + 1):
+        more = {**tensors, "transformer.h.0.attn.bias": mask, "lm_head.weight": head}
+        entries = [(n, a.dtype, list(a.shape)) for n, a in more.items()]
+        path.write_bytes(safetensors_header(entries) + b"".join(a.tobytes() for a in more.values()))
+        if head is tensors["transformer.wte.weight"]:
+            tokens = np.arange(12).reshape(2, 6) % 50
+            assert np.array_equal(load_hf_gpt2(directory)(tokens).data, plain(tokens).data)
+        else:
+            with pytest.raises(
+                ValueError, match="ties the head to the embedding, but lm_head.weight differs"
+            ):
+                load_hf_gpt2(directory)
