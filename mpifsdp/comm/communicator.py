@@ -68,15 +68,14 @@ class Comm:
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if not isinstance(base, MPI.Comm):
             raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
-        self.mpi = base.Clone() if clone else base
-        self.rank = self.mpi.Get_rank()
-        self.size = self.mpi.Get_size()
+        self.rank, self.size = base.Get_rank(), base.Get_size()
         self.ledger = CommLedger()
         self.schedule = Schedule(
-            self.rank, self.mpi.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
+            self.rank, base.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
         )
-        if self.size == MPI.COMM_WORLD.Get_size():  # every rank makes it: the side channel is collective
-            presence.open_channel(self.mpi, self.schedule.where, self.schedule.timeout)
+        self.mpi = self._clone(base) if clone else base
+        # every rank of it makes this Comm: the side channel (collective over it) is opened once
+        presence.open_channel(self.mpi, self.schedule.where, self.schedule.timeout)
         self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
         on_gpu = parse_device(device)[0] != "cpu"
@@ -85,6 +84,16 @@ class Comm:
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
+
+    def _clone(self, base):
+        """A communicator of our own (MPI's Idup, waited under the watchdog: a Comm() that some ranks
+        never make is reported by name, where a Clone would hang for ever)."""
+        self.schedule.announce(
+            "", "setup", "Comm() (every rank of the communicator must make it)", 1, np.dtype(np.int64)
+        )
+        mine, request = base.Idup()
+        self.schedule.wait(request)
+        return mine
 
     def _node_ranks(self) -> tuple[int, int, int]:
         """(this rank's index, number of ranks, lowest rank) on its node: for BLAS threads, GPU choice

@@ -31,8 +31,9 @@ _channel = None  # this process's Channel, made by the first Comm over several r
 
 
 def open_channel(mpi_comm, where, timeout: float):
-    """Start the side channel over `mpi_comm`, the world's ranks (once per process: the first Comm
-    over all of them; a Comm over some ranks only has none). where(): this rank's position (the
+    """Start the side channel over `mpi_comm` (once per process: the first Comm over several ranks,
+    usually the world's; the ranks of a Comm made over some of them first, as a code that splits the
+    job into independent groups does, watch each other). where(): this rank's position (the
     collective it is in, or its last one); timeout: after how long a rank waiting at exit says so."""
     global _channel
     if _channel is None and mpi_comm.Get_size() > 1:

@@ -172,3 +172,49 @@ def test_a_rank_still_at_work_after_the_others_ended_is_not_killed(tmp_path, com
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ended its program and waits for the others to end" in result.stderr, result.stderr
     assert all(f"rank {r} done" in result.stdout for r in range(3)), result.stdout
+
+
+SOME_RANKS = textwrap.dedent(
+    """
+    import sys, time
+    from mpi4py import MPI
+    from mpifsdp import Comm
+
+    world = MPI.COMM_WORLD
+    if sys.argv[1] == "only rank 0 makes a Comm":
+        if world.Get_rank() == 0:
+            Comm()  # a Clone here waited for ever: the others never make theirs
+        else:
+            time.sleep(20)
+    else:  # two independent groups, each its own Comm: rank 1 leaves its group early
+        comm = Comm(world.Split(world.Get_rank() // 2))
+        for step in range(400):
+            if world.Get_rank() == 1 and step == 3:
+                sys.exit(0)
+            comm.all_reduce_scalar(1.0, what="a group's step")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        (
+            "only rank 0 makes a Comm",
+            r"rank 0 waited 2.0 s in setup Comm\(\) \(every rank of the communicator",
+        ),
+        ("groups", r"rank 1 left the job \(its program ended.*while rank 0 waited in .*a group's step"),
+    ],
+    ids=["comm-on-one-rank", "sub-communicator"],
+)
+def test_a_comm_made_on_some_ranks_or_over_a_group_ends_in_seconds(tmp_path, comm, how, says):
+    """Comm() on one rank only hung for ever in MPI's Clone (now an Idup under the watchdog); a Comm
+    over a group of the job, made first, had no exit handshake (now its ranks watch each other)."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    script = tmp_path / "some_ranks.py"
+    script.write_text(SOME_RANKS)
+    result, elapsed = run_job(script, 4, how, env={"MPIFSDP_TIMEOUT": "2"}, timeout=30)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and elapsed < 20, f"exit {result.returncode} after {elapsed:.1f} s:\n{out}"
+    assert re.search(says, out), out

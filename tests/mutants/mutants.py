@@ -31,6 +31,12 @@ def _no_debug_check():
     _replace(Comm, "_announce", lambda self, *args: self.schedule.announce(*args))
 
 
+def _unwatched_clone():
+    from mpifsdp.comm.communicator import Comm
+
+    _replace(Comm, "_clone", lambda self, base: base.Clone())
+
+
 def _no_watchdog():
     from mpifsdp.comm.schedule import Schedule
 
@@ -436,6 +442,14 @@ MUTANTS = {
         _termination_keeps_temporary_files,
         "SIGTERM during a write removes the temporary file (base/files.removed_if_terminated)",
         ["tests/failures/test_checkpoint_safety.py::test_a_write_killed_by_sigterm_leaves_no_temporary_file"],
+    ),
+    "watched_clone": Mutant(
+        _unwatched_clone,
+        "a Comm() some ranks never make is reported by the watchdog (Comm._clone: Idup, watched)",
+        [
+            "tests/failures/test_abort.py::test_a_comm_made_on_some_ranks_or_over_a_group_ends_in_seconds"
+            "[comm-on-one-rank]"
+        ],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,
