@@ -31,6 +31,8 @@ def fully_shard(
     sync_params: bool = False,
     recompute=False,
     shard_size=None,
+    deterministic: bool = False,
+    chunk_size: int = 1,
     checkpoint=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
@@ -57,6 +59,9 @@ def fully_shard(
     size) or "node" (the ranks of one node) shards inside groups of S consecutive ranks and
     replicates across the groups: gathers and reduce-scatters stay inside a group (fast links), and
     each gradient shard is all-reduced across the groups (1/S of the model per rank crosses them).
+    deterministic: the same bits at any world size (docs/determinism.md): train through
+    `sharded_model(model).chunks(x, y)`, chunks of `chunk_size` samples whose gradients are summed
+    exactly, as integers; N must divide the number of chunks of the global batch.
     """
     recompute = _renamed("checkpoint", checkpoint, "recompute", recompute, default=False)
     if sharded_model(model) is not None:
@@ -73,7 +78,8 @@ def fully_shard(
     comm.raise_if_any(error or differs, "fully_shard")
 
     shard_comm, replicas = shard_groups(comm, shard_size)
-    sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas))
+    chunks = chunk_size if deterministic else None
+    sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas), chunk_size=chunks)
     options = dict(
         ledger=sharded.ledger,
         pool=sharded.pool,
@@ -81,6 +87,7 @@ def fully_shard(
         reduce_dtype=reduce_dtype,
         sync_values=sync_params,
         replicas=replicas,
+        deterministic=bool(deterministic),
     )
     settings = zip(flags + [bool(reshard_root)], recomputed + [False])
     for module, (unit_name, params), (flag, recomputes) in zip([*units, model], owned, settings):

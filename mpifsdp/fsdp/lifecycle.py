@@ -156,7 +156,11 @@ class UnitLifecycle:
         for _, p in self.params:
             p.grad = None
         self.release()
-        if self.unit.trainable and self._model.requires_gradient_sync:
+        if self.unit.trainable and self._model.deterministic:  # the chunk added to the exact sum
+            self.unit.add_chunk_grad(weight=self._model.chunk_state.weight or 0)
+            if self._model.requires_gradient_sync:
+                self.unit.reduce_chunk_grads()
+        elif self.unit.trainable and self._model.requires_gradient_sync:
             self.unit.start_reduce_grad(phase="backward")
             self._model.reducing(self.unit)
         self._reshard()

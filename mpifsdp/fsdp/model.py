@@ -23,11 +23,13 @@ from collections import deque
 
 from .. import ops
 from ..autodiff.tape import grad_enabled, scope
+from ..autodiff.tensor import Tensor
 from ..base.accounting import MemoryLedger
 from ..base.checks import is_count
 from ..comm.communicator import CollectiveError, Comm
 from ..shard.pool import BufferPool
 from ..shard.unit import Unit
+from .deterministic import ChunkedBatch, ChunkState
 from .lifecycle import Stage, UnitLifecycle
 
 
@@ -38,9 +40,17 @@ class ShardedModel:
     `prefetch_after` (a unit asks for the gathers after it), `reducing` (a reduce-scatter started).
     """
 
-    def __init__(self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None)):
+    def __init__(
+        self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None), chunk_size=None
+    ):
+        """chunk_size: deterministic mode (fsdp/deterministic.py), training through chunks() of this
+        many samples; None: the normal mode."""
         if not is_count(prefetch):
             raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
+        if chunk_size is not None and not is_count(chunk_size, 1):
+            raise ValueError(f"chunk_size must be an integer >= 1 (samples per chunk), got {chunk_size!r}")
+        self.deterministic, self.chunk_size = chunk_size is not None, chunk_size
+        self.chunk_state = ChunkState()
         self.comm = comm  # every rank: input checks, valid-target counts, the schedule check
         # HSDP: (this rank's shard group, its replicas across groups); (comm, None) for plain FSDP
         self.shard_comm, self.replicas = levels[0] or comm, levels[1]
@@ -75,7 +85,33 @@ class ShardedModel:
         return [unit for unit in self.units if unit.trainable]
 
     # -- forward: the model's forward wrapper -------------------------------------------------------
+    def chunks(self, *arrays) -> ChunkedBatch:
+        """Deterministic mode: `for chunk in sharded.chunks(x, y): model(*chunk).backward()` runs this
+        rank's chunks of its batch; see fsdp/deterministic.py. Collective (a count check)."""
+        if not self.deterministic:
+            raise RuntimeError("chunks() is the deterministic mode's: fully_shard(..., deterministic=True)")
+        return ChunkedBatch(self, arrays)
+
+    def model_modules(self):
+        return self._model().named_modules()
+
     def run_model(self, forward, *args, **kwargs):
+        if self.deterministic and grad_enabled() and self.chunk_state.index is None:
+            raise RuntimeError(
+                "deterministic mode trains chunk by chunk: `for chunk in sharded_model(model).chunks(x, y): "
+                "model(*chunk).backward()` (a forward with gradients outside chunks() would sum floats)"
+            )
+        if self.chunk_state.index is not None:
+            self.chunk_state.weight = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), 1)
+            out = self._run_model(forward, *args, **kwargs)
+            if isinstance(out, Tensor) and out.data.size == 1:
+                self.chunk_state.losses.append(
+                    (self.chunk_state.index, self.chunk_state.weight, float(out.data.reshape(())))
+                )
+            return out
+        return self._run_model(forward, *args, **kwargs)
+
+    def _run_model(self, forward, *args, **kwargs):
         self.check_inputs(args, kwargs)
         for lc in self.lifecycles:  # a pass that raised part-way left these mid-stage
             if lc.stage in (Stage.FORWARD, Stage.BACKWARD):
@@ -144,6 +180,8 @@ class ShardedModel:
         and of their gradients (reduce-scatter, then 1/N) is the global batch's mean even when ranks
         hold different numbers of valid (not ignored) targets. Equal counts give exactly the local one.
         """
+        if self.chunk_state.index is not None:  # deterministic mode: weighed by the exact sum instead
+            return self.chunk_state.count(local)
         counts = self.comm.gather_ints(local, phase="forward", op="valid_target_count")[:, 0]
         return int(counts.sum()) / self.comm.size
 

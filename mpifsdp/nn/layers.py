@@ -4,6 +4,7 @@ the dispatch that runs a LayerNorm fused into the projection after it where both
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 
 import numpy as np
@@ -42,8 +43,23 @@ class LayerNorm(Module):
         return ops.layer_norm(x, self.weight, self.bias, eps=self.eps)
 
 
+_chunk = contextvars.ContextVar("mpifsdp_chunk", default=None)  # deterministic mode: the chunk running
+
+
+@contextlib.contextmanager
+def drawing_for_chunk(index: int):
+    """Inside, dropout masks belong to chunk `index` of the global batch: the same masks whichever
+    rank runs that chunk (deterministic mode: fsdp/deterministic.py)."""
+    token = _chunk.set(int(index))
+    try:
+        yield
+    finally:
+        _chunk.reset(token)
+
+
 class Dropout(Module):
-    """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device."""
+    """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device;
+    inside drawing_for_chunk(c), seed (s, k, c)."""
 
     def __init__(self, p: float, seed: int = 0):
         if not 0 <= p < 1:  # p = 1 would scale the survivors by 1 / 0
@@ -56,7 +72,9 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             return x
         self._calls += 1
-        seed = np.random.SeedSequence([self._seed, self._calls]).generate_state(1)[0]
+        chunk = _chunk.get()
+        key = [self._seed, self._calls] if chunk is None else [self._seed, self._calls, chunk]
+        seed = np.random.SeedSequence(key).generate_state(1)[0]
         return ops.dropout(x, self.p, int(seed))
 
 

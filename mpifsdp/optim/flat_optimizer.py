@@ -14,6 +14,7 @@ from typing import Protocol
 
 from ..autodiff.tensor import Param
 from ..base.backend import array_module_of
+from ..shard.exact import exact_squared_norm
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,10 @@ class FlatOptimizer:
     def grad_norm(self, what: str = "the gradient norm") -> float:
         """The L2 norm of all gradients (across ranks when a comm is set; `what` is its purpose in the
         collective's fingerprint)."""
-        local = sum(float(g @ g) for g in (group.flat_grad() for group in self.groups) if g is not None)
+        grads = [group.flat_grad() for group in self.groups]
+        if self.comm is not None and any(getattr(group, "deterministic", False) for group in self.groups):
+            return math.sqrt(exact_squared_norm(self.comm, grads))  # the same bits at any N
+        local = sum(float(g @ g) for g in grads if g is not None)
         if self.comm is None:
             return math.sqrt(local)
         return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))

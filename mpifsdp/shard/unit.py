@@ -26,6 +26,7 @@ import numpy as np
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
 from ..base.checks import float_dtype
+from .exact import ExactSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
 
@@ -59,6 +60,7 @@ class Unit:
         sync_values: bool = False,
         trainable: bool = True,
         replicas=None,
+        deterministic: bool = False,
     ):
         """replicas: hybrid sharding (HSDP). `comm` is then this rank's shard group and `replicas` the
         ranks holding the same shard in the other groups: each gradient shard, once reduce-scattered
@@ -69,9 +71,12 @@ class Unit:
         its gradient and the optimizer state stay in the arrays' dtype (fp32 masters); reduce_dtype: the
         dtype gradients are reduce-scattered in (default param_dtype).
         sync_values: take rank 0's values (a broadcast per array); by default every rank must pass the
-        same values, which is checked (a hash per rank, in the layout check's one exchange)."""
+        same values, which is checked (a hash per rank, in the layout check's one exchange).
+        deterministic: an optimizer's gradient norm over this unit is summed exactly (the same bits at
+        any N; gradients summed with add_chunk_grad / reduce_chunk_grads)."""
         named_arrays = list(named_arrays.items() if isinstance(named_arrays, dict) else named_arrays)
         self.name, self.comm, self.replicas = name, comm, replicas
+        self.deterministic = bool(deterministic)
         self.ledger = ledger if ledger is not None else MemoryLedger()
         if replicas is not None:  # the same layout and values in every group too
             agreed_layout(name, named_arrays, replicas, dtype, check_values=not sync_values)
@@ -100,6 +105,7 @@ class Unit:
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
         self._reducing: _Reduction | None = None  # a reduction in flight
+        self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -372,6 +378,40 @@ class Unit:
         self._start_reduce(grads, phase, self.agreed_weights(weight, phase), reduce)
         self.finish_reduce_grad()
 
+    # -- deterministic mode: chunks summed exactly (shard/exact.py) --------------------------------
+    def add_chunk_grad(self, grads: dict | None = None, weight: int = 1):
+        """Add one chunk's gradient (`full_grad`, or the given name -> arrays) times `weight` to this
+        unit's exact sum, and drop it. Local. weight: an integer >= 0 that the same chunk has at any
+        N (its count of targets or of samples). reduce_chunk_grads then gives the same bits whichever
+        rank added which chunk."""
+        if not isinstance(weight, (int, np.integer)) or isinstance(weight, bool) or weight < 0:
+            raise ValueError(f"unit {self.name!r}: a chunk's weight is an integer >= 0, got {weight!r}")
+        self._require_trainable("accumulate")
+        if grads is not None:
+            self._load_grads(grads)
+        elif self.full_grad is None:
+            raise RuntimeError(f"unit {self.name!r}: add_chunk_grad() without gradients: pass them")
+        if self._exact is None:
+            self._exact = ExactSum(self.layout.padded_numel, self.xp)
+        self._exact.add(self.full_grad, int(weight))
+        self.drop_full_grad()
+
+    def reduce_chunk_grads(self, phase: str = "backward") -> int:
+        """Collective: grad_shard += (sum over every rank's chunks of weight * gradient) / (sum of the
+        weights), summed as integers, so the result has the same bits at any world size (and, with
+        HSDP, any group shape). Returns the summed weight. No chunk anywhere: nothing changes."""
+        self._require_trainable("reduce")
+        if self._exact is None:
+            self._exact = ExactSum(self.layout.padded_numel, self.xp)
+        total, weight = self._exact.reduce_scatter(
+            self.comm, self.layout.shard_numel, self.replicas, unit=self.name, phase=phase
+        )
+        if weight > 0:
+            total /= weight
+            self.grad_shard += total.astype(self.grad_shard.dtype)
+            self.has_grad = True
+        return weight
+
     def _load_grads(self, grads: dict):
         views = self.zero_full_grad()
         missing = set(self.layout.names) - set(grads)
@@ -414,8 +454,10 @@ class Unit:
         return self.grad_shard if self.has_grad else None
 
     def zero_grad(self):
-        """Forget every gradient: the shard's and a full one kept unreduced (no_sync)."""
+        """Forget every gradient: the shard's, a full one kept unreduced (no_sync) and chunks added but
+        not reduced (deterministic mode)."""
         self.drop_full_grad()
+        self._exact = None
         if self.trainable:
             self.grad_shard[...] = 0
         self.has_grad = False

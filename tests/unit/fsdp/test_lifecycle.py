@@ -14,6 +14,7 @@ class StepLog:
     def __init__(self):
         self.events = []
         self.requires_gradient_sync = True
+        self.deterministic = False
 
     def prefetch_after(self, lifecycle, direction):
         self.events.append(("prefetch", direction, lifecycle.stage, lifecycle.unit.state))
