@@ -9,8 +9,10 @@ magnitude (|q| <= 2**62 / MAX_CHUNKS), and levels are multiples of LEVEL_STEP, s
 size share one int64 buffer; each level used is one buffer and one reduction (usually one level per
 unit: 8 bytes per element, twice a float32 reduce-scatter). The total is sum_L q_L * 2**-L, converted
 level by level in ascending order. Relative to each chunk's largest element the rounding is
-2**-(62 - log2 MAX_CHUNKS - LEVEL_STEP) ~ 2**-45: below float32's precision, and a deterministic
-function of the chunk, which is all that same-bits-at-any-N needs.
+2**-(62 - log2 MAX_CHUNKS - LEVEL_STEP) ~ 2**-46, below float32's precision; a float64 chunk keeps a
+second limb for the remainder (2**-96: 16 bytes per element, twice a float64 reduce-scatter), so
+that Adam, which divides each element by its own size, sees float64's precision. Either way the
+rounding is a deterministic function of the chunk, which is all that same-bits-at-any-N needs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ from ..base.backend import array_module_of, to_numpy
 MAX_CHUNKS = 2**12  # chunks one sum may hold: 4096 sequences of one, at 4 bytes/element of headroom
 LEVEL_STEP = 4  # levels are multiples of this many bits
 TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TOP_BITS
+LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
+
+
+def _limbs(xp, scaled, two: bool) -> list:
+    """int64 fixed point of `scaled` (|scaled| <= 2**TOP_BITS): rint(scaled), and with two=True the
+    remainder (|r| <= 1/2, exact in float64) at LOW_BITS more bits, so a float64 chunk keeps its
+    precision relative to its smaller elements too (2**-96 of its largest, not 2**-46)."""
+    high = xp.rint(scaled)
+    if not two:
+        return [high.astype(np.int64)]
+    low = xp.rint(xp.ldexp(scaled - high, LOW_BITS))
+    return [high.astype(np.int64), low.astype(np.int64)]
 
 
 def level_of(largest: float) -> int:
@@ -39,9 +53,11 @@ class ExactSum:
     leaves this rank's shard of the total. A NaN or Inf in any chunk on any rank makes the whole
     total NaN on every rank (the optimizer's non-finite policy then applies), never a wrapped integer."""
 
-    def __init__(self, numel: int, xp):
+    def __init__(self, numel: int, xp, dtype=np.float32):
+        """dtype: the chunks' (float64 takes two int64 limbs per element, narrower types one)."""
         self.numel, self.xp = numel, xp
-        self.levels: dict[int, object] = {}  # level -> int64 buffer of numel
+        self.limbs = 2 if np.dtype(dtype) == np.float64 else 1
+        self.levels: dict[int, list] = {}  # level -> its limbs, int64 buffers of numel
         self.nonfinite = False
         self.weight = self.chunks = 0  # the weights given with the chunks, summed (integers: exact)
 
@@ -58,11 +74,12 @@ class ExactSum:
             return
         scaled = chunk * weight if weight != 1 else chunk  # a float product: the same bits for the same chunk
         level = level_of(largest * weight)
-        q = self.xp.rint(self.xp.ldexp(scaled.astype(np.float64), level)).astype(np.int64)
+        limbs = _limbs(self.xp, self.xp.ldexp(scaled.astype(np.float64), level), chunk.dtype == np.float64)
         if level in self.levels:
-            self.levels[level] += q
+            for total, limb in zip(self.levels[level], limbs):
+                total += limb
         else:
-            self.levels[level] = q
+            self.levels[level] = limbs
 
     def reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
         """Collective: (this rank's float64 slice of the total over every rank's chunks, and over
@@ -79,14 +96,13 @@ class ExactSum:
             )
         total = self.xp.zeros(shard_numel, dtype=np.float64)
         for level in sorted({level for used, *_ in everyone for level in used}):  # ascending, at every N
-            full = self.levels.get(level)
-            if full is None:
-                full = self.xp.zeros(self.numel, dtype=np.int64)
-            part = self.xp.empty(shard_numel, dtype=np.int64)
-            comm.reduce_scatter(full, part, unit=unit, phase=phase)
-            if replicas is not None:
-                replicas.all_reduce(part, unit=unit, phase=phase)
-            total += self.xp.ldexp(part.astype(np.float64), -level)
+            for limb, full in enumerate(self.levels.get(level) or [None] * self.limbs):
+                full = self.xp.zeros(self.numel, dtype=np.int64) if full is None else full
+                part = self.xp.empty(shard_numel, dtype=np.int64)
+                comm.reduce_scatter(full, part, unit=unit, phase=phase)
+                if replicas is not None:
+                    replicas.all_reduce(part, unit=unit, phase=phase)
+                total += self.xp.ldexp(part.astype(np.float64), -level - LOW_BITS * limb)
         if any(bad for _, bad, *_ in everyone):
             total[...] = np.nan
         self.levels.clear()
@@ -108,17 +124,22 @@ def exact_squared_norm(comm, vectors) -> float:
         return math.inf
     if top == 0.0:
         return 0.0
-    # every square < 2**(2e), so below 2**40 at this level: 2**22 of them fit one int64 partial sum
-    level = 40 - 2 * math.frexp(top)[1]
+    # every square < 2**(2e): below 2**41 at this level, its remainder kept at 20 more bits, and
+    # slices of 2**20 summed in int64 (< 2**61); the ranks' sums meet as Python integers
+    level, slice_ = 41 - 2 * math.frexp(top)[1], 2**20
     partial = 0
     for v in vectors:
         xp = array_module_of(v)
         wide = v.astype(np.float64)
-        squares = xp.rint(xp.ldexp(wide * wide, level)).astype(np.int64)
-        for start in range(0, squares.size, 2**22):
-            partial += int(to_numpy(squares[start : start + 2**22].sum()))
+        scaled = xp.ldexp(wide * wide, level)
+        high = xp.rint(scaled)
+        low = xp.rint(xp.ldexp(scaled - high, 20)).astype(np.int64)
+        high = high.astype(np.int64)
+        for start in range(0, v.size, slice_):
+            part = slice(start, start + slice_)
+            partial += int(to_numpy(high[part].sum())) * 2**20 + int(to_numpy(low[part].sum()))
     total = sum(comm.allgather_object(partial, phase="optimizer"))  # Python ints: exact
-    return math.ldexp(float(total), -level)
+    return math.ldexp(float(total), -level - 20)
 
 
 __all__ = ["ExactSum", "exact_squared_norm", "level_of"]

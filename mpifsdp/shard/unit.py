@@ -392,7 +392,7 @@ class Unit:
         elif self.full_grad is None:
             raise RuntimeError(f"unit {self.name!r}: add_chunk_grad() without gradients: pass them")
         if self._exact is None:
-            self._exact = ExactSum(self.layout.padded_numel, self.xp)
+            self._exact = ExactSum(self.layout.padded_numel, self.xp, self.full_grad.dtype)
         self._exact.add(self.full_grad, int(weight))
         self.drop_full_grad()
 
@@ -401,8 +401,8 @@ class Unit:
         weights), summed as integers, so the result has the same bits at any world size (and, with
         HSDP, any group shape). Returns the summed weight. No chunk anywhere: nothing changes."""
         self._require_trainable("reduce")
-        if self._exact is None:
-            self._exact = ExactSum(self.layout.padded_numel, self.xp)
+        if self._exact is None:  # no chunk here: the dtype the others' chunks have
+            self._exact = ExactSum(self.layout.padded_numel, self.xp, self.param_dtype)
         total, weight = self._exact.reduce_scatter(
             self.comm, self.layout.shard_numel, self.replicas, unit=self.name, phase=phase
         )

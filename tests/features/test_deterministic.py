@@ -1,0 +1,214 @@
+"""Deterministic mode: the same bits at any world size (docs/determinism.md).
+
+make test runs this file at N = 1, 2, 3, 4; each run trains on its world Comm and compares the hash of
+parameters, AdamW moments and losses with the same training on one rank (Comm over MPI.COMM_SELF,
+all 12 chunks local), which every rank runs for itself: equal hashes at every N means equal bytes."""
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifsdp import AdamW, Comm, Unit, full_state_dict, fully_shard, sharded_model
+from mpifsdp.checkpoint import load, save
+from mpifsdp.data import rank_slice
+from mpifsdp.models import GPT, GPTConfig
+
+from support import agree, shared_dir
+from tolerance import bound, rel_err
+
+SAMPLES, BLOCK, VOCAB = 12, 8, 37  # a global batch of 12 sequences: 12 chunks of 1, 3 of 4
+
+
+def _alone():
+    return Comm(MPI.COMM_SELF, threads=None)
+
+
+def _model(comm, dtype=np.float32, tie=True, dropout=0.1, frozen=False, **options):
+    config = GPTConfig(VOCAB, BLOCK, n_layer=2, n_head=2, n_embd=12, dropout=dropout, tie_weights=tie)
+    model = GPT(config, seed=0, dtype=dtype)
+    if frozen:
+        model.wpe.weight.requires_grad = False
+    options = {"deterministic": True, **options}
+    fully_shard(model, comm, units=model.blocks, **options)
+    return model, AdamW(model, lr=1e-2, weight_decay=0.1)
+
+
+def _batch(step: int, micro: int = 0, ignore: bool = True):
+    rng = np.random.default_rng([step, micro])
+    x = rng.integers(0, VOCAB, (SAMPLES, BLOCK))
+    y = rng.integers(0, VOCAB, (SAMPLES, BLOCK))
+    if ignore:
+        y[0, :3] = -1  # ignored targets: the chunks weigh unequally
+    return x, y
+
+
+def _train(model, opt, comm, steps=3, first=0, accumulate=1, rows=None, ignore=True):
+    sharded, losses = sharded_model(model), []
+    for step in range(first, first + steps):
+        for micro in range(accumulate):
+            x, y = (a[rows] if rows is not None else a for a in _batch(step, micro, ignore))
+            local = [rank_slice(a, comm.rank, comm.size) for a in (x, y)]
+            if sharded.deterministic:
+                sharded.set_requires_gradient_sync(micro == accumulate - 1)
+                chunks = sharded.chunks(*local)
+                for chunk in chunks:
+                    model(*chunk).backward()
+                losses.append(chunks.mean_loss())
+            else:
+                loss = model(*local)
+                loss.backward()
+                losses.append(comm.all_reduce_scalar(loss.item()) / comm.size)
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _state(model, opt, losses) -> tuple[str, np.ndarray]:
+    """(hash of parameters, moments and losses; the parameters as one float64 vector)."""
+    params = full_state_dict(model)
+    moments = []
+    for unit in sharded_model(model).trainable_units:
+        for _, shard in sorted(opt.state_of(unit).items()):
+            moments += [v for _, v in sorted(unit.gather(shard).items())]
+    raw = b"".join(params[k].tobytes() for k in sorted(params)) + b"".join(
+        np.asarray(m).tobytes() for m in moments
+    )
+    digest = hashlib.sha256(raw + np.array(losses, dtype=np.float64).tobytes()).hexdigest()
+    return digest, np.concatenate([params[k].ravel().astype(np.float64) for k in sorted(params)])
+
+
+def _same_bits_as_one_rank(comm, train_kwargs=(), **model_kwargs):
+    here = _model(comm, **model_kwargs)
+    mine = _state(*here, _train(*here, comm, **dict(train_kwargs)))[0]
+    alone_comm = _alone()
+    alone = _model(alone_comm, **{k: v for k, v in model_kwargs.items() if k != "shard_size"})
+    reference = _state(*alone, _train(*alone, alone_comm, **dict(train_kwargs)))[0]
+    agree(
+        comm,
+        mine == reference,
+        f"N={comm.size} {model_kwargs} {dict(train_kwargs)}: {mine[:12]} vs {reference[:12]}",
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_training_has_the_same_bits_at_every_world_size(comm, dtype, tie):
+    _same_bits_as_one_rank(comm, dtype=dtype, tie=tie)
+
+
+@pytest.mark.parametrize(
+    "model_kwargs, train_kwargs",
+    [
+        ({"chunk_size": 4}, {}),  # 3 chunks: N = 2 and 4 do not divide them (skipped there)
+        ({}, {"accumulate": 2}),  # two micro-batches, one reduction
+        ({"recompute": True}, {}),  # dropout replayed per chunk in the re-run
+        ({"frozen": True}, {}),
+        ({"param_dtype": np.float16, "reduce_dtype": np.float32, "dropout": 0.0}, {}),
+    ],
+    ids=["chunks-of-4", "accumulation", "recompute", "frozen", "mixed-precision"],
+)
+def test_every_feature_keeps_the_same_bits(comm, model_kwargs, train_kwargs):
+    if (SAMPLES // model_kwargs.get("chunk_size", 1)) % comm.size:
+        pytest.skip(f"N={comm.size} does not divide the {SAMPLES // model_kwargs['chunk_size']} chunks")
+    _same_bits_as_one_rank(comm, train_kwargs, **model_kwargs)
+
+
+def test_hybrid_sharding_keeps_the_same_bits_for_every_group_shape(comm):
+    for shard_size in [s for s in range(1, comm.size + 1) if comm.size % s == 0]:
+        _same_bits_as_one_rank(comm, shard_size=shard_size)
+
+
+def test_resuming_at_another_world_size_stays_on_the_same_bits(comm, tmp_path):
+    """N ranks train 2 steps and save; one rank loads and trains a third: the bits of 3 steps on one.
+    (Without dropout: a Dropout's position in its mask sequence is not in the checkpoint.)"""
+    root = shared_dir(comm, tmp_path)
+    model, opt = _model(comm, dropout=0.0)
+    _train(model, opt, comm, steps=2)
+    save(f"{root}/ck", model, opt)
+    alone_comm = _alone()
+    resumed = _model(alone_comm, dropout=0.0)
+    if comm.rank == 0:  # one rank's job now; the file is complete on disk (save returned everywhere)
+        load(f"{root}/ck", *resumed)
+        _train(*resumed, alone_comm, steps=1, first=2)
+        straight = _model(alone_comm, dropout=0.0)
+        _train(*straight, alone_comm, steps=3)
+        resumed_state, straight_state = (_state(*m, [])[0] for m in (resumed, straight))
+    agree(comm, comm.rank != 0 or resumed_state == straight_state, "resumed run left the trajectory")
+
+
+def _normal_in_micro_batches(comm, rows=1):
+    """The normal mode with each rank's batch in micro-batches of `rows` sequences (no_sync, each
+    loss weighing 1/k): its sums are grouped as deterministic mode's, in floats."""
+    model, opt = _model(comm, dtype=np.float64, dropout=0.0, deterministic=False)
+    sharded = sharded_model(model)
+    for step in range(3):
+        x, y = (rank_slice(a, comm.rank, comm.size) for a in _batch(step, ignore=False))
+        k = len(x) // rows
+        for j in range(k):
+            sharded.set_requires_gradient_sync(j == k - 1)
+            (model(x[j * rows : (j + 1) * rows], y[j * rows : (j + 1) * rows]) / k).backward()
+        opt.clip_grad_norm(0.5)
+        opt.step()
+        opt.zero_grad()
+    return _state(model, opt, [])[1]
+
+
+def test_the_result_is_the_normal_modes_within_the_parity_bound(comm):
+    """The same mathematics as the normal mode, within its parity bound (tests/tolerance.py). The
+    probes: the normal mode with the batch's rows reversed, and in micro-batches of one sequence
+    (deterministic mode groups its sums that way; the float sum of the groups is what it makes exact)."""
+    runs = {}
+    for name, deterministic, rows in [
+        ("normal", False, None),
+        ("reversed", False, slice(None, None, -1)),
+        ("exact", True, None),
+    ]:
+        model, opt = _model(comm, dtype=np.float64, dropout=0.0, deterministic=deterministic)
+        _train(model, opt, comm, rows=rows, ignore=False)
+        runs[name] = _state(model, opt, [])[1]
+    runs["micro"] = _normal_in_micro_batches(comm)
+    probe = max(rel_err(runs[name], runs["normal"]) for name in ("reversed", "micro"))
+    error = rel_err(runs["exact"], runs["normal"])
+    agree(comm, error <= bound(probe, np.float64), f"{error:.2e} > bound {bound(probe, np.float64):.2e}")
+
+
+def test_a_unit_users_chunks_have_the_same_bits_at_every_world_size(comm):
+    """Uneven chunks weighted by their rows, without our autodiff: hand-written gradients of a least
+    squares fit, each chunk added with add_chunk_grad and reduced exactly."""
+    rng = np.random.default_rng(0)
+    rows = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]  # 12 chunks of uneven sizes
+    data = [(rng.standard_normal((r, 5)), rng.standard_normal(r)) for r in rows]
+
+    def fitted(c):
+        unit = Unit("fit", {"w": np.zeros(5)}, c, deterministic=True)
+        opt = AdamW([unit], lr=0.1)
+        per = len(data) // c.size
+        for _ in range(3):
+            with unit.unsharded() as p:
+                for a, b in data[c.rank * per : (c.rank + 1) * per]:
+                    grad = a.T @ (a @ p["w"] - b) / len(b)  # the chunk's mean, weighed by its rows
+                    unit.add_chunk_grad({"w": grad}, weight=len(b))
+            unit.reduce_chunk_grads()
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            opt.zero_grad()
+        return unit.gather(unit.shard)["w"].tobytes()
+
+    agree(comm, fitted(comm) == fitted(_alone()), "the Unit path's bits differ from one rank's")
+
+
+def test_misuse_is_named(comm):
+    model, _ = _model(comm)
+    x, y = (rank_slice(a, comm.rank, comm.size) for a in _batch(0))
+    with pytest.raises(RuntimeError, match="deterministic mode trains chunk by chunk"):
+        model(x, y)
+    with pytest.raises(ValueError, match="must be one batch size, a multiple of chunk_size=5"):
+        sharded_model(_model(comm, chunk_size=5)[0]).chunks(x, y)
+    plain, _ = _model(comm, deterministic=False)
+    with pytest.raises(RuntimeError, match="chunks\\(\\) is the deterministic mode's"):
+        sharded_model(plain).chunks(x, y)
+    with pytest.raises(ValueError, match="a chunk's weight is an integer >= 0"):
+        Unit("u", {"w": np.zeros(3)}, comm).add_chunk_grad({"w": np.zeros(3)}, weight=0.5)
