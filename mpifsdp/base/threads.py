@@ -141,3 +141,14 @@ def one_blas_thread():
         _controller = ThreadpoolController()
     with _controller.limit(limits=1, user_api="blas"):
         yield
+
+
+@contextlib.contextmanager
+def blas_pinned(threads: int = 1):
+    """BLAS at `threads` inside the block, whatever the process's setting: deterministic mode's chunks
+    (OpenBLAS's Haswell and Zen kernels give other bits at 2 threads than at 1, measured; ours split
+    rows and do not)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(int(threads), user_api="blas"):
+        yield

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..base.threads import blas_pinned
 from ..nn.layers import Dropout, drawing_for_chunk
 
 
@@ -63,13 +64,14 @@ class ChunkedBatch:
         user_sync = sharded.requires_gradient_sync
         state.losses = []
         try:
-            for j in range(self.count):
-                for d, calls in zip(dropouts, start):
-                    d._calls = calls  # every chunk draws as the first: the masks differ by position only
-                sharded.requires_gradient_sync = user_sync and j == self.count - 1
-                state.index = self.first + j
-                with drawing_for_chunk(state.index):
-                    yield tuple(a[j * size : (j + 1) * size] for a in self.arrays)
+            with blas_pinned(1):  # the bits of a chunk's GEMMs must not depend on the threads either
+                for j in range(self.count):
+                    for d, calls in zip(dropouts, start):
+                        d._calls = calls  # every chunk draws as the first: masks differ by position only
+                    sharded.requires_gradient_sync = user_sync and j == self.count - 1
+                    state.index = self.first + j
+                    with drawing_for_chunk(state.index):
+                        yield tuple(a[j * size : (j + 1) * size] for a in self.arrays)
         finally:
             sharded.requires_gradient_sync = user_sync
             state.index = None

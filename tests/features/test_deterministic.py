@@ -5,6 +5,9 @@ parameters, AdamW moments and losses with the same training on one rank (Comm ov
 all 12 chunks local), which every rank runs for itself: equal hashes at every N means equal bytes."""
 
 import hashlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -212,3 +215,38 @@ def test_misuse_is_named(comm):
         sharded_model(plain).chunks(x, y)
     with pytest.raises(ValueError, match="a chunk's weight is an integer >= 0"):
         Unit("u", {"w": np.zeros(3)}, comm).add_chunk_grad({"w": np.zeros(3)}, weight=0.5)
+
+
+THREADS = """
+import hashlib, numpy as np
+from mpi4py import MPI
+from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, set_threads, sharded_model
+from mpifsdp.models import GPT, GPTConfig
+digests = []
+for threads in (1, 2):
+    set_threads(threads)
+    comm = Comm(MPI.COMM_SELF, threads=None)
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=256), seed=0)
+    fully_shard(model, comm, units=model.blocks, deterministic=True)
+    opt = AdamW(model, lr=1e-3)
+    x = np.random.default_rng(0).integers(0, 256, (2, 2, 64))
+    for chunk in sharded_model(model).chunks(x[0], x[1]):
+        model(*chunk).backward()
+    opt.step()
+    state = full_state_dict(model)
+    digests.append(hashlib.sha256(b"".join(state[k].tobytes() for k in sorted(state))).hexdigest())
+print("same" if digests[0] == digests[1] else "differ")
+"""
+
+
+def test_blas_threads_do_not_change_the_bits(comm, tmp_path):
+    """OpenBLAS's Haswell kernel (and Zen's) computes these GEMMs with other bits at 2 threads than
+    at 1 (measured): chunks pin BLAS to one thread, so the world size's thread split does not show."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
+    env.pop("OMP_NUM_THREADS", None), env.pop("OPENBLAS_NUM_THREADS", None), env.pop("MKL_NUM_THREADS", None)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout + done.stderr[-2000:]

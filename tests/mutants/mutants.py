@@ -37,6 +37,38 @@ def _unwatched_clone():
     _replace(Comm, "_clone", lambda self, base: base.Clone())
 
 
+def _float_sum_of_chunks():
+    """The chunks' gradients summed as floats (locally, then by a float reduce-scatter)."""
+    import numpy as np
+
+    from mpifsdp.shard.exact import ExactSum
+
+    def add(self, chunk, weight=1):
+        total = getattr(self, "floats", None)
+        self.floats = chunk.astype(np.float64) * weight + (0 if total is None else total)
+        self.weight += weight
+
+    def reduce_scatter(self, comm, shard_numel, replicas=None, *, unit, phase):
+        weight = sum(comm.allgather_object(self.weight, phase=phase))
+        full = getattr(self, "floats", None)
+        full = np.zeros(self.numel) if full is None else full
+        part = np.empty(shard_numel)
+        comm.reduce_scatter(full, part, unit=unit, phase=phase)
+        self.floats, self.weight = None, 0
+        return part, weight
+
+    _replace(ExactSum, "add", add)
+    _replace(ExactSum, "reduce_scatter", reduce_scatter)
+
+
+def _blas_threads_free():
+    import contextlib
+
+    import mpifsdp.fsdp.deterministic
+
+    _replace(mpifsdp.fsdp.deterministic, "blas_pinned", lambda threads=1: contextlib.nullcontext())
+
+
 def _no_watchdog():
     from mpifsdp.comm.schedule import Schedule
 
@@ -450,6 +482,17 @@ MUTANTS = {
             "tests/failures/test_abort.py::test_a_comm_made_on_some_ranks_or_over_a_group_ends_in_seconds"
             "[comm-on-one-rank]"
         ],
+    ),
+    "exact_chunk_sum": Mutant(
+        _float_sum_of_chunks,
+        "deterministic mode sums the chunks' gradients exactly, as integers (shard/exact.py ExactSum)",
+        ["tests/features/test_deterministic.py::test_training_has_the_same_bits_at_every_world_size"],
+        ranks=3,
+    ),
+    "blas_pinned": Mutant(
+        _blas_threads_free,
+        "deterministic mode's chunks run BLAS at one thread (base/threads.blas_pinned)",
+        ["tests/features/test_deterministic.py::test_blas_threads_do_not_change_the_bits"],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,
