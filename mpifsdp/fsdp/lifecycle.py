@@ -159,7 +159,8 @@ class UnitLifecycle:
         if self.unit.trainable and self._model.deterministic:  # the chunk added to the exact sum
             self.unit.add_chunk_grad(weight=self._model.chunk_state.weight or 0)
             if self._model.requires_gradient_sync:
-                self.unit.reduce_chunk_grads()
+                self.unit.start_reduce_chunk_grads()
+                self._model.reducing(self.unit)
         elif self.unit.trainable and self._model.requires_gradient_sync:
             self.unit.start_reduce_grad(phase="backward")
             self._model.reducing(self.unit)

@@ -17,6 +17,7 @@ rounding is a deterministic function of the chunk, which is all that same-bits-a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -29,15 +30,39 @@ TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TO
 LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
 
 
-def _limbs(xp, scaled, two: bool) -> list:
-    """int64 fixed point of `scaled` (|scaled| <= 2**TOP_BITS): rint(scaled), and with two=True the
-    remainder (|r| <= 1/2, exact in float64) at LOW_BITS more bits, so a float64 chunk keeps its
-    precision relative to its smaller elements too (2**-96 of its largest, not 2**-46)."""
-    high = xp.rint(scaled)
-    if not two:
-        return [high.astype(np.int64)]
-    low = xp.rint(xp.ldexp(scaled - high, LOW_BITS))
-    return [high.astype(np.int64), low.astype(np.int64)]
+_scratch: dict = {}  # (array module, dtype) -> the largest scratch vector asked for so far
+
+
+def scratch(xp, numel: int, dtype, which: int = 0):
+    """A reused vector of numel (not zeroed): the conversions below run in place in it, not in a
+    fresh allocation per chunk (one per array module, dtype and `which`; single-threaded use)."""
+    key = (xp.__name__, np.dtype(dtype).str, which)
+    buffer = _scratch.get(key)
+    if buffer is None or buffer.size < numel:
+        buffer = _scratch[key] = xp.empty(numel, dtype=dtype)
+    return buffer[:numel]
+
+
+def _add_limbs(xp, chunk, factor: float, limbs: list | None, two: bool) -> list:
+    """Add the int64 fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (None: new
+    ones): rint of it, and with two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS
+    more bits, so a float64 chunk keeps its precision relative to its smaller elements too (2**-96 of
+    its largest, not 2**-46). One product (exact for float32 and float16 chunks: 24 bits times an
+    integer weight times a power of two), then in place."""
+    scaled = xp.multiply(chunk, factor, out=scratch(xp, chunk.size, np.float64), dtype=np.float64)
+    high = xp.rint(scaled, out=scratch(xp, chunk.size, np.float64, which=1) if two else scaled)
+    parts = [high]
+    if two:
+        scaled -= high
+        scaled *= 2.0**LOW_BITS
+        parts.append(xp.rint(scaled, out=scaled))
+    if limbs is None:
+        return [part.astype(np.int64) for part in parts]
+    whole = scratch(xp, chunk.size, np.int64)
+    for total, part in zip(limbs, parts):
+        xp.copyto(whole, part, casting="unsafe")  # integral values: exact
+        total += whole
+    return limbs
 
 
 def level_of(largest: float) -> int:
@@ -64,7 +89,7 @@ class ExactSum:
     def add(self, chunk, weight: int = 1):
         """Add `weight` * chunk (a flat float array of numel), exactly; weight: an integer >= 0 (the
         chunk's count of targets, or of rows), the same for the same chunk at any N."""
-        largest = float(abs(chunk).max()) if chunk.size else 0.0
+        largest = max(float(chunk.max()), -float(chunk.min())) if chunk.size else 0.0
         self.weight += weight
         self.chunks += 1
         if not math.isfinite(largest) or not math.isfinite(largest * weight):
@@ -72,18 +97,18 @@ class ExactSum:
             return
         if largest == 0.0 or weight == 0:
             return
-        scaled = chunk * weight if weight != 1 else chunk  # a float product: the same bits for the same chunk
         level = level_of(largest * weight)
-        limbs = _limbs(self.xp, self.xp.ldexp(scaled.astype(np.float64), level), chunk.dtype == np.float64)
-        if level in self.levels:
-            for total, limb in zip(self.levels[level], limbs):
-                total += limb
-        else:
-            self.levels[level] = limbs
+        factor, two = math.ldexp(weight, level), self.limbs == 2
+        self.levels[level] = _add_limbs(self.xp, chunk, factor, self.levels.get(level), two)
 
     def reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
         """Collective: (this rank's float64 slice of the total over every rank's chunks, and over
         the groups' with replicas; the total weight, an integer). Empties the sum."""
+        return self.start_reduce_scatter(comm, shard_numel, replicas, unit=unit, phase=phase).finish()
+
+    def start_reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
+        """reduce_scatter, started: the levels are agreed now (one small exchange), the integer
+        reduce-scatters run while the caller goes on; PendingSum.finish() completes them."""
         mine = (sorted(self.levels), self.nonfinite, self.weight, self.chunks)
         everyone = comm.allgather_object(mine, phase=phase)
         if replicas is not None:
@@ -94,20 +119,47 @@ class ExactSum:
                 f"unit {unit!r}: {chunks} chunks in one exact sum, more than {MAX_CHUNKS} (the int64 "
                 "headroom): use larger chunks, or reduce more often"
             )
-        total = self.xp.zeros(shard_numel, dtype=np.float64)
+        pending = PendingSum(comm, replicas, unit, phase, any(bad for _, bad, *_ in everyone))
+        pending.weight = sum(w for _, _, w, _ in everyone)
         for level in sorted({level for used, *_ in everyone for level in used}):  # ascending, at every N
             for limb, full in enumerate(self.levels.get(level) or [None] * self.limbs):
                 full = self.xp.zeros(self.numel, dtype=np.int64) if full is None else full
                 part = self.xp.empty(shard_numel, dtype=np.int64)
-                comm.reduce_scatter(full, part, unit=unit, phase=phase)
-                if replicas is not None:
-                    replicas.all_reduce(part, unit=unit, phase=phase)
-                total += self.xp.ldexp(part.astype(np.float64), -level - LOW_BITS * limb)
-        if any(bad for _, bad, *_ in everyone):
-            total[...] = np.nan
-        self.levels.clear()
+                request = comm.ireduce_scatter(full, part, unit=unit, phase=phase)
+                pending.parts.append((request, full, part, -level - LOW_BITS * limb))
+        self.levels = {}
         self.nonfinite, self.weight, self.chunks = False, 0, 0
-        return total, sum(w for _, _, w, _ in everyone)
+        pending.shard_numel, pending.xp = shard_numel, self.xp
+        return pending
+
+
+@dataclasses.dataclass
+class PendingSum:
+    """Integer reduce-scatters in flight, level by level, ascending: finish() adds them up in that
+    order (the same float additions at every N)."""
+
+    comm: object
+    replicas: object
+    unit: str
+    phase: str
+    nonfinite: bool
+    weight: int = 0
+    parts: list = dataclasses.field(default_factory=list)  # (request, full, part, exponent)
+    shard_numel: int = 0
+    xp: object = None
+
+    def finish(self):
+        """(this rank's float64 slice of the total; the total weight)."""
+        total = self.xp.zeros(self.shard_numel, dtype=np.float64)
+        for request, _, part, exponent in self.parts:
+            self.comm.wait(request)
+            if self.replicas is not None:
+                self.replicas.all_reduce(part, unit=self.unit, phase=self.phase)
+            total += _times_power_of_two(self.xp, part, exponent)
+        if self.nonfinite:
+            total[...] = np.nan
+        self.parts = []
+        return total, self.weight
 
 
 def exact_squared_norm(comm, vectors) -> float:
@@ -124,22 +176,34 @@ def exact_squared_norm(comm, vectors) -> float:
         return math.inf
     if top == 0.0:
         return 0.0
-    # every square < 2**(2e): below 2**41 at this level, its remainder kept at 20 more bits, and
-    # slices of 2**20 summed in int64 (< 2**61); the ranks' sums meet as Python integers
-    level, slice_ = 41 - 2 * math.frexp(top)[1], 2**20
+    # Every square < 2**(2e). At this level a square is below 2**32 and rounds to an integer, so a
+    # float64 sum of 2**20 of them is exact (< 2**52); the remainder, at 20 more bits, the same way.
+    # The ranks' integer sums meet as Python integers.
+    level, step = 32 - 2 * math.frexp(top)[1], 2**20
     partial = 0
     for v in vectors:
         xp = array_module_of(v)
-        wide = v.astype(np.float64)
-        scaled = xp.ldexp(wide * wide, level)
-        high = xp.rint(scaled)
-        low = xp.rint(xp.ldexp(scaled - high, 20)).astype(np.int64)
-        high = high.astype(np.int64)
-        for start in range(0, v.size, slice_):
-            part = slice(start, start + slice_)
-            partial += int(to_numpy(high[part].sum())) * 2**20 + int(to_numpy(low[part].sum()))
+        squares = xp.multiply(v, v, out=scratch(xp, v.size, np.float64), dtype=np.float64)
+        scaled = _times_power_of_two(xp, squares, level, out=squares)
+        high = xp.rint(scaled, out=scratch(xp, v.size, np.float64, which=1))
+        scaled -= high  # the remainder at 20 more bits: 2**-52 of the largest square in all
+        scaled *= 2.0**20
+        partial += _exact_total(high, step) * 2**20 + _exact_total(xp.rint(scaled, out=scaled), step)
     total = sum(comm.allgather_object(partial, phase="optimizer"))  # Python ints: exact
     return math.ldexp(float(total), -level - 20)
 
 
-__all__ = ["ExactSum", "exact_squared_norm", "level_of"]
+def _times_power_of_two(xp, values, exponent: int, out=None):
+    """float64(values) * 2**exponent, exactly: a multiply (ldexp is several times slower), or ldexp
+    where 2**exponent itself would leave float64's normal range."""
+    if -1000 < exponent < 1000:
+        return xp.multiply(values, math.ldexp(1.0, exponent), dtype=np.float64, out=out)
+    return xp.ldexp(values, exponent, dtype=np.float64, out=out)
+
+
+def _exact_total(integral, step: int) -> int:
+    """The sum of float64 integers below 2**32, exactly: float sums of `step` of them at a time."""
+    return sum(int(to_numpy(integral[i : i + step].sum())) for i in range(0, integral.size, step))
+
+
+__all__ = ["ExactSum", "PendingSum", "exact_squared_norm", "level_of"]

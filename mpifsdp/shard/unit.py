@@ -26,7 +26,7 @@ import numpy as np
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
 from ..base.checks import float_dtype
-from .exact import ExactSum
+from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
 
@@ -106,6 +106,7 @@ class Unit:
         self._gathering = None  # (request, send buffer) of an unshard in flight
         self._reducing: _Reduction | None = None  # a reduction in flight
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
+        self._pending_sum: PendingSum | None = None  # their reduction in flight
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -355,6 +356,8 @@ class Unit:
         dividing by N gives the gradient of the global-batch mean when every rank's loss is its share
         of that mean (equal batches; losses that divide by the global count, ops.mean_over_ranks).
         """
+        if self._pending_sum is not None:  # deterministic mode's integer sums
+            return self._finish_chunk_sum()
         self.advance_reduce_grad()  # HSDP: the reduce-scatter done, the all-reduce across groups started
         r = self._reducing
         if r is None:
@@ -400,12 +403,23 @@ class Unit:
         """Collective: grad_shard += (sum over every rank's chunks of weight * gradient) / (sum of the
         weights), summed as integers, so the result has the same bits at any world size (and, with
         HSDP, any group shape). Returns the summed weight. No chunk anywhere: nothing changes."""
+        self.start_reduce_chunk_grads(phase)
+        return self.finish_reduce_grad()
+
+    def start_reduce_chunk_grads(self, phase: str = "backward"):
+        """reduce_chunk_grads, started (the levels agreed, the integer reduce-scatters in flight);
+        finish_reduce_grad completes it, as it does a started reduce_grad."""
         self._require_trainable("reduce")
+        self.finish_reduce_grad()  # one reduction of a unit in flight
         if self._exact is None:  # no chunk here: the dtype the others' chunks have
             self._exact = ExactSum(self.layout.padded_numel, self.xp, self.param_dtype)
-        total, weight = self._exact.reduce_scatter(
+        self._pending_sum = self._exact.start_reduce_scatter(
             self.comm, self.layout.shard_numel, self.replicas, unit=self.name, phase=phase
         )
+
+    def _finish_chunk_sum(self) -> int:
+        pending, self._pending_sum = self._pending_sum, None
+        total, weight = pending.finish()
         if weight > 0:
             total /= weight
             self.grad_shard += total.astype(self.grad_shard.dtype)

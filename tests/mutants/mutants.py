@@ -39,6 +39,8 @@ def _unwatched_clone():
 
 def _float_sum_of_chunks():
     """The chunks' gradients summed as floats (locally, then by a float reduce-scatter)."""
+    import types
+
     import numpy as np
 
     from mpifsdp.shard.exact import ExactSum
@@ -48,17 +50,17 @@ def _float_sum_of_chunks():
         self.floats = chunk.astype(np.float64) * weight + (0 if total is None else total)
         self.weight += weight
 
-    def reduce_scatter(self, comm, shard_numel, replicas=None, *, unit, phase):
+    def start_reduce_scatter(self, comm, shard_numel, replicas=None, *, unit, phase):
         weight = sum(comm.allgather_object(self.weight, phase=phase))
         full = getattr(self, "floats", None)
         full = np.zeros(self.numel) if full is None else full
         part = np.empty(shard_numel)
         comm.reduce_scatter(full, part, unit=unit, phase=phase)
         self.floats, self.weight = None, 0
-        return part, weight
+        return types.SimpleNamespace(finish=lambda: (part, weight))
 
     _replace(ExactSum, "add", add)
-    _replace(ExactSum, "reduce_scatter", reduce_scatter)
+    _replace(ExactSum, "start_reduce_scatter", start_reduce_scatter)
 
 
 def _blas_threads_free():
