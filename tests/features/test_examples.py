@@ -169,6 +169,17 @@ def test_heat_source_example_matches_numpy_across_uneven_splits_and_a_resume(com
     assert float(runs[1].split("misfit to the true source ")[1].split()[0]) < 0.1
 
 
+def test_heat_source_deterministic_has_the_same_bits_on_1_to_4_ranks(comm):
+    """12 chunks of sensor rows summed exactly (Unit.add_chunk_grad): one hash at every N."""
+    script = ROOT / "examples" / "heat_source.py"
+    bits = set()
+    for ranks in (1, 2, 3, 4):
+        out = run_example(comm, ranks, script, "--deterministic", "--steps", 60)
+        assert "from plain NumPy" in out and float(out.split("from plain NumPy ")[1].split()[0]) < 1e-12
+        bits.add(out.split("bits of the source: ")[1].split()[0])
+    assert len(bits) == 1, bits
+
+
 def test_heat_source_with_scipys_lbfgs_on_a_unit(comm):
     out = run_example(comm, 3, ROOT / "examples" / "heat_source.py", "--lbfgs")
     difference = float(out.split("max difference from plain NumPy: ")[1].split()[0])
