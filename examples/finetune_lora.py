@@ -111,7 +111,7 @@ def main():
     newest = checkpoint.checkpoints(args.base)
     base_dir = newest[0] if newest else args.base
     saved = consolidated.saved_extra(base_dir)["config"]
-    config = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig)})
+    config = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig) if f.name in saved})
 
     with mpifsdp.deferred_init():  # the base values come from the checkpoint, unit by unit
         model = GPT(config, seed=args.seed)

@@ -65,6 +65,7 @@ class TrainConfig(GPTConfig):
     # system
     seed: int = 1337
     device: str = "cpu"
+    transport: str = ""  # GPU collectives: "nccl", "cuda-aware-mpi" or "host"; empty: mpifsdp chooses
     dtype: str = "float32"
 
 
@@ -125,7 +126,10 @@ def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str 
     else:
         path, extra = cfg.resume, checkpoint.load(cfg.resume, model, opt)
     saved = extra.get("config", model_config)
-    changed = {k: (saved.get(k), v) for k, v in model_config.items() if saved.get(k) != v}
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}  # fields newer than the checkpoint
+    changed = {
+        k: (saved.get(k, defaults[k]), v) for k, v in model_config.items() if saved.get(k, defaults[k]) != v
+    }
     if changed:
         raise checkpoint.CheckpointError(
             f"{path} was saved by a model with another configuration (saved, now): {changed}"
@@ -156,7 +160,8 @@ def draw_pictures(metrics_path: str) -> str:
 
 def main():
     cfg = parse_config()
-    comm = mpifsdp.Comm(device=cfg.device)  # on a GPU: this rank's GPU, and how collectives move
+    # on a GPU: this rank's GPU, and how collectives move
+    comm = mpifsdp.Comm(device=cfg.device, transport=cfg.transport or None)
     rank, world = comm.rank, comm.size
     say = print if rank == 0 else (lambda *a, **k: None)
     xp = mpifsdp.array_module(comm.device)

@@ -14,6 +14,8 @@ from mpifsdp.nn.layers import Block, Dropout, Embedding, LayerNorm, Linear, norm
 from mpifsdp.nn.module import Module, deferred_init, ids_problem
 from mpifsdp.planning.planner import UnitSize, unit_sizes
 
+ACTIVATIONS = ("gelu_tanh", "relu")
+
 
 @dataclass
 class GPTConfig:
@@ -25,6 +27,9 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    activation: str = "gelu_tanh"  # the MLP's: "gelu_tanh" (GPT-2's "gelu_new") or "relu"
+    mlp_hidden: int = 0  # the MLP's width; 0: 4 * n_embd
+    ln_eps: float = 1e-5  # every LayerNorm's epsilon
 
     def __post_init__(self):
         """A size below 1 or a dropout outside [0, 1) fails here, by name, not as a division by zero
@@ -37,6 +42,19 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: dropout={self.dropout!r} must be in [0, 1)")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"GPTConfig: activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if not is_count(self.mlp_hidden):
+            raise ValueError(
+                f"GPTConfig: mlp_hidden={self.mlp_hidden!r}: an integer >= 1, or 0 for 4 * n_embd"
+            )
+        if not (isinstance(self.ln_eps, (int, float)) and 0 < self.ln_eps < 1):
+            raise ValueError(f"GPTConfig: ln_eps={self.ln_eps!r} must be a number in (0, 1)")
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's width."""
+        return self.mlp_hidden or 4 * self.n_embd
 
 
 class GPT(Module):
@@ -49,11 +67,12 @@ class GPT(Module):
         self.wte = Embedding(config.vocab_size, config.n_embd, **kw)
         self.wpe = Embedding(config.block_size, config.n_embd, **kw)
         self.drop = Dropout(config.dropout, seed=int(rng.integers(2**31)))
+        shape = dict(hidden=config.hidden, activation=config.activation, eps=config.ln_eps)
         self.blocks = [
-            Block(config.n_embd, config.n_head, config.bias, config.dropout, proj_std, **kw)
+            Block(config.n_embd, config.n_head, config.bias, config.dropout, proj_std, **shape, **kw)
             for _ in range(config.n_layer)
         ]
-        self.ln_f = LayerNorm(config.n_embd, config.bias, dtype=dtype, device=device)
+        self.ln_f = LayerNorm(config.n_embd, config.bias, eps=config.ln_eps, dtype=dtype, device=device)
         self.lm_head = None if config.tie_weights else Linear(config.n_embd, config.vocab_size, False, **kw)
         self._device = device
 

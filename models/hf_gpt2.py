@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -47,8 +48,11 @@ def hf_config(config: GPTConfig) -> dict:
         "n_embd": config.n_embd,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
+        "n_inner": config.mlp_hidden or None,
+        "activation_function": {"gelu_tanh": "gelu_new", "relu": "relu"}[config.activation],
+        "layer_norm_epsilon": config.ln_eps,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
         "tie_word_embeddings": config.tie_weights,
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
@@ -97,10 +101,107 @@ def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
 SIZES = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer", "n_head": "n_head"}
 SIZES["n_embd"] = "n_embd"  # GPT-2's name -> ours
 BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")  # torch buffers old GPT-2 files hold
+# transformers' activation names our MLP computes (gelu_new, gelu_pytorch_tanh and gelu_fast are all
+# the tanh form); "gelu" (the erf form), "silu", "quick_gelu", ... are refused by name
+ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+# Fields that cannot change what the model computes from given weights at inference: dropout
+# rates (the loaded model is built with none), initialisation, the sequence-summary head's
+# settings (GPT2DoubleHeadsModel only), token ids, caching, bookkeeping. reorder_and_upcast_attn
+# only moves a scale and upcasts float16 attention: the same function.
+INERT = {
+    "n_ctx",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "initializer_range",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "architectures",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "task_specific_params",
+    "_name_or_path",
+    "reorder_and_upcast_attn",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "tokenizer_class",
+    "prefix",
+    "decoder_start_token_id",
+}
+# Fields our GPT computes only at GPT-2's value: another one is refused, saying why.
+FIXED = {
+    "scale_attn_weights": (True, "mpifsdp's GPT always scales attention scores by 1/sqrt(head size)"),
+    "scale_attn_by_inverse_layer_idx": (False, "mpifsdp's GPT does not scale scores by 1/(layer index + 1)"),
+    "add_cross_attention": (False, "mpifsdp's GPT has no cross-attention"),
+    "is_encoder_decoder": (False, "mpifsdp's GPT is a decoder only"),
+}
 
 
 def read_hf_config(path: Path) -> GPTConfig:
-    """Our GPTConfig from a GPT-2 config.json, each problem named with the file."""
+    """Our GPTConfig from a GPT-2 config.json, each problem named with the file. Every field either
+    changes our model as it changes transformers' (sizes, n_inner, activation_function,
+    layer_norm_epsilon, tie_word_embeddings), cannot change the function (INERT), or is refused
+    unless it has the one value our GPT computes (FIXED); a field mpifsdp does not know is refused."""
+    hf = _config_json(path)
+    missing = [k for k in SIZES if k not in hf]
+    if missing:
+        raise ValueError(f"{path} has no {', '.join(missing)}: a GPT-2 config.json names every size")
+    refused = [f"{k}={hf[k]!r}: {why}" for k, (want, why) in FIXED.items() if k in hf and hf[k] != want]
+    known = {
+        *SIZES,
+        *INERT,
+        *FIXED,
+        "n_inner",
+        "activation_function",
+        "layer_norm_epsilon",
+        "tie_word_embeddings",
+    }
+    refused += [
+        f"{k}={hf[k]!r}: a field mpifsdp does not know (remove it if it cannot change the model)"
+        for k in sorted(set(hf) - known)
+    ]
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS:
+        refused.append(
+            f"activation_function={activation!r}: mpifsdp's MLP computes {sorted(ACTIVATIONS)} (its GELU "
+            "is the tanh form; transformers' 'gelu' is the erf form)"
+        )
+    if refused:
+        raise ValueError(f"{path} describes a model mpifsdp's GPT cannot compute: " + "; ".join(refused))
+    tie = hf.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise ValueError(f"{path}: tie_word_embeddings={tie!r} must be true or false")
+    try:
+        return GPTConfig(
+            **{ours: hf[theirs] for theirs, ours in SIZES.items()},
+            tie_weights=tie,
+            bias=True,
+            activation=ACTIVATIONS[activation],
+            mlp_hidden=hf.get("n_inner") or 0,
+            ln_eps=hf.get("layer_norm_epsilon", 1e-5),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _config_json(path: Path) -> dict:
     try:
         hf = json.loads(path.read_text())
     except FileNotFoundError:
@@ -111,16 +212,7 @@ def read_hf_config(path: Path) -> GPTConfig:
         raise ValueError(f"{path} is not JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}, not a GPT-2 config (an object)")
-    missing = [k for k in SIZES if k not in hf]
-    if missing:
-        raise ValueError(f"{path} has no {', '.join(missing)}: a GPT-2 config.json names every size")
-    tie = hf.get("tie_word_embeddings", True)
-    if not isinstance(tie, bool):
-        raise ValueError(f"{path}: tie_word_embeddings={tie!r} must be true or false")
-    try:
-        return GPTConfig(**{ours: hf[theirs] for theirs, ours in SIZES.items()}, tie_weights=tie, bias=True)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    return hf
 
 
 def _load_weights(model: GPT, path: Path):
@@ -157,5 +249,10 @@ def _read(f, header: dict, start: int, name: str, shape: tuple, transposed: bool
             f"{f.name}: {name} is {entry['shape']}, the model of config.json needs {want}: config.json "
             "contradicts the weights"
         )
-    value = read_tensor(f, entry, start).reshape(want)
+    if entry["dtype"] == "BF16":  # the top half of a float32: widened exactly
+        f.seek(start + entry["data_offsets"][0])
+        half = np.frombuffer(f.read(2 * math.prod(want)), dtype="<u2")
+        value = (half.astype(np.uint32) << 16).view(np.float32).reshape(want)
+    else:
+        value = read_tensor(f, entry, start).reshape(want)
     return value.T if transposed else value

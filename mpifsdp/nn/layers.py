@@ -99,18 +99,37 @@ def dropout_replay(module: Module):
 
 
 class MLP(Module):
-    """The transformer feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C)."""
+    """The transformer feed-forward: Linear(C, H) -> GELU (tanh form) or ReLU -> Linear(H, C), H = 4C
+    unless given."""
 
-    def __init__(self, n_embd, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"):
+    def __init__(
+        self,
+        n_embd,
+        bias=True,
+        dropout=0.0,
+        proj_std=0.02,
+        *,
+        hidden=None,
+        activation="gelu_tanh",
+        rng,
+        dtype=np.float32,
+        device="cpu",
+    ):
+        if activation not in ("gelu_tanh", "relu"):
+            raise ValueError(f"MLP: activation={activation!r} is not 'gelu_tanh' or 'relu'")
         kw = dict(rng=rng, dtype=dtype, device=device)
-        self.c_fc = Linear(n_embd, 4 * n_embd, bias, **kw)
-        self.c_proj = Linear(4 * n_embd, n_embd, bias, std=proj_std, **kw)
+        hidden = hidden or 4 * n_embd
+        self.activation = activation
+        self.c_fc = Linear(n_embd, hidden, bias, **kw)
+        self.c_proj = Linear(hidden, n_embd, bias, std=proj_std, **kw)
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
     def forward(self, x, norm: LayerNorm | None = None):
         """norm: the block's LayerNorm, fused into c_fc (its output is not stored)."""
-        # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
         h = norm_and_project(norm, self.c_fc, x)
+        if self.activation == "relu":
+            return self.drop(self.c_proj(ops.relu(h)))
+        # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
         return self.drop(self.c_proj(h, gelu_input=True))
 
 
@@ -138,12 +157,26 @@ class Block(Module):
     """Pre-LN transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); each LayerNorm runs fused
     into the projection after it, so its output is recomputed in backward instead of stored."""
 
-    def __init__(self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype, device):
+    def __init__(
+        self,
+        n_embd,
+        n_head,
+        bias=True,
+        dropout=0.0,
+        proj_std=0.02,
+        *,
+        hidden=None,
+        activation="gelu_tanh",
+        eps=1e-5,
+        rng,
+        dtype,
+        device,
+    ):
         kw = dict(rng=rng, dtype=dtype, device=device)
-        self.ln_1 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
+        self.ln_1 = LayerNorm(n_embd, bias, eps, dtype=dtype, device=device)
         self.attn = CausalSelfAttention(n_embd, n_head, bias, dropout, proj_std, **kw)
-        self.ln_2 = LayerNorm(n_embd, bias, dtype=dtype, device=device)
-        self.mlp = MLP(n_embd, bias, dropout, proj_std, **kw)
+        self.ln_2 = LayerNorm(n_embd, bias, eps, dtype=dtype, device=device)
+        self.mlp = MLP(n_embd, bias, dropout, proj_std, hidden=hidden, activation=activation, **kw)
 
     def forward(self, x):
         x = x + _after_norm(self.ln_1, self.attn, CausalSelfAttention, x)

@@ -284,4 +284,11 @@ def _flat_groups(targets) -> list:
         return sharded.trainable_units
     if hasattr(targets, "parameters"):  # a model: its trainable parameters (frozen ones have no state)
         targets = [p for p in targets.parameters() if p.requires_grad]
+    one = hasattr(targets, "flat_param") or isinstance(targets, Param)  # a Unit or a Param alone
+    if one or not hasattr(targets, "__iter__"):
+        what = type(targets).__name__
+        raise TypeError(
+            f"an optimizer takes a Module, a list of Params or a list of Units, not {what}"
+            + (f": pass a list, [{what.lower()}]" if one else "")
+        )
     return [WholeParam(t) if isinstance(t, Param) else t for t in targets]

@@ -207,6 +207,12 @@ def test_optimizer_misuse(comm):
     unit = sharded_model(model).units[0]
     with pytest.raises(ValueError, match=r"AdamW got \['root'\] more than once"):
         AdamW([unit, unit])
+    with pytest.raises(TypeError, match=r"not Unit: pass a list, \[unit\]"):  # was "not iterable"
+        AdamW(unit)
+    with pytest.raises(TypeError, match="a Module, a list of Params or a list of Units, not int"):
+        SGD(3, lr=0.1)
+    names = ["layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+    assert list(full_state_dict(unit)) == names  # a Unit alone: was an AttributeError about state_dict
     opt = AdamW(model, lr=1e-2)
     assert opt.step() is False and opt.step_count == 0  # no gradients yet: nothing, not a step
     model(np.ones((2, 3), np.float32), np.array([0, 1])).backward()

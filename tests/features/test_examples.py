@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -211,3 +212,24 @@ def test_heat_source_lbfgs_refuses_ranks_whose_settings_differ(comm, tmp_path):
     assert "the L-BFGS iterates differ between ranks (ranks [1] differ from rank 0, bit for bit)" in out, out[
         -2000:
     ]
+
+
+def test_the_slurm_scripts_parse_and_their_command_lines_are_train_gpts(comm):
+    """examples/slurm/*.sbatch: bash accepts them, and the flags they give train_gpt.py are ones its
+    parser accepts with these values (a renamed flag must not rot in a cluster script)."""
+    if comm.size > 1:
+        pytest.skip("single-process commands: the plain-pytest pass covers it")
+    scripts = sorted((ROOT / "examples" / "slurm").glob("*.sbatch"))
+    assert [s.name for s in scripts] == ["cpu.sbatch", "gpu.sbatch"]
+    for script in scripts:
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+        text = script.read_text().replace("\\\n", " ")
+        command = next(line for line in text.splitlines() if "examples/train_gpt.py" in line)
+        flags = shlex.split(command.split("examples/train_gpt.py", 1)[1].replace('"$SAVE_DIR"', "ck"))
+        assert "--resume" in flags and "--save_dir" in flags and "--save_every" in flags, flags
+        check = (
+            "import sys; sys.path.insert(0, 'examples'); import train_gpt; "
+            f"sys.argv = ['train_gpt.py', *{flags!r}]; print(train_gpt.parse_config().device)"
+        )
+        done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, f"{script.name}: {done.stderr[-1500:]}"

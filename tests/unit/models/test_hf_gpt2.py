@@ -11,7 +11,7 @@ import pytest
 
 from mpifsdp import fully_shard
 from mpifsdp.checkpoint import save
-from mpifsdp.checkpoint.consolidated import read_safetensors_header
+from mpifsdp.checkpoint.consolidated import read_safetensors_header, safetensors_header
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.models.hf_gpt2 import export_hf_gpt2, hf_name, load_hf_gpt2
 
@@ -145,3 +145,97 @@ def test_torch_buffers_and_a_tied_head_equal_to_the_embedding_are_accepted(tmp_p
                 ValueError, match="ties the head to the embedding, but lm_head.weight differs"
             ):
                 load_hf_gpt2(directory)
+
+
+# Every field transformers' GPT2Config (4.x) defines, and what a config.json's non-default value does.
+GPT2_CONFIG_FIELDS = {
+    "vocab_size": ("used", 60), "n_positions": ("used", 20), "n_embd": ("used", 12), "n_layer": ("used", 3),
+    "n_head": ("used", 4), "n_inner": ("used", 20), "activation_function": ("used", "relu"),
+    "layer_norm_epsilon": ("used", 0.01), "tie_word_embeddings": ("used", False),
+    "resid_pdrop": ("inert", 0.3), "embd_pdrop": ("inert", 0.3), "attn_pdrop": ("inert", 0.3),
+    "initializer_range": ("inert", 0.5), "summary_type": ("inert", "mean"),
+    "summary_use_proj": ("inert", False),
+    "summary_activation": ("inert", "tanh"), "summary_proj_to_labels": ("inert", False),
+    "summary_first_dropout": ("inert", 0.5), "use_cache": ("inert", False), "bos_token_id": ("inert", 3),
+    "eos_token_id": ("inert", 4), "reorder_and_upcast_attn": ("inert", True),
+    "scale_attn_weights": ("refused", False), "scale_attn_by_inverse_layer_idx": ("refused", True),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", sorted(GPT2_CONFIG_FIELDS))
+def test_every_gpt2_config_field_changes_the_model_as_transformers_does_or_is_refused(tmp_path, field):
+    """Each field with a value other than GPT-2's default: a field we compute builds the GPT it
+    describes (the same logits as that GPT built directly); a field that cannot change the function
+    loads the same model; any other is refused by name (each was ignored silently: relu 0.97 off,
+    layer_norm_epsilon=0.01 0.85 off, scale_attn_weights=False 1.99 off, n_inner a broadcast error)."""
+    kind, value = GPT2_CONFIG_FIELDS[field]
+    base = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=8, tie_weights=True)
+    ours = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_embd": "n_embd", "n_layer": "n_layer",
+            "n_head": "n_head", "n_inner": "mlp_hidden", "layer_norm_epsilon": "ln_eps",
+            "tie_word_embeddings": "tie_weights", "activation_function": "activation"}  # fmt: skip
+    mapped = {"relu": "relu"}.get(value, value) if field == "activation_function" else value
+    config = dataclasses.replace(base, **{ours[field]: mapped}) if kind == "used" else base
+    model = GPT(config, seed=4)
+    directory = export_hf_gpt2(tmp_path / "hf", model)
+    _edited_config(directory, **{field: value})
+    if kind == "refused":
+        with pytest.raises(ValueError, match=f"cannot compute: {field}={value!r}"):
+            load_hf_gpt2(directory)
+        return
+    loaded = load_hf_gpt2(directory)
+    tokens = np.arange(12).reshape(2, 6) % config.vocab_size
+    assert loaded.config == config and np.array_equal(loaded(tokens).data, model(tokens).data)
+
+
+def test_activations_mpifsdp_cannot_compute_and_unknown_fields_are_refused(tmp_path):
+    directory = export_hf_gpt2(tmp_path / "hf", GPT(_config(True), seed=1))
+    for changes, message in [
+        ({"activation_function": "gelu"}, "its GELU is the tanh form; transformers' 'gelu' is the erf form"),
+        ({"activation_function": "silu"}, "activation_function='silu'"),
+        ({"rotary_dim": 16}, "rotary_dim=16: a field mpifsdp does not know"),
+    ]:
+        _edited_config(directory, activation_function="gelu_new")
+        _edited_config(directory, **changes)
+        with pytest.raises(ValueError, match=message):
+            load_hf_gpt2(directory)
+        config = json.loads((directory / "config.json").read_text())
+        config.pop("rotary_dim", None)
+        (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16"])
+def test_half_precision_files_load_into_the_models_dtype(tmp_path, dtype):
+    """A float16 or bfloat16 model.safetensors (bfloat16 was KeyError: 'BF16'): values widened exactly."""
+    from mpifsdp.checkpoint.consolidated import read_tensor
+
+    plain = GPT(_config(True), seed=1)
+    directory = export_hf_gpt2(tmp_path / "hf", plain)
+    path = directory / "model.safetensors"
+    header, start = read_safetensors_header(path)
+    with open(path, "rb") as f:
+        tensors = {n: read_tensor(f, e, start).reshape(e["shape"]) for n, e in header.items()}
+    if dtype == "F16":
+        halves = {n: a.astype(np.float16) for n, a in tensors.items()}
+        raw, widened = (
+            {n: h.tobytes() for n, h in halves.items()},
+            {n: h.astype(np.float32) for n, h in halves.items()},
+        )
+    else:  # bfloat16: the top 16 bits of each float32 (truncated)
+        bits = {n: (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for n, a in tensors.items()}
+        raw = {n: b.astype("<u2").tobytes() for n, b in bits.items()}
+        widened = {n: (b.astype(np.uint32) << 16).view(np.float32) for n, b in bits.items()}
+    entries = [(n, np.dtype(np.float16), list(a.shape)) for n, a in tensors.items()]  # 2 bytes each
+    head = safetensors_header(entries)
+    if dtype == "BF16":  # our writer knows no bfloat16: name it in the header, with the halved sizes
+        text = json.loads(head[8:])
+        offset = 0
+        for name, _, shape in entries:
+            size = 2 * int(np.prod(shape))
+            text[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        body = json.dumps(text).encode()
+        head = len(body).to_bytes(8, "little") + body
+    path.write_bytes(head + b"".join(raw.values()))
+    loaded = load_hf_gpt2(directory, dtype=np.float64)
+    for name, p in loaded.named_parameters():
+        assert p.data.dtype == np.float64 and np.array_equal(p.data, widened[hf_name(name)]), name
