@@ -127,6 +127,7 @@ class GPT(Module):
         self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, rng=None
     ):
         """Sample continuations of idx (B, T) on the host RNG; returns a NumPy (B, T + new) array.
+        temperature=0: greedy (the most likely token each time, as transformers' do_sample=False).
         Samples in evaluation mode (no dropout); the model's mode is restored afterwards."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)
@@ -143,6 +144,9 @@ class GPT(Module):
             for _ in range(max_new_tokens):
                 context = out[:, -self.config.block_size :]
                 logits = to_numpy(self(xp.asarray(context)).data[:, -1, :]).astype(np.float64)
+                if temperature <= 0:
+                    out = np.concatenate([out, logits.argmax(axis=-1)[:, None]], axis=1)
+                    continue
                 logits /= max(temperature, 1e-6)
                 if top_k is not None:
                     kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]

@@ -62,9 +62,13 @@ def hf_config(config: GPTConfig) -> dict:
     }
 
 
-def export_hf_gpt2(directory, model: GPT) -> Path:
+def export_hf_gpt2(directory, model: GPT, tokenizer=None) -> Path:
     """Write `directory`/config.json and model.safetensors (collective when `model` is sharded: the
-    parameters are gathered, and rank 0 writes). Written to a temporary name and renamed into place."""
+    parameters are gathered, and rank 0 writes). Written to a temporary name and renamed into place.
+
+    tokenizer: a tokenizer.json of the user's (a path) to put beside them; by default a model with
+    a 256-token vocabulary (train_gpt.py's byte tokens) gets the byte-level one (byte_tokenizer), so
+    that `transformers.pipeline("text-generation", model=DIR)` runs as it is."""
     directory = Path(directory)
     hf = hf_config(model.config)
     state = full_state_dict(model)  # every parameter by our name, on every rank
@@ -82,9 +86,59 @@ def export_hf_gpt2(directory, model: GPT) -> Path:
             f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes())
     with atomic_file(directory / CONFIG) as f:
         f.write((json.dumps(hf, indent=2) + "\n").encode())
+    _write_tokenizer(directory, model.config, tokenizer)
     if sharded is not None:
         sharded.comm.barrier()
     return directory
+
+
+def byte_tokenizer() -> dict:
+    """A `tokenizers` tokenizer.json whose ids are the bytes of the UTF-8 text (id b = byte b), the
+    vocabulary train_gpt.py trains on: byte-level BPE without merges, GPT-2's byte-to-character map."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    model = {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": {chars[b]: b for b in range(256)},
+        "merges": [],
+    }
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": level,
+        "post_processor": None,
+        "decoder": level,
+        "model": model,
+    }
+
+
+def _write_tokenizer(directory: Path, config: GPTConfig, tokenizer):
+    """tokenizer.json (the user's, or the byte-level one for a 256-token vocabulary) and the
+    tokenizer_config.json that makes transformers' AutoTokenizer load it."""
+    if tokenizer is None and config.vocab_size != 256:
+        return  # no tokenizer is known for this vocabulary: the user passes theirs
+    text = Path(tokenizer).read_bytes() if tokenizer is not None else json.dumps(byte_tokenizer()).encode()
+    with atomic_file(directory / "tokenizer.json") as f:
+        f.write(text)
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.block_size}
+    with atomic_file(directory / "tokenizer_config.json") as f:
+        f.write((json.dumps(settings, indent=2) + "\n").encode())
 
 
 def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
@@ -111,8 +165,9 @@ ACTIVATIONS = {
 }
 # Fields that cannot change what the model computes from given weights at inference: dropout
 # rates (the loaded model is built with none), initialisation, the sequence-summary head's
-# settings (GPT2DoubleHeadsModel only), token ids, caching, bookkeeping. reorder_and_upcast_attn
-# only moves a scale and upcasts float16 attention: the same function.
+# settings (GPT2DoubleHeadsModel only), token ids, caching, bookkeeping, the classification heads'
+# problem_type. reorder_and_upcast_attn only moves a scale and upcasts float16 attention, and
+# chunk_size_feed_forward only cuts the MLP's rows into pieces: the same function.
 INERT = {
     "n_ctx",
     "resid_pdrop",
@@ -144,6 +199,8 @@ INERT = {
     "tokenizer_class",
     "prefix",
     "decoder_start_token_id",
+    "chunk_size_feed_forward",
+    "problem_type",
 }
 # Fields our GPT computes only at GPT-2's value: another one is refused, saying why.
 FIXED = {
