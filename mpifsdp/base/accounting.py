@@ -127,6 +127,28 @@ class CommLedger:
         }
 
 
+class SyncLedger:
+    """Every time the host waits for a GPU, by purpose (the loss for logging, the step's verdict, a
+    collective's completion, ...): on a device each wait stalls the host's queue of kernels, so a
+    fast step has almost none. Counted by backend.host_value (a value read back) and Comm.settle (a
+    wait for collectives); NumPy arrays cost nothing and are not counted."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def count(self, purpose: str):
+        self.counts[purpose] = self.counts.get(purpose, 0) + 1
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def reset(self):
+        self.counts.clear()
+
+
+HOST_SYNCS = SyncLedger()  # the process's: one GPU per process
+
+
 def mib(nbytes: float) -> float:
     return round(nbytes / 2**20, 2)
 

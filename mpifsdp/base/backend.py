@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from .accounting import HOST_SYNCS
+
 CPU = "cpu"
 
 
@@ -68,6 +70,13 @@ def to_numpy(array) -> np.ndarray:
     if array_module_of(array) is np:
         return np.asarray(array)
     return array.get()
+
+
+def host_value(array, purpose: str) -> float:
+    """float(array) of a one-element array; on a GPU a host sync, counted in HOST_SYNCS by `purpose`."""
+    if array_module_of(array) is not np:
+        HOST_SYNCS.count(purpose)
+    return float(array)
 
 
 def to_device(array, device: str = CPU, dtype=None):
@@ -186,6 +195,13 @@ class StreamRequest:
             _cupy().cuda.get_current_stream().wait_event(self.event)
             return True
         return False
+
+    def order_after(self):
+        """Make the compute stream wait for this work on the device, and return at once: the host
+        goes on issuing kernels (Comm.wait; Comm.settle checks completion once, under the watchdog)."""
+        if self.check is not None:
+            self.check()
+        _cupy().cuda.get_current_stream().wait_event(self.event)
 
     def Wait(self):
         self.event.synchronize()

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..base.accounting import CommLedger
+from ..base.accounting import HOST_SYNCS, CommLedger
 from ..base.backend import bytes_digest, parse_device, select_gpu
 from ..base.threads import set_threads
 from . import presence
@@ -70,6 +70,7 @@ class Comm:
             raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
         self.rank, self.size = base.Get_rank(), base.Get_size()
         self.ledger = CommLedger()
+        self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
         self.schedule = Schedule(
             self.rank, base.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
         )
@@ -222,9 +223,26 @@ class Comm:
 
     def wait(self, request):
         """Complete a request from iall_gather / ireduce_scatter / iall_reduce, under the watchdog;
-        the time blocked here is counted (ledger.wait_s)."""
+        the time blocked here is counted (ledger.wait_s). A GPU stream's request (NCCL) is ordered
+        on the device instead: the compute stream waits for it, the host does not, and `settle`
+        checks that it completed (the host never runs only one unit ahead of the GPU)."""
+        if hasattr(request, "order_after"):
+            request.order_after()
+            self._in_flight = (request, self.schedule.current)  # one stream: the newest completes last
+            return
         start = time.perf_counter()
         self.schedule.wait(request)
+        self.ledger.wait_s += time.perf_counter() - start
+
+    def settle(self, purpose: str = "the collectives of a step"):
+        """Wait (under the watchdog) until the device collectives already waited for have completed:
+        once a step (the optimizer's step calls it), one host sync, counted in HOST_SYNCS."""
+        if self._in_flight is None:
+            return
+        (request, fingerprint), self._in_flight = self._in_flight, None
+        HOST_SYNCS.count(purpose)
+        start = time.perf_counter()
+        self.schedule.wait(request, current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):

@@ -168,8 +168,15 @@ class Schedule:
             "uneven batches, or sets iterated in different orders."
         )
 
-    def wait(self, request):
-        """Request.Wait() under the watchdog: polls with Test so a stall can be reported."""
+    def wait(self, request, current=None):
+        """Request.Wait() under the watchdog: polls with Test so a stall can be reported. current:
+        the fingerprint of the collective waited for, when it is not the latest announced (Comm.settle)."""
+        if current is not None:
+            latest, self.current = self.current, current
+            try:
+                return self.wait(request)
+            finally:
+                self.current = latest
         if self._test(request):
             return
         start = time.monotonic()

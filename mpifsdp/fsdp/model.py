@@ -257,6 +257,7 @@ class ShardedModel:
         self._release_gathered()
         for level in self.levels():  # every rank issued the same collectives this step, on each level
             level.check_schedule()
+            level.settle()  # on a GPU: the backward's collectives completed (one host wait a level)
 
     def backward_failed(self):
         """Backward raised part-way (tape.backward tells the scopes it cut short): finish every

@@ -12,8 +12,10 @@ import logging
 import math
 from typing import Protocol
 
+import numpy as np
+
 from ..autodiff.tensor import Param
-from ..base.backend import array_module_of
+from ..base.backend import array_module_of, host_value
 from ..shard.exact import exact_squared_norm
 
 log = logging.getLogger(__name__)
@@ -175,6 +177,7 @@ class FlatOptimizer:
             raise ValueError(
                 f"{name}.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
             )
+        self._settle()
         norm = self._norm if self._norm is not None else self.grad_norm(f"the gradient norm of {name}.step")
         self._norm = None
         if self.comm is not None:  # every rank reached this step through the same collectives
@@ -199,6 +202,18 @@ class FlatOptimizer:
                 self._update(i, group.flat_param(), g, self._state_at(i, allocate=True), self._steps[i])
         return True
 
+    def _settle(self):
+        """The step's device checks, at once: the collectives waited for on the GPU completed (under
+        the watchdog), and no gather overflowed param_dtype (every unit's flag in one read)."""
+        if self.comm is not None and hasattr(self.comm, "settle"):
+            self.comm.settle()
+        flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
+        flags = [(group, flag) for group, flag in flags if flag is not None]
+        if flags:
+            xp = array_module_of(flags[0][1])
+            if host_value(xp.stack([flag for _, flag in flags]).any(), "the step's verdict"):
+                next(group for group, flag in flags if bool(flag)).raise_unrepresentable()
+
     def _update(self, i: int, p, g, state: dict, step: int):
         """Update group i's flat vector p in place from gradient g; `step` is the group's own count."""
         raise NotImplementedError
@@ -214,7 +229,9 @@ class FlatOptimizer:
         grads = [group.flat_grad() for group in self.groups]
         if self.comm is not None and any(getattr(group, "deterministic", False) for group in self.groups):
             return math.sqrt(exact_squared_norm(self.comm, grads))  # the same bits at any N
-        local = sum(float(g @ g) for g in grads if g is not None)
+        # summed where the gradients live (float64, the order of Python's sum), read back once
+        squares = [(g @ g).astype(np.float64) for g in grads if g is not None]
+        local = host_value(sum(squares), "the gradient norm") if squares else 0.0
         if self.comm is None:
             return math.sqrt(local)
         return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))

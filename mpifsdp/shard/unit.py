@@ -107,6 +107,7 @@ class Unit:
         self._reducing: _Reduction | None = None  # a reduction in flight
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
         self._pending_sum: PendingSum | None = None  # their reduction in flight
+        self._overflow = None  # on a GPU: whether a gather overflowed param_dtype (a device bool)
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -184,14 +185,29 @@ class Unit:
 
     def _check_representable(self, full):
         """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it. Every rank sees
-        the same gathered values, so every rank raises here alike (no collective needed)."""
-        if not bool(self.xp.isfinite(full).all()):
-            raise FloatingPointError(
-                f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
-                f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
-                f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
-                "a wider param_dtype"
-            )
+        the same gathered values, so every rank raises here alike (no collective needed). On a GPU
+        the verdict stays on the device until the step's (take_overflow_flag): a host sync per
+        gather would stall the host's queue 49 times a step."""
+        finite = self.xp.isfinite(full).all()
+        if self.xp is not np:
+            self._overflow = ~finite if self._overflow is None else self._overflow | ~finite
+            return
+        if not bool(finite):
+            self.raise_unrepresentable()
+
+    def take_overflow_flag(self):
+        """The device flag of gathers whose values overflowed param_dtype since the last call (None:
+        none checked on a device), reset; the optimizer reads every unit's at once."""
+        flag, self._overflow = self._overflow, None
+        return flag
+
+    def raise_unrepresentable(self):
+        raise FloatingPointError(
+            f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
+            f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
+            f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
+            "a wider param_dtype"
+        )
 
     def reshard(self):
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""

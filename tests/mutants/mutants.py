@@ -71,6 +71,18 @@ def _blas_threads_free():
     _replace(mpifsdp.fsdp.deterministic, "blas_pinned", lambda threads=1: contextlib.nullcontext())
 
 
+def _no_device_settle():
+    from mpifsdp.comm.communicator import Comm
+
+    _replace(Comm, "settle", lambda self, purpose="": None)
+
+
+def _no_step_verdict():
+    from mpifsdp.optim.flat_optimizer import FlatOptimizer
+
+    _replace(FlatOptimizer, "_settle", lambda self: None)
+
+
 def _no_watchdog():
     from mpifsdp.comm.schedule import Schedule
 
@@ -495,6 +507,21 @@ MUTANTS = {
         _blas_threads_free,
         "deterministic mode's chunks run BLAS at one thread (base/threads.blas_pinned)",
         ["tests/features/test_deterministic.py::test_blas_threads_do_not_change_the_bits"],
+    ),
+    "device_settle": Mutant(
+        _no_device_settle,
+        "collectives waited for on the GPU are checked, under the watchdog, once a step (Comm.settle)",
+        [
+            "tests/unit/comm/test_device_waits.py::test_a_device_collective_that_never_completes_is_named_at_the_settle"
+        ],
+    ),
+    "step_verdict": Mutant(
+        _no_step_verdict,
+        "the step reads every unit's device overflow flag at once (FlatOptimizer._settle)",
+        [
+            "tests/unit/comm/test_device_waits.py::"
+            "test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device"
+        ],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,

@@ -1,0 +1,80 @@
+"""Waiting for a GPU stream's collective (NCCL) on the device: the host does not wait per collective,
+Comm.settle checks completion once, under the watchdog, and the host-sync ledger counts it. Tested
+with a stand-in for backend.StreamRequest (no GPU needed: only the protocol matters here)."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifsdp import Comm
+from mpifsdp.base.accounting import HOST_SYNCS
+from mpifsdp.comm.schedule import CollectiveTimeout
+
+
+class DeviceRequest:
+    """A stream's request: order_after() is the device-side wait; Test() polls its event."""
+
+    def __init__(self, done_after: int | None = 0):
+        self.ordered = self.polls = 0
+        self.done_after = done_after  # polls until done; None: never
+
+    def order_after(self):
+        self.ordered += 1
+
+    def Test(self):
+        self.polls += 1
+        return self.done_after is not None and self.polls > self.done_after
+
+
+def _alone(**kwargs):
+    return Comm(MPI.COMM_SELF, threads=None, **kwargs)
+
+
+def test_the_host_waits_once_a_step_not_once_a_collective():
+    comm = _alone()
+    requests = [DeviceRequest(done_after=2) for _ in range(30)]
+    HOST_SYNCS.reset()
+    for request in requests:  # a step's gathers and reductions
+        comm.schedule.announce("u", "backward", "all_gather", 8, np.dtype(np.float32))
+        comm.wait(request)
+    assert all(r.ordered == 1 and r.polls == 0 for r in requests)  # ordered on the device, not polled
+    comm.settle()
+    assert requests[-1].polls == 3 and all(r.polls == 0 for r in requests[:-1])  # one stream: in order
+    assert HOST_SYNCS.counts == {"the collectives of a step": 1}
+    comm.settle()  # nothing in flight: no wait
+    assert HOST_SYNCS.total() == 1
+
+
+def test_a_device_collective_that_never_completes_is_named_at_the_settle():
+    comm = _alone(timeout=0.3, abort_on_timeout=False)
+    comm.schedule.announce("blocks.3", "backward", "reduce_scatter", 8, np.dtype(np.float32))
+    comm.wait(DeviceRequest(done_after=None))
+    comm.schedule.announce("", "optimizer", "all_reduce", 1, np.dtype(np.float64))  # the host went on
+    with pytest.raises(
+        CollectiveTimeout, match=r"waited 0.3 s in backward reduce-scatter of unit 'blocks.3' \(8 x float32"
+    ):
+        comm.settle()
+
+
+class DeviceLike:
+    """NumPy under another name: code that asks `xp is not np` takes its GPU branch (the verdict
+    kept on the device until the step's), the arithmetic stays NumPy's."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device():
+    """On a GPU the per-gather check would be a host sync each (49 a step): its flag stays on the
+    device and the optimizer's step reads every unit's at once, naming the unit."""
+    from mpifsdp import AdamW, Unit
+
+    comm = _alone()
+    unit = Unit("big", {"w": np.ones(6, np.float32)}, comm, param_dtype=np.float16)
+    unit.xp = DeviceLike()
+    unit.shard[:2] = 1e5  # beyond float16's 65504
+    with unit.unsharded():  # no host sync here: no error yet
+        pass
+    unit.reduce_grad({"w": np.ones(6, np.float32)})
+    with pytest.raises(FloatingPointError, match="unit 'big': parameter values no longer fit float16"):
+        AdamW([unit], lr=1e-3).step()
