@@ -1,0 +1,281 @@
+"""A NumPy-backed stand-in for CuPy: what a training step would launch and wait for on a GPU, counted
+on a CPU (bench/gpu_budget.py). `install()` puts it in sys.modules as cupy, cupyx and
+cupy.cuda.nccl before mpifsdp imports them; its arrays' type lives in a module named "cupy", so
+mpifsdp takes its GPU branches.
+
+Counted, by phase (set `PHASE[0]`): a launch for every ufunc call, reduction, matmul, copy, indexed
+gather or scatter, fill and one of mpifsdp's own kernels (CuPy issues one kernel for each); a host
+sync for every float()/int()/bool()/item()/get(), a boolean-mask index (its size is read back) and
+an eventQuery. NCCL on one rank copies. Kernels of ours run as NumPy formulas of the same math.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import sys
+import types
+
+import numpy as np
+
+LAUNCHES: collections.Counter = collections.Counter()  # (phase, kind) -> count
+SYNCS: collections.Counter = collections.Counter()
+PHASE = ["setup"]
+
+
+def _launch(kind: str):
+    LAUNCHES[(PHASE[0], kind)] += 1
+
+
+def _sync(kind: str):
+    SYNCS[(PHASE[0], kind)] += 1
+
+
+def _host(x):
+    return x.view(np.ndarray) if isinstance(x, ndarray) else x
+
+
+def _unwrap(x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _unwrap(v) for k, v in x.items()}
+    return _host(x)
+
+
+def _device(r):
+    """A result as CuPy gives it: arrays on the device, 0-d arrays for scalars."""
+    if isinstance(r, np.generic):
+        return np.asarray(r).view(ndarray)
+    if isinstance(r, np.ndarray) and not isinstance(r, ndarray):
+        return r.view(ndarray)
+    if isinstance(r, tuple):
+        return tuple(_device(x) for x in r)
+    return r
+
+
+class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
+        result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
+        _launch("matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method)
+        return _device(result)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        _launch(func.__name__)
+        return _device(func(*_unwrap(args), **_unwrap(kwargs)))
+
+    def __getitem__(self, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, np.ndarray) and p.dtype == bool for p in parts):
+            _sync("boolean-mask index")
+        if any(isinstance(p, (np.ndarray, list)) for p in parts):
+            _launch("gather")
+        return _device(np.ndarray.__getitem__(self, _unwrap(index)))
+
+    def __setitem__(self, index, value):
+        _launch("setitem")
+        np.ndarray.__setitem__(_host(self), _unwrap(index), _host(value))
+
+    def reshape(self, *shape, **kwargs):
+        result = np.ndarray.reshape(self, *shape, **kwargs)
+        if not np.shares_memory(_host(result), _host(self)):
+            _launch("copy")
+        return _device(result)
+
+    def __float__(self):
+        _sync("float()")
+        return float(_host(self))
+
+    def __int__(self):
+        _sync("int()")
+        return int(_host(self))
+
+    def __bool__(self):
+        _sync("bool()")
+        return bool(_host(self))
+
+    def item(self):
+        _sync("item()")
+        return _host(self).item()
+
+    def get(self):
+        _sync("get()")
+        return _host(self).copy()
+
+    @property
+    def data(self):  # .data.ptr: the buffer's address (NCCL copies through it)
+        return types.SimpleNamespace(ptr=_host(self).ctypes.data)
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=0)
+
+
+def _kernel_method(name: str):
+    def method(self, *args, **kwargs):
+        _launch("reduction" if name in ("sum", "max", "min", "any", "all", "mean") else name)
+        return _device(getattr(_host(self), name)(*_unwrap(args), **_unwrap(kwargs)))
+
+    return method
+
+
+for _name in ("sum", "max", "min", "any", "all", "mean", "astype", "copy"):
+    setattr(ndarray, _name, _kernel_method(_name))
+ndarray.__module__ = "cupy"
+
+
+def _fresh(make, fills: bool):
+    def create(*args, **kwargs):
+        result = np.asarray(make(*_unwrap(args), **_unwrap(kwargs)))
+        out = np.empty(result.shape, result.dtype).view(ndarray)
+        np.copyto(_host(out), result)
+        if fills:
+            _launch("fill")
+        return out
+
+    return create
+
+
+def _asarray(a, dtype=None, **_):
+    _launch("copy" if isinstance(a, ndarray) else "host-to-device copy")
+    return _fresh(np.asarray, False)(_host(a), dtype=dtype)
+
+
+class _Event:
+    ptr = 0
+
+    def synchronize(self):
+        _sync("event.synchronize()")
+
+
+class _Stream:
+    ptr = 0
+
+    def record(self, *_):
+        return _Event()
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        _sync("stream.synchronize()")
+
+
+def _event_query(ptr):
+    _sync("eventQuery")
+    return 0
+
+
+class ElementwiseKernel:
+    """mpifsdp's own kernels (ops/gpu_kernels.py), by name, as NumPy formulas of the same math."""
+
+    def __init__(self, in_params, out_params, operation, name, preamble=""):
+        self.name = name
+
+    def __call__(self, *arrays):
+        from mpifsdp.ops.gpu_kernels import _C, _K
+
+        _launch(self.name)
+        a = [_host(x) for x in arrays]
+
+        def sigmoid(x):
+            return 1 / (1 + np.exp(np.clip(-2 * _C * (x + _K * x**3), -80, 80)))
+
+        def slope(x, s):
+            return s * (1 + x * (2 * _C + 6 * _C * _K * x * x) * (1 - s))
+
+        if self.name == "mpifsdp_gelu":
+            a[1][...] = a[0] * sigmoid(a[0])
+        elif self.name == "mpifsdp_gelu_grad":
+            a[2][...] = a[0] * slope(a[1], sigmoid(a[1]))
+        elif self.name == "mpifsdp_gelu_and_grad":
+            s = sigmoid(a[0])
+            a[1][...] = a[0] * s
+            a[2][...] *= slope(a[0], s)
+        elif self.name == "mpifsdp_adamw":
+            g, b1, omb1, b2, omb2, lrb, bias2, eps, p, m, v = a
+            m[...] = m * b1 + g * omb1
+            v[...] = v * b2 + (g * g) * omb2
+            p -= m / (np.sqrt(v) / bias2 + eps) * lrb
+
+
+class RawModule:
+    """The causal softmax kernels (ops/gpu_kernels.py), as NumPy over rows of T."""
+
+    def __init__(self, code="", options=()):
+        pass
+
+    def get_function(self, name):
+        def launch(grid, block, args):
+            _launch(name)
+            arrays = [_host(x) for x in args if isinstance(x, np.ndarray) and x.ndim]
+            T, scale = int(args[-2]), float(args[-1])
+            rows = arrays[0].reshape(-1, T, T)
+            if name == "causal_softmax":
+                masked = rows * scale + np.triu(np.full((T, T), -np.inf, rows.dtype), 1)
+                e = np.exp(masked - masked.max(-1, keepdims=True))
+                rows[...] = e / e.sum(-1, keepdims=True)
+            else:
+                p = arrays[1].reshape(-1, T, T)
+                rows[...] = p * (rows - (rows * p).sum(-1, keepdims=True)) * scale
+
+        return launch
+
+
+class _Nccl:
+    """NCCL on one rank: the collectives copy."""
+
+    def __init__(self, n, uid, rank):
+        pass
+
+    def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 - NCCL's names
+        _launch("nccl allGather")
+        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+
+    def reduceScatter(self, send, recv, count, dtype, op, stream):  # noqa: N802
+        _launch("nccl reduceScatter")
+        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+
+    def check_async_error(self):
+        pass
+
+
+_NCCL_TYPES = ["NCCL_INT64", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_BFLOAT16"]
+_NCCL_ITEMSIZE = dict(enumerate([8, 2, 4, 8, 2]))
+
+
+def install():
+    """Make `import cupy` (and cupyx, cupy.cuda.nccl) give the stand-in; call before importing mpifsdp."""
+    cp = types.ModuleType("cupy")
+    for name in dir(np):
+        if not name.startswith("_"):
+            setattr(cp, name, getattr(np, name))
+    cp.__version__, cp.ndarray = "stand-in", ndarray
+    for name in ("empty", "empty_like"):
+        setattr(cp, name, _fresh(getattr(np, name), False))
+    for name in ("zeros", "zeros_like", "ones", "ones_like", "full", "arange"):
+        setattr(cp, name, _fresh(getattr(np, name), True))
+    cp.asarray = cp.array = _asarray
+    cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
+    cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
+    cp.cuda = types.SimpleNamespace(
+        get_current_stream=_Stream, Stream=lambda **_: _Stream(), runtime=runtime,
+        Device=lambda i=0: types.SimpleNamespace(use=lambda: None, id=i),
+    )  # fmt: skip
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    for i, name in enumerate(_NCCL_TYPES):
+        setattr(nccl, name, i)
+    nccl.NCCL_SUM, nccl.available, nccl.NcclCommunicator = 0, True, _Nccl
+    nccl.get_unique_id, nccl.get_version = (lambda: b"\0" * 128), (lambda: 22800)
+    cupyx = types.ModuleType("cupyx")
+
+    def scatter_add(target, index, values):
+        _launch("scatter_add")
+        np.add.at(_host(target), _host(index), _host(values))
+
+    cupyx.scatter_add = scatter_add
+    sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl})
+    return cp

@@ -1,0 +1,76 @@
+"""The GPU step's budget, counted on a CPU: kernel launches and host syncs of one fp16 FSDP training
+step (NCCL transport, LossScaler, 1 rank) of a narrow 24-layer GPT with the 370M model's structure
+(the same heads x T / C and vocab / C; counts depend on structure, not width), with CuPy replaced
+by bench/cupy_standin.py. One JSON line:
+
+    python bench/gpu_budget.py
+    {"launches_per_step": ..., "launches_per_layer": ..., "host_syncs_per_step": ...,
+     "host_syncs_in_step": ..., "syncs": {phase: {kind: n}}, "launches_by_phase": {...}}
+
+host_syncs_in_step: inside forward, backward and the optimizer step (the issue 30 budget: 0);
+host_syncs_per_step adds reading the loss for logging (budget: 2 in all).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cupy_standin  # noqa: E402
+
+cp = cupy_standin.install()
+
+import numpy as np  # noqa: E402
+
+import mpifsdp  # noqa: E402
+from mpifsdp.models import GPT, GPTConfig  # noqa: E402
+
+LAYERS = 24
+
+
+def step(model, opt, scaler, x, y) -> float:
+    phase = cupy_standin.PHASE
+    phase[0] = "forward"
+    loss = model(x, y)
+    phase[0] = "backward"
+    scaler.scale(loss).backward()
+    phase[0] = "optimizer"
+    scaler.step(opt, max_norm=1.0)
+    opt.zero_grad()
+    phase[0] = "logging"
+    return loss.item()
+
+
+def main():
+    comm = mpifsdp.Comm(device="cuda", transport="nccl", threads=None)
+    config = GPTConfig(vocab_size=2048, block_size=64, n_layer=LAYERS, n_head=16, n_embd=64)
+    model = GPT(config, seed=0, device=comm.device)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt, scaler = mpifsdp.AdamW(model, lr=1e-4), mpifsdp.LossScaler()
+    rng = np.random.default_rng(0)
+    x, y = (cp.asarray(rng.integers(0, config.vocab_size, (2, 64))) for _ in range(2))
+    step(model, opt, scaler, x, y)  # the first step allocates and builds: count the second
+    cupy_standin.LAUNCHES.clear()
+    cupy_standin.SYNCS.clear()
+    step(model, opt, scaler, x, y)
+    launches = sum(cupy_standin.LAUNCHES.values())
+    syncs: dict = collections.defaultdict(dict)
+    for (phase, kind), n in sorted(cupy_standin.SYNCS.items()):
+        syncs[phase][kind] = n
+    by_phase = collections.Counter()
+    for (phase, _), n in cupy_standin.LAUNCHES.items():
+        by_phase[phase] += n
+    in_step = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase != "logging")
+    print(json.dumps({
+        "bench": "gpu_budget", "layers": LAYERS, "launches_per_step": launches,
+        "launches_per_layer": round(launches / LAYERS, 1),
+        "host_syncs_per_step": sum(cupy_standin.SYNCS.values()), "host_syncs_in_step": in_step,
+        "syncs": syncs, "launches_by_phase": dict(by_phase),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
