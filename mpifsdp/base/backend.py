@@ -79,6 +79,13 @@ def host_value(array, purpose: str) -> float:
     return float(array)
 
 
+def host_values(array, purpose: str) -> np.ndarray:
+    """A host copy of a small array (several values in one read); counted as host_value is."""
+    if array_module_of(array) is not np:
+        HOST_SYNCS.count(purpose)
+    return to_numpy(array)
+
+
 def to_device(array, device: str = CPU, dtype=None):
     """Put a host array on `device` (a copy on a GPU, a view or cast on the CPU)."""
     xp = array_module(device)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..autodiff.tensor import Param, Tensor
-from ..base.backend import device_of, to_device, to_numpy
+from ..base.backend import device_of, host_value, to_device, to_numpy
 
 _deferring = threading.local()
 
@@ -80,11 +80,12 @@ def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None
         return f"{name} must be an integer array of ids, got a {kind}"
     if ids.ndim != ndim:
         return f"{name} must have {ndim} dimensions, got {tuple(ids.shape)}"
-    valid = ids if ignore is None else ids[ids != ignore]
-    outside = valid[(valid < 0) | (valid >= count)]
-    if outside.size:
+    outside = (ids < 0) | (ids >= count)
+    if ignore is not None:
+        outside &= ids != ignore
+    if host_value(outside.any(), "an input check"):  # one read on a GPU; the details only if bad
         also = "" if ignore is None else f" (and is not the ignore index {ignore})"
-        return f"{name} holds {int(outside[0])}, outside [0, {count}){also}"
+        return f"{name} holds {int(ids[outside][0])}, outside [0, {count}){also}"
     return None
 
 

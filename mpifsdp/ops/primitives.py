@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from ..autodiff.tensor import primitive
-from ..base.backend import array_module_of, scatter_add
+from ..base.backend import array_module_of, host_values, scatter_add
 from .causal_attention import swap_last  # importing attention (and fused) registers their primitives
 
 
@@ -256,11 +256,14 @@ def _embedding_vjp(g, _, w, idx):
 def _embedding(w, idx):
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding indices must be integers, got {idx.dtype}")
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= w.shape[0]):
-        raise IndexError(
-            f"embedding index out of range: indices span [{int(idx.min())}, {int(idx.max())}] "
-            f"but the table has {w.shape[0]} rows"
-        )
+    if idx.size:  # both ends in one read (on a GPU a host sync)
+        ends = host_values(array_module_of(idx).stack([idx.min(), idx.max()]), "an input check")
+        low, high = int(ends[0]), int(ends[1])
+        if low < 0 or high >= w.shape[0]:
+            raise IndexError(
+                f"embedding index out of range: indices span [{low}, {high}] but the table has "
+                f"{w.shape[0]} rows"
+            )
     return w[idx], None
 
 
