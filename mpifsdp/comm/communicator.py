@@ -224,8 +224,8 @@ class Comm:
     def wait(self, request):
         """Complete a request from iall_gather / ireduce_scatter / iall_reduce, under the watchdog;
         the time blocked here is counted (ledger.wait_s). A GPU stream's request (NCCL) is ordered
-        on the device instead: the compute stream waits for it, the host does not, and `settle`
-        checks that it completed (the host never runs only one unit ahead of the GPU)."""
+        on the device instead: the compute stream waits for it, the host does not (it goes on
+        queueing the next units' kernels), and `settle` checks that it completed."""
         if hasattr(request, "order_after"):
             request.order_after()
             self._in_flight = (request, self.schedule.current)  # one stream: the newest completes last
@@ -236,7 +236,7 @@ class Comm:
 
     def settle(self, purpose: str = "the collectives of a step"):
         """Wait (under the watchdog) until the device collectives already waited for have completed:
-        once a step (the optimizer's step calls it), one host sync, counted in HOST_SYNCS."""
+        at the end of backward and in the optimizer's step, one host sync each, counted in HOST_SYNCS."""
         if self._in_flight is None:
             return
         (request, fingerprint), self._in_flight = self._in_flight, None
