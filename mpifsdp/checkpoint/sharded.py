@@ -126,6 +126,8 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             # every rank's file is on disk (agreed above)
             "files": [r for r in comm.allgather_object(record) if r is not None],
             "optimizer": None if optimizer is None else optimizer.summary(),
+            # a Dropout's position in its masks (every rank's is the same): resumed, the run draws on
+            "random_state": model.random_state() if hasattr(model, "random_state") else {},
             "extra": extra,
         }
 
@@ -222,6 +224,10 @@ def load(directory, model, optimizer=None) -> dict:
         f"loading {directory}",
     )
     collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
+    if manifest.get("random_state") and hasattr(model, "load_random_state"):
+        collective(
+            sharded.comm, lambda: model.load_random_state(manifest["random_state"]), f"loading {directory}"
+        )
     if optimizer is not None:  # saved without one: it starts over, not from moments of other params
         optimizer.restore(manifest["optimizer"] or {"step": 0})
         if manifest["optimizer"] is None and sharded.comm.rank == 0:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..autodiff.tensor import Param, Tensor
 from ..base.backend import device_of, host_value, to_device, to_numpy
+from ..base.checks import is_count
 
 _deferring = threading.local()
 
@@ -206,6 +207,28 @@ class Module:
     def zero_grad(self):
         for p in self.parameters():
             p.zero_grad()
+
+    def random_state(self) -> dict:
+        """Where each module's random draws stand (a Dropout's count of masks drawn), by module name:
+        checkpoints save it, so that a resumed run draws the masks the uninterrupted one would have."""
+        return {
+            name: m._calls for name, m in self.named_modules() if isinstance(getattr(m, "_calls", None), int)
+        }
+
+    def load_random_state(self, state: dict):
+        """Put back what random_state() gave (names this model lacks are refused: another model)."""
+        modules = dict(self.named_modules())
+        wrong = [
+            n
+            for n, calls in state.items()
+            if not (n in modules and hasattr(modules[n], "_calls") and is_count(calls))
+        ]
+        if wrong:
+            raise ValueError(
+                f"random state for {wrong[:3]}: not this model's random modules, or not counts >= 0"
+            )
+        for name, calls in state.items():
+            modules[name]._calls = calls
 
     def state_dict(self) -> OrderedDict:
         """Host copies of every parameter, by name."""

@@ -125,18 +125,18 @@ def test_hybrid_sharding_keeps_the_same_bits_for_every_group_shape(comm):
 
 
 def test_resuming_at_another_world_size_stays_on_the_same_bits(comm, tmp_path):
-    """N ranks train 2 steps and save; one rank loads and trains a third: the bits of 3 steps on one.
-    (Without dropout: a Dropout's position in its mask sequence is not in the checkpoint.)"""
+    """N ranks train 2 steps and save; one rank loads and trains a third: the bits of 3 steps on one,
+    dropout included (each Dropout's position in its masks travels in the checkpoint)."""
     root = shared_dir(comm, tmp_path)
-    model, opt = _model(comm, dropout=0.0)
+    model, opt = _model(comm)
     _train(model, opt, comm, steps=2)
     save(f"{root}/ck", model, opt)
     alone_comm = _alone()
-    resumed = _model(alone_comm, dropout=0.0)
+    resumed = _model(alone_comm)
     if comm.rank == 0:  # one rank's job now; the file is complete on disk (save returned everywhere)
         load(f"{root}/ck", *resumed)
         _train(*resumed, alone_comm, steps=1, first=2)
-        straight = _model(alone_comm, dropout=0.0)
+        straight = _model(alone_comm)
         _train(*straight, alone_comm, steps=3)
         resumed_state, straight_state = (_state(*m, [])[0] for m in (resumed, straight))
     agree(comm, comm.rank != 0 or resumed_state == straight_state, "resumed run left the trajectory")

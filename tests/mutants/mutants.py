@@ -83,6 +83,12 @@ def _no_step_verdict():
     _replace(FlatOptimizer, "_settle", lambda self: None)
 
 
+def _random_state_not_saved():
+    from mpifsdp.nn.module import Module
+
+    _replace(Module, "random_state", lambda self: {})
+
+
 def _no_watchdog():
     from mpifsdp.comm.schedule import Schedule
 
@@ -522,6 +528,11 @@ MUTANTS = {
             "tests/unit/comm/test_device_waits.py::"
             "test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device"
         ],
+    ),
+    "random_state_saved": Mutant(
+        _random_state_not_saved,
+        "checkpoints carry each Dropout's position in its masks (Module.random_state)",
+        ["tests/features/test_deterministic.py::test_resuming_at_another_world_size_stays_on_the_same_bits"],
     ),
     "atomic_publish": Mutant(
         _no_atomic_publish,
