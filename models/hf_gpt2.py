@@ -209,6 +209,9 @@ FIXED = {
     "add_cross_attention": (False, "mpifsdp's GPT has no cross-attention"),
     "is_encoder_decoder": (False, "mpifsdp's GPT is a decoder only"),
 }
+# Fields read into our config besides the sizes; every field the loader knows, of the four kinds.
+READ = ("n_inner", "activation_function", "layer_norm_epsilon", "tie_word_embeddings")
+KNOWN = {*SIZES, *READ, *INERT, *FIXED}
 
 
 def read_hf_config(path: Path) -> GPTConfig:
@@ -221,18 +224,9 @@ def read_hf_config(path: Path) -> GPTConfig:
     if missing:
         raise ValueError(f"{path} has no {', '.join(missing)}: a GPT-2 config.json names every size")
     refused = [f"{k}={hf[k]!r}: {why}" for k, (want, why) in FIXED.items() if k in hf and hf[k] != want]
-    known = {
-        *SIZES,
-        *INERT,
-        *FIXED,
-        "n_inner",
-        "activation_function",
-        "layer_norm_epsilon",
-        "tie_word_embeddings",
-    }
     refused += [
         f"{k}={hf[k]!r}: a field mpifsdp does not know (remove it if it cannot change the model)"
-        for k in sorted(set(hf) - known)
+        for k in sorted(set(hf) - KNOWN)
     ]
     activation = hf.get("activation_function", "gelu_new")
     if activation not in ACTIVATIONS:

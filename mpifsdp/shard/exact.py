@@ -119,8 +119,8 @@ class ExactSum:
                 f"unit {unit!r}: {chunks} chunks in one exact sum, more than {MAX_CHUNKS} (the int64 "
                 "headroom): use larger chunks, or reduce more often"
             )
-        pending = PendingSum(comm, replicas, unit, phase, any(bad for _, bad, *_ in everyone))
-        pending.weight = sum(w for _, _, w, _ in everyone)
+        nonfinite, weight = any(bad for _, bad, *_ in everyone), sum(w for _, _, w, _ in everyone)
+        pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp)
         for level in sorted({level for used, *_ in everyone for level in used}):  # ascending, at every N
             for limb, full in enumerate(self.levels.get(level) or [None] * self.limbs):
                 full = self.xp.zeros(self.numel, dtype=np.int64) if full is None else full
@@ -129,7 +129,6 @@ class ExactSum:
                 pending.parts.append((request, full, part, -level - LOW_BITS * limb))
         self.levels = {}
         self.nonfinite, self.weight, self.chunks = False, 0, 0
-        pending.shard_numel, pending.xp = shard_numel, self.xp
         return pending
 
 
@@ -143,10 +142,10 @@ class PendingSum:
     unit: str
     phase: str
     nonfinite: bool
-    weight: int = 0
+    weight: int
+    shard_numel: int
+    xp: object
     parts: list = dataclasses.field(default_factory=list)  # (request, full, part, exponent)
-    shard_numel: int = 0
-    xp: object = None
 
     def finish(self):
         """(this rank's float64 slice of the total; the total weight)."""
@@ -164,7 +163,7 @@ class PendingSum:
 
 def exact_squared_norm(comm, vectors) -> float:
     """Sum over ranks of sum(v * v) of this rank's `vectors`, independent of how they are cut into
-    shards: each square becomes int64 fixed point at a level set by the global largest one (a max is
+    shards: each square becomes fixed point at a level set by the global largest one (a max is
     exact), and the ranks' integer sums are added as Python integers. Collective (two exchanges)."""
     vectors = [v for v in vectors if v is not None and v.size]
     largest = max((float(abs(v).max()) for v in vectors), default=0.0)
