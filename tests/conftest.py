@@ -4,8 +4,6 @@ tests/failures/ for misuse, faults and their messages, tests/project/ for the re
 layering). Helpers go in tests/support.py, never in a test module; fixtures here."""
 
 import os
-import sys
-import time
 
 # Ranks share 2 cores here: one BLAS thread per process keeps mpiexec -n 4 from thrashing.
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -15,9 +13,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from mpifsdp.base.backend import array_module, gpu_available  # noqa: E402
+from mpifsdp.comm.presence import report_and_abort  # noqa: E402
 
 _CONFIG = None  # pytest's, for the abort below
-ABORT_GRACE_S = 0.5  # seconds the launcher gets to forward a failed test's report before the abort
 
 
 def pytest_configure(config):
@@ -46,15 +44,12 @@ def pytest_runtest_logreport(report):
         capture = _CONFIG.pluginmanager.getplugin("capturemanager") if _CONFIG else None
         if capture is not None:  # the report must reach the terminal before the job ends
             capture.suspend_global_capture(in_=True)
-        sys.stderr.write(
+        report_and_abort(  # waits until the launcher has read it: the abort loses what it has not
             f"\n{report.longreprtext}\nmpifsdp tests: FAILED {report.nodeid} on rank {world.Get_rank()} "
-            f"(in {report.when}): aborting the job\n"
+            f"(in {report.when}): aborting the job",
+            world.Abort,
+            1,
         )
-        sys.stderr.flush()
-        # The report is in the pipe to the launcher, not yet on its terminal: MPI_Abort tears the
-        # launcher's forwarding down with the job, and without this pause it was lost 1 time in 6 here.
-        time.sleep(ABORT_GRACE_S)
-        world.Abort(1)
 
 
 @pytest.fixture(params=["cpu", "cuda"] if gpu_available() else ["cpu"])

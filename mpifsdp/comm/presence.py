@@ -16,9 +16,13 @@ Messages travel on a Dup of the Comm's communicator: they can never match anyone
 
 from __future__ import annotations
 
+import array
 import atexit
+import fcntl
 import os
+import stat
 import sys
+import termios
 import time
 import traceback
 
@@ -27,6 +31,8 @@ import numpy as np
 LEFT, ROLL, HERE = 7301, 7302, 7303  # tags: a rank left; where are you?; here I am
 MESSAGE_BYTES = 1024
 GRACE_S = 2.0  # how long a collective may still complete after a notice, and a roll call waits
+READ_S = 2.0  # how long a report may wait for the launcher to read it before the job is aborted
+FORWARD_S = 0.1  # and how long the launcher then gets to pass it on
 _channel = None  # this process's Channel, made by the first Comm over several ranks
 
 
@@ -50,6 +56,36 @@ def check(request):
 def roll_call() -> str:
     """Where every other rank is, as far as they answer within GRACE_S (for the watchdog's report)."""
     return _channel.roll_call() if _channel is not None else ""
+
+
+def report_and_abort(text: str, abort, code: int):
+    """Write `text` to stderr in one write, then end the job (`abort(code)`: MPI_Abort) once the
+    launcher has read it. The abort tears the launcher's forwarding down, and a report still in the
+    pipe was lost with it: a 4-rank watchdog job printed one or two of its four reports in most runs
+    and, once in CI, none at all."""
+    sys.stderr.flush()  # what the program wrote before stays before the report
+    os.write(2, (text + "\n").encode(errors="replace"))
+    wait_until_read(2)
+    abort(code)
+
+
+def wait_until_read(fd: int):
+    """Return once what this process wrote to `fd` has left its pipe (the launcher reads the other
+    end; at most READ_S), and the launcher has had FORWARD_S to pass it on. Not a pipe (a terminal,
+    a file): nothing is waiting to be read, and this returns at once."""
+    try:
+        piped = stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:  # closed
+        return
+    if not piped:
+        return
+    unread, deadline = array.array("i", [0]), time.monotonic() + READ_S
+    while time.monotonic() < deadline:
+        fcntl.ioctl(fd, termios.FIONREAD, unread)  # bytes in the pipe, whichever end asks
+        if unread[0] == 0:
+            break
+        time.sleep(0.01)
+    time.sleep(FORWARD_S)
 
 
 def _encode(text: str) -> np.ndarray:
@@ -89,6 +125,7 @@ class Channel:
         # One write: every rank printing the same traceback line by line interleaved them
         # ("NonFiniteErrorNonFiniteError: : ..."), and a pipe keeps a single write of it whole.
         os.write(2, "".join(traceback.format_exception(kind, value, tb)).encode(errors="replace"))
+        wait_until_read(2)  # `-m mpi4py` aborts the job as soon as this returns
 
     def _probe(self, tag):
         status = self.mpi.Status()
@@ -166,7 +203,4 @@ class Channel:
         self.mpi.Request.Waitall(sends)
 
     def _end(self, text: str):
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-        time.sleep(0.5)  # the launcher forwards the message before the abort tears it down
-        self.comm.Abort(1)
+        report_and_abort(text, self.comm.Abort, 1)

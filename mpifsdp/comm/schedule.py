@@ -21,7 +21,6 @@ import hashlib
 import logging
 import math
 import os
-import sys
 import time
 from collections import deque
 
@@ -223,6 +222,4 @@ class Schedule:
         )
         if not self.abort_on_timeout:
             raise CollectiveTimeout(message)
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-        self._abort(3)
+        presence.report_and_abort(message, self._abort, 3)

@@ -341,6 +341,12 @@ def _no_roll_call():
     _replace(mpifsdp.comm.presence, "roll_call", lambda: "")
 
 
+def _report_not_waited_for():
+    import mpifsdp.comm.presence
+
+    _replace(mpifsdp.comm.presence, "wait_until_read", lambda fd: None)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -360,6 +366,13 @@ MUTANTS = {
         "the watchdog's roll call names the missing rank (comm/presence.py roll_call)",
         [
             "tests/failures/test_abort.py::test_a_frozen_rank_is_named_by_the_watchdog_and_the_running_ones_are_not_blamed"
+        ],
+    ),
+    "report_read": Mutant(
+        _report_not_waited_for,
+        "the abort waits until the launcher has read the report (comm/presence.py wait_until_read)",
+        [
+            "tests/unit/comm/test_presence.py::test_the_abort_comes_only_after_the_launcher_has_read_the_report"
         ],
     ),
     "writer_lock": Mutant(
