@@ -6,7 +6,8 @@ mpifsdp takes its GPU branches.
 Counted, by phase (set `PHASE[0]`): a launch for every ufunc call, reduction, matmul, copy, indexed
 gather or scatter, fill and one of mpifsdp's own kernels (CuPy issues one kernel for each); a host
 sync for every float()/int()/bool()/item()/get(), a boolean-mask index (its size is read back) and
-an eventQuery. NCCL on one rank copies. Kernels of ours run as NumPy formulas of the same math.
+an eventQuery. NCCL on one rank copies. Our raw kernels run as their NumPy twins, our elementwise
+kernels as NumPy formulas of the same math.
 """
 
 from __future__ import annotations
@@ -195,31 +196,26 @@ class ElementwiseKernel:
             a[1][...] = a[0] * s
             a[2][...] *= slope(a[0], s)
         elif self.name == "mpifsdp_adamw":
-            g, b1, omb1, b2, omb2, lrb, bias2, eps, p, m, v = a
+            g, starts, stops, segments, decay, b1, omb1, b2, omb2, lrb, bias2, eps, p, m, v = a
+            for start, stop in list(zip(starts, stops))[: int(segments)]:
+                p[start:stop] *= decay
             m[...] = m * b1 + g * omb1
             v[...] = v * b2 + (g * g) * omb2
             p -= m / (np.sqrt(v) / bias2 + eps) * lrb
 
 
 class RawModule:
-    """The causal softmax kernels (ops/gpu_kernels.py), as NumPy over rows of T."""
+    """mpifsdp's raw kernels, each run as its NumPy twin (ops/gpu_kernels.py TWINS: the same arguments)."""
 
     def __init__(self, code="", options=()):
         pass
 
     def get_function(self, name):
-        def launch(grid, block, args):
+        from mpifsdp.ops.gpu_kernels import TWINS
+
+        def launch(grid, block, args, shared_mem=0):
             _launch(name)
-            arrays = [_host(x) for x in args if isinstance(x, np.ndarray) and x.ndim]
-            T, scale = int(args[-2]), float(args[-1])
-            rows = arrays[0].reshape(-1, T, T)
-            if name == "causal_softmax":
-                masked = rows * scale + np.triu(np.full((T, T), -np.inf, rows.dtype), 1)
-                e = np.exp(masked - masked.max(-1, keepdims=True))
-                rows[...] = e / e.sum(-1, keepdims=True)
-            else:
-                p = arrays[1].reshape(-1, T, T)
-                rows[...] = p * (rows - (rows * p).sum(-1, keepdims=True)) * scale
+            TWINS[name](grid, block, tuple(_host(a) for a in args), shared_mem)
 
         return launch
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
 from ..base.threads import for_row_blocks
-from . import gpu_kernels
+from . import gpu_kernels, gpu_layer_norm
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_K = 0.044715
@@ -215,6 +215,10 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
     n, C = x2.shape
     gx = xp.empty_like(x)
     gx2 = _rows(gx)
+    if xp is not np:  # one kernel for the rows, one to add up the weight and bias gradients
+        gw, gb = xp.empty_like(w), None if b is None else xp.empty_like(b)
+        if gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, gw, gb):
+            return (gx, gw) if b is None else (gx, gw, gb)
     parts = {}  # per block: partial sums for the weight and bias gradients
 
     def work(i, lo, hi):
@@ -246,6 +250,8 @@ def _layer_norm(x, w, b=None, eps=1e-5):
     o2 = _rows(out)
     mean = xp.empty((n, 1), dtype=x.dtype)
     rstd = xp.empty((n, 1), dtype=x.dtype)
+    if xp is not np and gpu_layer_norm.forward(x2, w, b, eps, o2, mean, rstd):
+        return out, (mean, rstd)
 
     def work(i, lo, hi):
         o = o2[lo:hi]
@@ -266,12 +272,14 @@ def _scale_shift(o, rstd, w, b):
         o += b
 
 
-def _layer_norm_again(x, mean, rstd, w, b):
+def _layer_norm_again(x, mean, rstd, w, b, eps):
     """The LayerNorm's output recomputed from x and its saved statistics: the same passes as the
-    forward, so the same bits."""
+    forward, so the same bits (on a GPU the forward's kernel again)."""
     xp = array_module_of(x)
     out = xp.empty_like(x)
     x2, o2 = _rows(x), _rows(out)
+    if xp is not np and gpu_layer_norm.again(x2, w, b, eps, o2, mean, rstd):
+        return out
 
     def work(i, lo, hi):
         xp.subtract(x2[lo:hi], mean[lo:hi], out=o2[lo:hi])
@@ -300,7 +308,7 @@ def _layer_norm_linear_vjp(
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     needs = needs or (True,) * len(arrays)
     n_ln = 2 + ln_bias
-    y = _layer_norm_again(x, *saved, ln_w, ln_b)
+    y = _layer_norm_again(x, *saved, ln_w, ln_b, eps)
     gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=(any(needs[:n_ln]), *needs[n_ln:]))
     del y
     ln = _layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps) if gy is not None else (None,) * n_ln

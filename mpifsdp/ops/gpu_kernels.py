@@ -1,5 +1,6 @@
 """Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU, attention.py's causal
-softmax and its backward, and optim.py's AdamW update.
+softmax and its backward, and optim.py's AdamW update; and what every raw kernel shares (compiling,
+its NumPy twin, its check at first use). gpu_layer_norm.py holds the LayerNorm kernels.
 
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
 launch and a trip through device memory, so the same arithmetic is done in one kernel that reads
@@ -7,6 +8,12 @@ each element once. The formulas are the NumPy ones; float16 computes in float32 
 NumPy path rounds after every pass). tests/unit/ops/test_gpu_kernels.py holds both paths to the same float64
 formulas, and the attention and parity checks to each other. Kernels are compiled by CuPy on first
 use and cached; nothing here imports CuPy.
+
+Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
+the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
+it counts launches, and on a device each kernel is compared once with its twin on a small problem
+before its first real use (`checked_once`): a compiler or GPU that computes it wrong is named, not
+trained with. tests/project/test_kernels_compile.py compiles every source with NVRTC, with no GPU.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import numpy as np
 
 from ..base.backend import array_module_of
+from ..base.checks import yes_or_no
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +54,20 @@ _SOURCES = {
         "typedef Acc<T>::type A; A a = (A)x; A s = GELU_SIGMOID(a); h = (T)(a * s);"
         " gh = (T)((A)gh * GELU_SLOPE(a, s));",
     ),
-    "adamw": (  # optim.adamw_update's arithmetic, in its order, on whole vectors
-        "T g, T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T lr_over_bias1, T bias2, T eps",
+    "adamw": (  # optim.adamw_update's arithmetic, in its order, on whole vectors, the decay included
+        "T g, raw int64 decay_from, raw int64 decay_to, int32 segments, T decay,"
+        " T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T lr_over_bias1, T bias2, T eps",
         "T p, T m, T v",
-        "m = m * beta1 + g * one_minus_beta1; v = v * beta2 + (g * g) * one_minus_beta2;"
+        "for (int k = 0; k < segments; ++k) if (i >= decay_from[k] && i < decay_to[k]) p = p * decay;"
+        " m = m * beta1 + g * one_minus_beta1; v = v * beta2 + (g * g) * one_minus_beta2;"
         " p -= m / (sqrt(v) / bias2 + eps) * lr_over_bias1;",
     ),
 }
+
+
+# how many of a kernel's last inputs are passed as scalars, not arrays (for the NVRTC check, which
+# builds each kernel as CuPy would for its call)
+SCALAR_INPUTS = {"adamw": 9}
 
 
 @functools.cache
@@ -76,21 +92,29 @@ def gelu_and_grad_into(h, gh, x):
     _run("gelu_and_grad", x, h, gh)
 
 
-def adamw_into(p, g, m, v, beta1, beta2, lr_over_bias1, bias2, eps):
-    """p, m, v updated in place. The scalars are computed in Python and take the arrays' dtype, as
-    NumPy's in-place ufuncs take them (so 1 - beta1 is not recomputed in float32)."""
-    scalars = (beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr_over_bias1, bias2, eps)
-    _run("adamw", g, *(p.dtype.type(s) for s in scalars), p, m, v)
+def adamw_into(p, g, m, v, beta1, beta2, lr_over_bias1, bias2, eps, decay=1.0, decay_segments=()):
+    """p, m, v updated in place; p *= decay first inside decay_segments ((start, stop) pairs). One
+    launch however many segments (each segment's `p[a:b] *= decay` was a launch and a copy: 1,168
+    launches of a 24-layer GPT's step). The scalars are computed in Python and take the arrays'
+    dtype, as NumPy's in-place ufuncs take them (so 1 - beta1 is not recomputed in float32)."""
+    cupy = array_module_of(p)
+    starts, stops = _segment_arrays(cupy, tuple(decay_segments) or ((0, 0),))
+    scalars = (decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr_over_bias1, bias2, eps)
+    typed = (p.dtype.type(s) for s in scalars)
+    _run("adamw", g, starts, stops, np.int32(len(decay_segments)), *typed, p, m, v)
 
 
-# -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------
-# The scores of one row are read once into registers (T <= 1024 = 256 threads x 4), so the forward
-# is one read and one write per element (the NumPy path: seven passes), and the backward
-# d = p (d - rowsum(d p)) scale is two reads and one write.
-_ROW_THREADS, _ROW_ITEMS = 256, 4
-_ROW_SOURCE = r"""
+@functools.lru_cache(maxsize=1024)
+def _segment_arrays(cupy, segments: tuple):
+    """A group's decay segments on the device (its starts, its stops), copied there once."""
+    table = np.array(segments, dtype=np.int64).reshape(-1, 2)
+    return cupy.asarray(table[:, 0].copy()), cupy.asarray(table[:, 1].copy())
+
+
+# -- what raw kernels share -------------------------------------------------------------------------
+# BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it.
+BLOCK_REDUCE = r"""
 #include <cuda_fp16.h>
-#define NEG_INF (-(ACC)__int_as_float(0x7f800000))
 __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __shared__ ACC part[32];
     for (int o = 16; o > 0; o >>= 1) {
@@ -104,6 +128,84 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __syncthreads();
     return v;
 }
+"""
+# The C types of a kernel's elements and of its arithmetic, by NumPy dtype.
+ELEMENT_TYPES = {
+    np.float16: ("__half", "float"),
+    np.float32: ("float", "float"),
+    np.float64: ("double", "double"),
+}
+TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
+# what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
+RAW_FAMILIES: dict = {}
+
+
+def typed_source(dtype, body: str) -> str:
+    """A raw kernel's CUDA source for `dtype`: its ELEM and ACC types, BLOCK_REDUCE, then `body`."""
+    elem, acc = ELEMENT_TYPES[dtype]
+    return f"#define ELEM {elem}\n#define ACC {acc}\n" + BLOCK_REDUCE + body
+
+
+@functools.cache
+def compiled(cupy, source: str, names: tuple, what: str):
+    """The functions `names` of `source`, or None where NVRTC cannot build them (then the caller keeps
+    its array-module passes; one warning says so, naming `what`)."""
+    if not fused_enabled():
+        return None
+    try:
+        module = cupy.RawModule(code=source, options=("--std=c++17",))
+        return tuple(module.get_function(name) for name in names)
+    except Exception as exc:  # a CUDA toolkit without cuda_fp16.h for NVRTC, say
+        log.warning("%s unavailable (%s): using unfused passes", what, exc)
+        return None
+
+
+def fused_enabled() -> bool:
+    """MPIFSDP_FUSED=0 turns the raw kernels off (the array-module passes run instead): to compare
+    them, or to train on while a kernel that fails its check on a new device is looked into."""
+    return yes_or_no(os.environ.get("MPIFSDP_FUSED", "1"))
+
+
+def accumulator(dtype):
+    """The NumPy type of a kernel's scalar arguments in ACC (float64 kernels: double; else float)."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+_checked: set = set()
+
+
+def checked_once(key, probe):
+    """Run `probe()` the first time `key` (a kernel and dtype) is used in this process. probe runs the
+    kernel on a small problem and returns [(what, got, want, bound)], `got` from the device and `want`
+    from the kernel's NumPy twin on the same inputs; an error beyond its bound raises, naming the
+    kernel, before any result of it is used."""
+    if key in _checked:
+        return
+    for what, got, want, bound in probe():
+        err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0))
+        if not err <= bound:
+            raise RuntimeError(
+                f"mpifsdp GPU kernel {key[0]} ({np.dtype(key[1]).name}) computes {what} wrong on this "
+                f"device: max error {err:.3g} against its NumPy twin, bound {bound:.3g}. Report it with "
+                "your GPU, CUDA and CuPy versions; MPIFSDP_FUSED=0 runs the unfused passes meanwhile."
+            )
+    _checked.add(key)
+
+
+def error_bound(dtype, terms: int, scale: float) -> float:
+    """What a kernel may differ from its float64 twin by: `terms` roundings in ACC (sums of up to
+    `terms` values no larger than `scale`) and the result's one rounding to the element type."""
+    acc = float(np.finfo(accumulator(dtype)).eps)
+    return (terms * acc + float(np.finfo(dtype).eps)) * scale
+
+
+# -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------
+# The scores of one row are read once into registers (T <= 1024 = 256 threads x 4), so the forward
+# is one read and one write per element (the NumPy path: seven passes), and the backward
+# d = p (d - rowsum(d p)) scale is two reads and one write.
+_ROW_THREADS, _ROW_ITEMS = 256, 4
+ROW_SOURCE = r"""
+#define NEG_INF (-(ACC)__int_as_float(0x7f800000))
 extern "C" __global__ void causal_softmax(ELEM* s, const int T, const ACC scale) {
     const int q = blockIdx.x % T;  /* this row's query position: keys after it are masked */
     ELEM* row = s + (size_t)blockIdx.x * T;
@@ -133,34 +235,41 @@ extern "C" __global__ void softmax_backward(ELEM* d, const ELEM* p, const int T,
         drow[j] = (ELEM)((ACC)prow[j] * ((ACC)drow[j] - dot) * scale);
 }
 """
-_ROW_TYPES = {
-    np.float16: ("__half", "float"),
-    np.float32: ("float", "float"),
-    np.float64: ("double", "double"),
-}
+ROW_KERNELS = ("causal_softmax", "softmax_backward")
 
 
-@functools.cache
-def _row_kernels(cupy, dtype):
-    """(softmax, backward) for `dtype`, or None where NVRTC cannot build them (then the caller keeps
-    its array-module passes, with one warning)."""
-    elem, acc = _ROW_TYPES[dtype]
-    source = f"#define ELEM {elem}\n#define ACC {acc}\n#define ITEMS {_ROW_ITEMS}\n" + _ROW_SOURCE
-    try:
-        module = cupy.RawModule(code=source, options=("--std=c++17",))
-        return module.get_function("causal_softmax"), module.get_function("softmax_backward")
-    except Exception as exc:  # a CUDA toolkit without cuda_fp16.h for NVRTC, say
-        log.warning("fused causal softmax unavailable for %s (%s): using unfused passes", elem, exc)
-        return None
+def row_source(dtype) -> str:
+    return typed_source(dtype, f"#define ITEMS {_ROW_ITEMS}\n" + ROW_SOURCE)
+
+
+def _causal_softmax_twin(grid, block, args, shared_mem=0):
+    s, T, scale = args
+    rows = s.reshape(-1, T, T)
+    masked = rows.astype(np.float64) * float(scale) + np.triu(np.full((T, T), -np.inf), 1)
+    e = np.exp(masked - masked.max(-1, keepdims=True))
+    rows[...] = e / e.sum(-1, keepdims=True)
+
+
+def _softmax_backward_twin(grid, block, args, shared_mem=0):
+    d, p, T, scale = args
+    d3, p3 = d.reshape(-1, T, T), p.reshape(-1, T, T).astype(np.float64)
+    d64 = d3.astype(np.float64)
+    d3[...] = p3 * (d64 - (d64 * p3).sum(-1, keepdims=True)) * float(scale)
+
+
+TWINS.update(causal_softmax=_causal_softmax_twin, softmax_backward=_softmax_backward_twin)
+RAW_FAMILIES["causal softmax"] = (row_source, ROW_KERNELS)
 
 
 def _row_launch(which: int, rows, T: int, scale: float, *arrays) -> bool:
     """Run kernel `which` over `rows` rows of T; False when it cannot run (T too long, no kernel)."""
-    kernels = _row_kernels(array_module_of(arrays[0]), arrays[0].dtype.type)
-    if kernels is None or T > _ROW_THREADS * _ROW_ITEMS:
+    dtype = arrays[0].dtype.type
+    if dtype not in ELEMENT_TYPES or T > _ROW_THREADS * _ROW_ITEMS:
         return False
-    acc = np.float64 if arrays[0].dtype == np.float64 else np.float32
-    kernels[which]((rows,), (_ROW_THREADS,), (*arrays, np.int32(T), acc(scale)))
+    kernels = compiled(array_module_of(arrays[0]), row_source(dtype), ROW_KERNELS, "fused causal softmax")
+    if kernels is None:
+        return False
+    kernels[which]((rows,), (_ROW_THREADS,), (*arrays, np.int32(T), accumulator(dtype)(scale)))
     return True
 
 

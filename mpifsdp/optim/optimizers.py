@@ -31,10 +31,8 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
     decay = 1.0 - lr * weight_decay
     segments = list(decay_segments) if weight_decay else []
     bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
-    if xp is not np:  # a GPU decays, then updates the whole vector in one kernel
-        for start, stop in segments:
-            p[start:stop] *= decay
-        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps)
+    if xp is not np:  # a GPU decays and updates the whole vector in one kernel
+        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps, decay, segments)
         return
 
     def update(lo, hi, s):

@@ -64,13 +64,20 @@ def test_gelu_kernels_match_the_float64_formula(device, xp, dtype):
 
 
 def test_adamw_update_matches_its_float64_formula(device, xp):
+    """The update with decoupled decay on two segments (the GPU's one kernel tests each element
+    against the segment table; the CPU decays slice by slice)."""
     rng = np.random.default_rng(1)
-    n, lr, b1, b2, eps, step = 10_000, 1e-3, 0.9, 0.95, 1e-8, 3
+    n, lr, b1, b2, eps, step, wd = 10_000, 1e-3, 0.9, 0.95, 1e-8, 3, 0.1
+    segments = [(10, 500), (2000, 2100)]
     p64, g64 = rng.normal(0, 1, n), rng.normal(0, 1, n)
     m64, v64 = rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
     p, g, m, v = (xp.asarray(a, dtype=np.float32) for a in (p64, g64, m64, v64))
-    adamw_update(p, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
+    adamw_update(
+        p, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step, decay_segments=segments, weight_decay=wd
+    )
     p64, g64, m64, v64 = (a.astype(np.float32).astype(np.float64) for a in (p64, g64, m64, v64))
+    for start, stop in segments:
+        p64[start:stop] *= 1 - lr * wd
     m_want = b1 * m64 + (1 - b1) * g64
     v_want = b2 * v64 + (1 - b2) * g64**2
     bias1, bias2 = 1 - b1**step, math.sqrt(1 - b2**step)

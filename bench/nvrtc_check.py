@@ -1,0 +1,104 @@
+"""Compile every GPU kernel of mpifsdp with NVRTC, with no GPU and no driver: the raw kernels
+(gpu_kernels.RAW_FAMILIES) and the elementwise ones (through CuPy's own code generator, as CuPy
+would build them), for float16, float32 and float64, for sm_80 (A100) and sm_90 (H100/H200). One
+JSON line per kernel and architecture (registers, spill bytes), then a summary; exit 1 on a compile
+error or a spill. Needs CuPy and NVRTC (make test installs them in .nvrtc: see the Makefile):
+
+    PYTHONPATH=.nvrtc python bench/nvrtc_check.py
+
+CuPy's elementwise generator is private API: its version is pinned in the Makefile.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy  # noqa: E402
+from cupy._core import _carray, _kernel  # noqa: E402
+from cupy._core import core as cupy_core  # noqa: E402
+from cupy_backends.cuda.libs import nvrtc  # noqa: E402
+
+import mpifsdp.ops  # noqa: E402, F401 - registers every kernel family
+from mpifsdp.ops import gpu_kernels  # noqa: E402
+
+ARCHES = ("sm_80", "sm_90")
+DTYPES = (np.float16, np.float32, np.float64)
+
+
+def include_dirs() -> list[str]:
+    """CuPy's headers and the CUDA headers the nvidia-* wheels ship (cuda_fp16.h among them)."""
+    root = os.path.dirname(cupy.__file__)
+    return [f"{root}/_core/include", *glob.glob(f"{root}/_core/include/cupy/_cccl/*"),
+            *glob.glob(f"{os.path.dirname(root)}/nvidia/*/include")]  # fmt: skip
+
+
+def build(name: str, source: str, arch: str) -> dict:
+    program = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    options = [f"-arch={arch}", "--std=c++17", "-Xptxas=-v", *(f"-I{d}" for d in include_dirs())]
+    try:
+        nvrtc.compileProgram(program, options)
+        log = nvrtc.getProgramLog(program)
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+        spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", log))
+        return {"kernel": name, "arch": arch, "ok": True, "registers": registers, "spill_bytes": spills}
+    except nvrtc.NVRTCError:
+        return {"kernel": name, "arch": arch, "ok": False, "log": nvrtc.getProgramLog(program)[-2000:]}
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def elementwise_source(name: str, dtype) -> str:
+    """The CUDA source CuPy generates for gpu_kernels' ElementwiseKernel `name` on contiguous
+    arrays of `dtype` (its last SCALAR_INPUTS[name] inputs passed as scalars), with the headers CuPy
+    puts in front of it."""
+    in_params, out_params, operation = gpu_kernels._SOURCES[name]
+    ins, outs = _kernel._get_param_info(in_params, True), _kernel._get_param_info(out_params, False)
+    scalars = gpu_kernels.SCALAR_INPUTS.get(name, 0)
+    t = np.dtype(dtype).type
+
+    def info(param, scalar: bool):
+        ctype = t if param.ctype == "T" else np.dtype(param.dtype).type
+        return (
+            _kernel._ArgInfo(3, ctype, ctype, 0, True, True)
+            if scalar
+            else _kernel._ArgInfo(1, cupy.ndarray, ctype, 1, True, True)
+        )
+
+    infos = [info(p, i >= len(ins) - scalars) for i, p in enumerate(ins)] + [info(p, False) for p in outs]
+    infos.append(_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True))
+    params = ins + outs + _kernel._get_param_info("CIndexer _ind", False)
+    headers = "".join(f"#include <{h}>\n" for h in cupy_core._cupy_header_list)
+    code = _kernel._get_elementwise_kernel_code(
+        tuple(infos), _kernel._TypeMap((("T", t),)), tuple(params), operation, f"mpifsdp_{name}",
+        gpu_kernels._PREAMBLE,
+    )  # fmt: skip
+    return headers + code
+
+
+def main() -> int:
+    results = []
+    for arch in ARCHES:
+        for family, (source, _) in sorted(gpu_kernels.RAW_FAMILIES.items()):
+            for dtype in DTYPES:
+                results.append(build(f"{family} {np.dtype(dtype).name}", source(dtype), arch))
+        for name in gpu_kernels._SOURCES:
+            for dtype in DTYPES:
+                results.append(build(f"{name} {np.dtype(dtype).name}", elementwise_source(name, dtype), arch))
+    for result in results:
+        print(json.dumps(result))
+    bad = [r for r in results if not r["ok"] or r["spill_bytes"]]
+    print(json.dumps({"check": "nvrtc", "cupy": cupy.__version__, "kernels": len(results), "bad": len(bad)}))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Run a bench script with CuPy replaced by the NumPy stand-in (cupy_standin.py): the GPU branches of
+mpifsdp, our raw kernels as their NumPy twins, on a CPU. The parity check of gpu_check.py so checks
+what the GPU path computes (the wiring of every kernel) before a device sees it:
+
+    python bench/standin_run.py bench/gpu_check.py parity
+    python bench/standin_run.py bench/gpu_check.py parity --sharded --transport nccl
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import cupy_standin  # noqa: E402
+
+if __name__ == "__main__":
+    cupy_standin.install()
+    script, *args = sys.argv[1:]
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")

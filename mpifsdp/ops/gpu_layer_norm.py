@@ -1,0 +1,254 @@
+"""LayerNorm as raw GPU kernels: the forward (and its recompute) in one launch, the backward in two.
+
+fused.py's LayerNorm is eight array passes forward and about fourteen backward, each a launch and a
+trip through device memory on a GPU. Here the forward reads a row twice (its mean, then the
+variance about it: the CPU's two-pass formula) and writes the output once; the recompute in backward
+is the same kernel, so it gives the forward's bits. The backward kernel gives each thread block a run
+of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
+g*xhat and g in shared memory, and one small kernel adds the blocks' partials into dw and db.
+Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type.
+Each kernel has a NumPy twin taking the same arguments (gpu_kernels.TWINS).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base.backend import array_module_of, to_numpy
+from . import gpu_kernels as gk
+
+THREADS = 256
+MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C partial sums, added at the end
+SHARED_BYTES = 48 * 1024  # what a block may take without opting in: 2 C ACC values must fit
+
+SOURCE = r"""
+extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
+                                              ELEM* mean, ELEM* rstd, const int C, const ACC eps,
+                                              const int flags) {
+    /* flags: 1 = has a bias, 2 = write mean and rstd (the recompute in backward does not) */
+    const ELEM* row = x + (size_t)blockIdx.x * C;
+    ACC s = 0;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) s += (ACC)row[j];
+    const ACC m = block_reduce(s, false) / (ACC)C;
+    ACC q = 0;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) { ACC d = (ACC)row[j] - m; q += d * d; }
+    const ACC r = (ACC)1 / sqrt(block_reduce(q, false) / (ACC)C + eps);
+    ELEM* o = out + (size_t)blockIdx.x * C;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        ACC y = ((ACC)row[j] - m) * r * (ACC)w[j];
+        o[j] = (ELEM)((flags & 1) ? y + (ACC)b[j] : y);
+    }
+    if ((flags & 2) && threadIdx.x == 0) { mean[blockIdx.x] = (ELEM)m; rstd[blockIdx.x] = (ELEM)r; }
+}
+extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
+                                               const ELEM* mean, const ELEM* rstd, ELEM* gx,
+                                               ACC* partial, const int n, const int C,
+                                               const int rows_per_block) {
+    /* partial: (2, gridDim.x, C): this block's column sums of g * xhat (for dw) and of g (for db) */
+    extern __shared__ unsigned char shared_bytes[];
+    ACC* gw = (ACC*)shared_bytes;
+    ACC* gb = gw + C;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) { gw[j] = 0; gb[j] = 0; }
+    const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
+    for (int r = first; r < last; ++r) {
+        const ELEM* gr = g + (size_t)r * C;
+        const ELEM* xr = x + (size_t)r * C;
+        const ACC m = (ACC)mean[r], rs = (ACC)rstd[r];
+        ACC sum_gh = 0, sum_ghx = 0;  /* gh = g w: dx = rs (gh - mean(gh) - xhat mean(gh xhat)) */
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            const ACC xh = ((ACC)xr[j] - m) * rs, gj = (ACC)gr[j], gh = gj * (ACC)w[j];
+            sum_gh += gh;
+            sum_ghx += gh * xh;
+            gw[j] += gj * xh;
+            gb[j] += gj;
+        }
+        const ACC mean_gh = block_reduce(sum_gh, false) / (ACC)C;
+        const ACC mean_ghx = block_reduce(sum_ghx, false) / (ACC)C;
+        ELEM* out = gx + (size_t)r * C;
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
+            out[j] = (ELEM)((gh - mean_gh - xh * mean_ghx) * rs);
+        }
+    }
+    ACC* mine = partial + (size_t)blockIdx.x * C;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        mine[j] = gw[j];
+        mine[(size_t)gridDim.x * C + j] = gb[j];
+    }
+}
+extern "C" __global__ void sum_partials(const ACC* partial, ELEM* gw, ELEM* gb, const int blocks,
+                                        const int C, const int has_bias) {
+    /* dw[j] and db[j]: the blocks' partial sums of column j, added in block order */
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= C) return;
+    ACC w = 0, b = 0;
+    for (int k = 0; k < blocks; ++k) {
+        w += partial[(size_t)k * C + j];
+        b += partial[(size_t)(blocks + k) * C + j];
+    }
+    gw[j] = (ELEM)w;
+    if (has_bias) gb[j] = (ELEM)b;
+}
+"""
+KERNELS = ("layer_norm_forward", "layer_norm_backward", "sum_partials")
+
+
+def source(dtype) -> str:
+    return gk.typed_source(dtype, SOURCE)
+
+
+# -- the NumPy twins: the same arguments, float64 arithmetic ---------------------------------------
+
+
+def _forward_twin(grid, block, args, shared_mem=0):
+    x, w, b, out, mean, rstd, C, eps, flags = args
+    x64 = x.reshape(-1, int(C)).astype(np.float64)
+    m = x64.mean(axis=1, keepdims=True)
+    r = 1 / np.sqrt(((x64 - m) ** 2).mean(axis=1, keepdims=True) + float(eps))
+    y = (x64 - m) * r * w.astype(np.float64)
+    out.reshape(x64.shape)[...] = y + b.astype(np.float64) if int(flags) & 1 else y
+    if int(flags) & 2:
+        mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
+
+
+def _backward_twin(grid, block, args, shared_mem=0):
+    g, x, w, mean, rstd, gx, partial, n, C, rows_per_block = args
+    n, C, per = int(n), int(C), int(rows_per_block)
+    g64, x64 = g.reshape(n, C).astype(np.float64), x.reshape(n, C).astype(np.float64)
+    rs = rstd.reshape(n, 1).astype(np.float64)
+    xh = (x64 - mean.reshape(n, 1).astype(np.float64)) * rs
+    gh = g64 * w.astype(np.float64)
+    mean_gh, mean_ghx = gh.mean(axis=1, keepdims=True), (gh * xh).mean(axis=1, keepdims=True)
+    gx.reshape(n, C)[...] = (gh - mean_gh - xh * mean_ghx) * rs
+    blocks = partial.reshape(2, -1, C).shape[1]
+    parts = partial.reshape(2, blocks, C)
+    for k in range(blocks):
+        rows = slice(k * per, min(n, (k + 1) * per))
+        parts[0, k], parts[1, k] = (g64[rows] * xh[rows]).sum(axis=0), g64[rows].sum(axis=0)
+
+
+def _sum_partials_twin(grid, block, args, shared_mem=0):
+    partial, gw, gb, blocks, C, has_bias = args
+    sums = partial.reshape(2, int(blocks), int(C)).astype(np.float64).sum(axis=1)
+    gw[...] = sums[0]
+    if int(has_bias):
+        gb[...] = sums[1]
+
+
+gk.TWINS.update(
+    layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin, sum_partials=_sum_partials_twin
+)
+gk.RAW_FAMILIES["layer norm"] = (source, KERNELS)
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+
+def _kernels(*arrays):
+    """The compiled kernels for these arrays, or None where they cannot run: not one float dtype,
+    not contiguous, or no NVRTC (the caller then runs its array-module passes)."""
+    dtype = arrays[0].dtype.type
+    usable = dtype in gk.ELEMENT_TYPES and all(
+        a.dtype == arrays[0].dtype and a.flags.c_contiguous for a in arrays if a is not None
+    )
+    if not usable:
+        return None
+    return gk.compiled(array_module_of(arrays[0]), source(dtype), KERNELS, "fused LayerNorm")
+
+
+def _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats: bool):
+    n, C = x2.shape
+    flags = (b is not None) | (2 if write_stats else 0)
+    acc = gk.accumulator(x2.dtype.type)
+    kernels[0](
+        (n,),
+        (THREADS,),
+        (x2, w, w if b is None else b, out, mean, rstd, np.int32(C), acc(eps), np.int32(flags)),
+    )
+
+
+def forward(x2, w, b, eps: float, out, mean, rstd) -> bool:
+    """out = LayerNorm(x2) * w (+ b) over rows of x2 (n, C), and each row's mean and 1/std (n, 1)
+    into mean, rstd; False (nothing written) where the kernel cannot run."""
+    kernels = _kernels(x2, w, b, out, mean, rstd)
+    if kernels is None:
+        return False
+    gk.checked_once(("layer_norm_forward", x2.dtype.type), lambda: _probe(array_module_of(x2), x2.dtype))
+    _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats=True)
+    return True
+
+
+def again(x2, w, b, eps: float, out, mean, rstd) -> bool:
+    """The forward's output recomputed into `out` (the forward kernel again: the same bits)."""
+    kernels = _kernels(x2, w, b, out, mean, rstd)
+    if kernels is None:
+        return False
+    _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats=False)
+    return True
+
+
+def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb):
+    n, C = x2.shape
+    blocks = min(n, MAX_BLOCKS)
+    per = -(-n // blocks)
+    blocks = -(-n // per)
+    acc = gk.accumulator(x2.dtype.type)
+    partial = xp.empty((2, blocks, C), dtype=acc)
+    args = (g2, x2, w, mean, rstd, gx2, partial, np.int32(n), np.int32(C), np.int32(per))
+    kernels[1]((blocks,), (THREADS,), args, shared_mem=2 * C * np.dtype(acc).itemsize)
+    sums = (partial, gw, gw if gb is None else gb, np.int32(blocks), np.int32(C), np.int32(gb is not None))
+    kernels[2]((-(-C // THREADS),), (THREADS,), sums)
+
+
+def backward(g2, x2, w, mean, rstd, gx2, gw, gb) -> bool:
+    """gx2 (n, C), gw and gb (C,; gb None without a bias) from the output's gradient g2 and the
+    forward's x2 and per-row statistics; False (nothing written) where the kernels cannot run."""
+    C = x2.shape[1]
+    kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb)
+    if kernels is None or 2 * C * np.dtype(gk.accumulator(x2.dtype.type)).itemsize > SHARED_BYTES:
+        return False
+    xp = array_module_of(x2)
+    gk.checked_once(("layer_norm_backward", x2.dtype.type), lambda: _probe(xp, x2.dtype, backward=True))
+    _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb)
+    return True
+
+
+# -- the check at first use --------------------------------------------------------------------------
+
+
+def _probe(xp, dtype, backward: bool = False):
+    """Both kernels on a small problem (rows of 96, more rows than one backward block takes) against
+    their twins on host copies of the same inputs."""
+    rng = np.random.default_rng(7)
+    n, C = 37, 96
+    host = {
+        k: rng.normal(0, 1, shape).astype(dtype)
+        for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C))
+    }
+    x, g, w, b = (xp.asarray(host[k]) for k in "xgwb")
+    out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
+    kernels = _kernels(x, w, b, out, mean, rstd)
+    _forward(kernels, x, w, b, out, mean, rstd, 1e-5, write_stats=True)
+    want = {"out": np.empty((n, C)), "mean": np.empty((n, 1)), "rstd": np.empty((n, 1))}
+    _forward_twin(
+        None, None, (host["x"], host["w"], host["b"], want["out"], want["mean"], want["rstd"], C, 1e-5, 3)
+    )
+    got = {"out": out, "mean": mean, "rstd": rstd}
+    if backward:
+        gx, gw, gb = xp.empty_like(x), xp.empty_like(w), xp.empty_like(b)
+        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb)
+        stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
+        twin = (host["g"], host["x"], host["w"], *stats)
+        want.update(_backward_reference(*twin))
+        got.update(gx=gx, gw=gw, gb=gb)
+    scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
+    return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * n, scale[k])) for k in want]
+
+
+def _backward_reference(g, x, w, mean, rstd) -> dict:
+    """gx, gw, gb in float64 through the twins (one block of partials)."""
+    n, C = x.shape
+    gx, partial, gw, gb = np.empty((n, C)), np.empty((2, 1, C)), np.empty(C), np.empty(C)
+    _backward_twin(None, None, (g, x, w, mean, rstd, gx, partial, n, C, n))
+    _sum_partials_twin(None, None, (partial, gw, gb, 1, C, 1))
+    return {"gx": gx, "gw": gw, "gb": gb}

@@ -1,0 +1,101 @@
+"""The raw GPU kernels' NumPy twins (gpu_kernels.TWINS) against the CPU's own passes (fused.py,
+causal_attention.py), in float64: the twins are what the kernels are checked against on a device
+(at first use, and in tests/unit/ops/test_gpu_kernels.py), so they must compute the same function.
+On a GPU the kernels themselves are compared with the twins."""
+
+import numpy as np
+import pytest
+
+from mpifsdp.base.backend import to_numpy
+from mpifsdp.ops import fused, gpu_kernels, gpu_layer_norm
+
+# float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
+F64 = float(np.finfo(np.float64).eps)
+
+
+def _close(got, want, terms):
+    want = np.asarray(want, np.float64)
+    bound = 4 * terms * F64 * float(np.max(np.abs(want)))
+    err = float(np.max(np.abs(np.asarray(got, np.float64) - want)))
+    assert err <= bound, f"error {err:.3g} beyond {bound:.3g}"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
+    rng = np.random.default_rng(3)
+    n, C = 70, 48  # more rows than the backward's blocks take at once below (rows_per_block 16)
+    x, g = rng.normal(1, 2, (n, C)), rng.normal(0, 1, (n, C))
+    w, b = rng.normal(1, 0.5, C), rng.normal(0, 0.5, C) if bias else None
+    want_out, (mean, rstd) = fused._layer_norm.forward(x, w, b, 1e-5)
+    want_grads = fused._layer_norm_vjp(g, (mean, rstd), x, w, b, 1e-5)
+
+    out, m, r = np.empty((n, C)), np.empty((n, 1)), np.empty((n, 1))
+    twins = gpu_kernels.TWINS
+    twins["layer_norm_forward"]((n,), None, (x, w, w if b is None else b, out, m, r, C, 1e-5, 2 | bias))
+    for got, want in ((out, want_out), (m, mean), (r, rstd)):
+        _close(got, want, C)
+
+    per = 16
+    blocks = -(-n // per)
+    gx, partial, gw, gb = np.empty((n, C)), np.empty((2, blocks, C)), np.empty(C), np.full(C, np.nan)
+    twins["layer_norm_backward"]((blocks,), None, (g, x, w, m, r, gx, partial, n, C, per))
+    twins["sum_partials"](None, None, (partial, gw, gb, blocks, C, int(bias)))
+    _close(gx, want_grads[0], C)
+    _close(gw, want_grads[1], n)
+    if bias:
+        _close(gb, want_grads[2], n)
+    else:
+        assert np.isnan(gb).all()  # without a bias nothing is written there
+
+
+def test_the_recompute_twin_leaves_the_statistics_alone():
+    rng = np.random.default_rng(4)
+    x, w, b = rng.normal(0, 1, (5, 8)), rng.normal(1, 0.1, 8), rng.normal(0, 0.1, 8)
+    out, m, r = np.empty((5, 8)), np.full((5, 1), 7.0), np.full((5, 1), 7.0)
+    gpu_kernels.TWINS["layer_norm_forward"]((5,), None, (x, w, b, out, m, r, 8, 1e-5, 1))
+    assert (m == 7).all() and (r == 7).all()
+    _close(out, fused._layer_norm.forward(x, w, b, 1e-5)[0], 8)
+
+
+def test_the_softmax_twins_compute_the_attention_softmax():
+    rng = np.random.default_rng(5)
+    heads, T, scale = 3, 16, 0.3
+    scores, d = rng.normal(0, 2, (heads, T, T)), rng.normal(0, 1, (heads, T, T))
+    p = scores.copy()
+    gpu_kernels.TWINS["causal_softmax"](None, None, (p, T, scale))
+    masked = np.where(np.tri(T, dtype=bool), scores * scale, -np.inf)
+    want = np.exp(masked - masked.max(-1, keepdims=True))
+    _close(p, want / want.sum(-1, keepdims=True), T)
+    gs = d.copy()
+    gpu_kernels.TWINS["softmax_backward"](None, None, (gs, p, T, scale))
+    _close(gs, p * (d - (d * p).sum(-1, keepdims=True)) * scale, T)
+
+
+def test_a_kernel_that_computes_wrong_is_named_before_its_first_use():
+    """The check at first use raises on a result beyond its bound, naming the kernel, and remembers
+    only kernels that passed."""
+    key = ("a wrong kernel", np.float16)
+
+    def wrong():
+        return [("out", np.ones(4), np.zeros(4), gpu_kernels.error_bound(np.float16, 8, 1.0))]
+
+    with pytest.raises(RuntimeError, match=r"a wrong kernel \(float16\) computes out wrong"):
+        gpu_kernels.checked_once(key, wrong)
+    assert key not in gpu_kernels._checked
+    good = ("a right kernel", np.float32)
+    gpu_kernels.checked_once(good, lambda: [("out", np.zeros(3), np.zeros(3), 0.0)])
+    assert good in gpu_kernels._checked
+    gpu_kernels._checked.discard(good)
+
+
+def test_the_layer_norm_probe_passes_with_the_twins_as_kernels(monkeypatch):
+    """_probe, run where the 'device' is NumPy and the kernels are their twins, finds no error: the
+    probe compares like with like (the same arguments, the same layout of the partial sums)."""
+    twins = tuple(
+        (lambda name: lambda grid, block, args, shared_mem=0: gpu_kernels.TWINS[name](grid, block, args))(k)
+        for k in gpu_layer_norm.KERNELS
+    )
+    monkeypatch.setattr(gpu_layer_norm, "_kernels", lambda *arrays: twins)
+    for dtype in (np.float16, np.float32, np.float64):
+        for what, got, want, bound in gpu_layer_norm._probe(np, np.dtype(dtype), backward=True):
+            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
