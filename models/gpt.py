@@ -91,7 +91,7 @@ class GPT(Module):
         if targets is None:
             return logits
         # the loss in at least float32, also when the model computes in float16 (mixed precision)
-        return ops.cross_entropy(logits.astype(np.promote_types(logits.dtype, np.float32)), targets)
+        return ops.cross_entropy(logits, targets)
 
     def check_inputs(self, idx, targets=None) -> str | None:
         """Token ids (B, T) with T <= block_size and ids < vocab_size; targets alike, or -1 (ignored)."""

@@ -18,7 +18,7 @@ import numpy as np
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
 from ..base.threads import for_row_blocks
-from . import gpu_kernels, gpu_layer_norm
+from . import gpu_cross_entropy, gpu_kernels, gpu_layer_norm
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_K = 0.044715
@@ -332,6 +332,12 @@ def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     lse, valid, count = saved
     xp = array_module_of(logits)
     flat = _rows(logits)
+    if valid is None:  # the forward ran the GPU kernel: so does the backward, in one pass
+        return (
+            gpu_cross_entropy.backward(flat, targets.reshape(-1), lse, g, ignore_index, count).reshape(
+                logits.shape
+            ),
+        )
     picked = xp.where(valid, targets.reshape(-1), 0)
     weight = (valid * (g / count)).astype(logits.dtype)[:, None]
     grad = xp.empty_like(flat)
@@ -366,6 +372,11 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
             f"cross_entropy: target {int(t[outside][0])} is outside [0, {flat.shape[1]}) "
             f"and is not the ignore_index {ignore_index}"
         )
+    count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
+    if xp is not np and gpu_cross_entropy.usable(flat, t):  # one kernel reads the logits as they are
+        lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
+        loss_dtype = np.promote_types(logits.dtype, np.float32)
+        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count)
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
@@ -377,6 +388,5 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
 
     by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
-    count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
     loss = ((lse - picked) * valid).sum() / count
     return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)

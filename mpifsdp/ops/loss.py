@@ -11,19 +11,36 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-from ..autodiff.tensor import Tensor, apply
+import numpy as np
+
+from ..autodiff.tensor import Tensor, apply, as_tensor
+from ..base.backend import array_module_of
+from . import gpu_cross_entropy
 
 
 def cross_entropy(logits, targets, ignore_index=-1) -> Tensor:
-    """Mean over the targets that are not `ignore_index` of -log softmax(logits)[target].
+    """Mean over the targets that are not `ignore_index` of -log softmax(logits)[target], in at least
+    float32 (float16 logits are widened, or read as they are by the GPU's kernel).
 
     Under fully_shard the mean is the global batch's: each rank divides its sum by the valid count
     summed over ranks / N (see `mean_over_ranks`), so ranks holding different numbers of valid targets
     still average to the single-process loss and gradient."""
     targets = targets.data if isinstance(targets, Tensor) else targets
+    logits = as_tensor(logits)
+    wide = np.promote_types(logits.dtype, np.float32)
+    if logits.dtype != wide and not _read_as_they_are(logits.data, targets):
+        logits = logits.astype(wide)  # float16 logits: the loss in float32
     share = _count_share.get()
     count = None if share is None else share(int((targets != ignore_index).sum()))
     return apply("cross_entropy", logits, targets=targets, ignore_index=ignore_index, count=count)
+
+
+def _read_as_they_are(logits, targets) -> bool:
+    """Whether the GPU's cross-entropy kernel takes these float16 logits directly (it computes in
+    float32: a float32 copy of the step's largest array is not needed)."""
+    if array_module_of(logits) is np:
+        return False
+    return gpu_cross_entropy.usable(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 _count_share = contextvars.ContextVar("count_share", default=None)

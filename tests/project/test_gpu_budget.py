@@ -28,8 +28,8 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # forward: no collective waits (was 25), only the input checks left, one read per array (was 9)
     assert "eventQuery" not in syncs.get("forward", {}) and sum(syncs["forward"].values()) <= 6, syncs
     # LayerNorm as raw kernels, AdamW's decay in its kernel, the norm's dots read at once:
-    # 167.5 -> 81.9 (the budget: 25)
-    assert budget["launches_per_layer"] <= 82, budget
+    # 167.5 -> 81.0 with cross-entropy's kernel (the budget: 25)
+    assert budget["launches_per_layer"] <= 81, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpifsdp.base.backend import to_numpy
-from mpifsdp.ops import fused, gpu_kernels, gpu_layer_norm
+from mpifsdp.ops import fused, gpu_cross_entropy, gpu_kernels, gpu_layer_norm
 
 # float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
 F64 = float(np.finfo(np.float64).eps)
@@ -99,3 +99,49 @@ def test_the_layer_norm_probe_passes_with_the_twins_as_kernels(monkeypatch):
     for dtype in (np.float16, np.float32, np.float64):
         for what, got, want, bound in gpu_layer_norm._probe(np, np.dtype(dtype), backward=True):
             assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
+
+
+def test_the_cross_entropy_twins_compute_fused_cross_entropy():
+    rng = np.random.default_rng(6)
+    n, V = 12, 40
+    logits, targets = rng.normal(0, 3, (n, V)), rng.integers(0, V, n)
+    targets[[2, 7]] = -1  # ignored
+    loss, saved = fused._cross_entropy.forward(logits, targets, ignore_index=-1)
+    (want_grad,) = fused._cross_entropy_vjp(np.float64(0.5), saved, logits, targets, ignore_index=-1)
+    twins = gpu_kernels.TWINS
+    lse, rows = np.empty(n), np.empty(n)
+    twins["cross_entropy_forward"]((n,), None, (logits, targets, lse, rows, V, -1))
+    _close(lse, saved[0], V)
+    _close(rows.sum() / 10, loss, n * V)  # 10 valid targets
+    grad = np.empty((n, V))
+    twins["cross_entropy_backward"]((n,), None, (logits, targets, lse, np.array([0.5]), grad, V, -1, 1 / 10))
+    _close(grad, want_grad, V)
+    assert (grad[[2, 7]] == 0).all()
+
+
+def test_the_cross_entropy_probe_passes_with_the_twins_as_kernels(monkeypatch):
+    twins = tuple(
+        (lambda name: lambda grid, block, args, shared_mem=0: gpu_kernels.TWINS[name](grid, block, args))(k)
+        for k in gpu_cross_entropy.KERNELS
+    )
+    monkeypatch.setattr(gpu_cross_entropy, "_kernels", lambda *arrays: twins)
+    for dtype in (np.float16, np.float32, np.float64):
+        for what, got, want, bound in gpu_cross_entropy._probe(np, np.dtype(dtype), backward=True):
+            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
+
+
+def test_float16_logits_give_a_float32_loss_with_the_bits_of_widening_them_first():
+    """ops.cross_entropy widens float16 logits where no kernel reads them as they are (the CPU):
+    the GPT no longer widens them itself, and its CPU loss and gradient keep their bits."""
+    from mpifsdp.autodiff.tensor import Tensor
+    from mpifsdp.ops.loss import cross_entropy
+
+    rng = np.random.default_rng(8)
+    data, targets = rng.normal(0, 2, (6, 30)).astype(np.float16), rng.integers(0, 30, 6)
+    results = []
+    for widen_first in (True, False):
+        logits = Tensor(data.copy(), requires_grad=True)
+        loss = cross_entropy(logits.astype(np.float32) if widen_first else logits, targets)
+        loss.backward()
+        results.append((loss.dtype, to_numpy(loss.data).tobytes(), logits.grad.dtype, logits.grad.tobytes()))
+    assert results[0] == results[1] and results[0][0] == np.float32 and results[0][2] == np.float16

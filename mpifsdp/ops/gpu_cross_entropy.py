@@ -1,0 +1,176 @@
+"""Softmax cross-entropy as raw GPU kernels: one pass over the logits forward, one backward.
+
+The GPT's logits are the step's largest array (B T x vocab; at 8 x 1024 x 32K in float16, 512 MiB).
+The array path copied them to float32 (1 GiB), then made seven passes forward and four backward. Here
+the forward reads each row of float16 (or float32, float64) logits twice (its max, then the sum of
+exponentials about it), in float32 arithmetic (double for float64), and writes one log-sum-exp and
+one loss per row; the backward reads the row once more and writes softmax minus one-hot, times the
+upstream gradient (read on the device: no host sync) over the valid count, in the logits' dtype.
+Each kernel has a NumPy twin taking the same arguments (gpu_kernels.TWINS).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base.backend import array_module_of, to_numpy
+from . import gpu_kernels as gk
+
+THREADS = 256
+
+SOURCE = r"""
+extern "C" __global__ void cross_entropy_forward(const ELEM* logits, const long long* targets,
+                                                 ACC* lse, ACC* loss, const int V,
+                                                 const long long ignore_index) {
+    /* per row: lse = log sum exp(logits), loss = lse - logits[target] (0 where ignored; NaN for a
+       target outside [0, V), which the caller has refused already) */
+    const ELEM* row = logits + (size_t)blockIdx.x * V;
+    ACC m = -(ACC)__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = max(m, (ACC)row[j]);
+    m = block_reduce(m, true);
+    ACC s = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += exp((ACC)row[j] - m);
+    s = block_reduce(s, false);
+    if (threadIdx.x == 0) {
+        const ACC l = m + log(s);
+        const long long t = targets[blockIdx.x];
+        lse[blockIdx.x] = l;
+        if (t == ignore_index) loss[blockIdx.x] = 0;
+        else if (t < 0 || t >= V) loss[blockIdx.x] = (ACC)__int_as_float(0x7fc00000);
+        else loss[blockIdx.x] = l - (ACC)row[t];
+    }
+}
+extern "C" __global__ void cross_entropy_backward(const ELEM* logits, const long long* targets,
+                                                  const ACC* lse, const ACC* upstream, ELEM* grad,
+                                                  const int V, const long long ignore_index,
+                                                  const ACC inv_count) {
+    /* d loss / d logits = (softmax - one-hot) * upstream / count, 0 on an ignored row */
+    const size_t r = blockIdx.x;
+    const long long t = targets[r];
+    const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * inv_count;
+    const ACC l = lse[r];
+    const ELEM* row = logits + r * V;
+    ELEM* out = grad + r * V;
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        out[j] = (ELEM)((exp((ACC)row[j] - l) - (j == t ? (ACC)1 : (ACC)0)) * w);
+}
+"""
+KERNELS = ("cross_entropy_forward", "cross_entropy_backward")
+
+
+def source(dtype) -> str:
+    return gk.typed_source(dtype, SOURCE)
+
+
+# -- the NumPy twins: the same arguments, float64 arithmetic ---------------------------------------
+
+
+def _forward_twin(grid, block, args, shared_mem=0):
+    logits, targets, lse, loss, V, ignore_index = args
+    rows = logits.reshape(-1, int(V)).astype(np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    lse[...] = (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))[:, 0]
+    t = targets.reshape(-1)
+    inside = (t >= 0) & (t < int(V))
+    picked = rows[np.arange(rows.shape[0]), np.where(inside, t, 0)]
+    loss[...] = np.where(t == int(ignore_index), 0.0, np.where(inside, lse - picked, np.nan))
+
+
+def _backward_twin(grid, block, args, shared_mem=0):
+    logits, targets, lse, upstream, grad, V, ignore_index, inv_count = args
+    rows = logits.reshape(-1, int(V)).astype(np.float64)
+    t = targets.reshape(-1)
+    weight = np.where(t == int(ignore_index), 0.0, float(upstream.reshape(-1)[0]) * float(inv_count))
+    d = np.exp(rows - lse.reshape(-1, 1).astype(np.float64))
+    valid = np.flatnonzero((t >= 0) & (t < int(V)))
+    d[valid, t[valid]] -= 1
+    grad.reshape(rows.shape)[...] = d * weight[:, None]
+
+
+gk.TWINS.update(cross_entropy_forward=_forward_twin, cross_entropy_backward=_backward_twin)
+gk.RAW_FAMILIES["cross entropy"] = (source, KERNELS)
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+
+def _kernels(logits2, targets):
+    """The compiled kernels, or None where they cannot run (a dtype without a kernel, non-int64 or
+    non-contiguous arrays, no NVRTC): the caller then runs its array passes."""
+    dtype = logits2.dtype.type
+    usable = (
+        dtype in gk.ELEMENT_TYPES
+        and targets.dtype == np.int64
+        and logits2.flags.c_contiguous
+        and targets.flags.c_contiguous
+    )
+    if not usable:
+        return None
+    return gk.compiled(array_module_of(logits2), source(dtype), KERNELS, "fused cross-entropy")
+
+
+def usable(logits2, targets) -> bool:
+    """Whether forward/backward below can run for these arrays."""
+    return _kernels(logits2, targets) is not None
+
+
+def _forward(kernels, xp, logits2, targets, ignore_index: int):
+    n, V = logits2.shape
+    acc = gk.accumulator(logits2.dtype.type)
+    lse, loss = xp.empty(n, dtype=acc), xp.empty(n, dtype=acc)
+    kernels[0]((n,), (THREADS,), (logits2, targets, lse, loss, np.int32(V), np.int64(ignore_index)))
+    return lse, loss
+
+
+def forward(logits2, targets, ignore_index: int):
+    """(lse, loss per row), both in the arithmetic's dtype (float32; float64 for float64 logits), of
+    logits2 (rows, V) and int64 targets (rows,)."""
+    kernels, xp = _kernels(logits2, targets), array_module_of(logits2)
+    key = ("cross_entropy_forward", logits2.dtype.type)
+    gk.checked_once(key, lambda: _probe(xp, logits2.dtype))
+    return _forward(kernels, xp, logits2, targets, ignore_index)
+
+
+def _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index: int, count):
+    n, V = logits2.shape
+    acc = gk.accumulator(logits2.dtype.type)
+    grad = xp.empty_like(logits2)
+    args = (logits2, targets, lse, upstream.astype(acc, copy=False).reshape(1), grad)
+    kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), acc(1.0 / count)))
+    return grad
+
+
+def backward(logits2, targets, lse, upstream, ignore_index: int, count):
+    """d loss / d logits2 in logits2's dtype: (softmax - one-hot) * upstream / count on valid rows;
+    `upstream` is the loss's gradient, a one-element device array (never read on the host)."""
+    kernels, xp = _kernels(logits2, targets), array_module_of(logits2)
+    key = ("cross_entropy_backward", logits2.dtype.type)
+    gk.checked_once(key, lambda: _probe(xp, logits2.dtype, backward=True))
+    return _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index, count)
+
+
+# -- the check at first use --------------------------------------------------------------------------
+
+
+def _probe(xp, dtype, backward: bool = False):
+    """Both kernels on 9 rows of 300 classes (one target ignored) against their twins on host copies
+    of the same inputs."""
+    rng = np.random.default_rng(11)
+    n, V = 9, 300
+    host_logits = rng.normal(0, 3, (n, V)).astype(dtype)
+    host_targets = rng.integers(0, V, n).astype(np.int64)
+    host_targets[4] = -1
+    logits, targets = xp.asarray(host_logits), xp.asarray(host_targets)
+    kernels = _kernels(logits, targets)
+    lse, loss = _forward(kernels, xp, logits, targets, -1)
+    want = {"lse": np.empty(n), "loss": np.empty(n)}
+    _forward_twin(None, None, (host_logits, host_targets, want["lse"], want["loss"], V, -1))
+    got = {"lse": lse, "loss": loss}
+    if backward:
+        upstream = xp.asarray(np.array([0.75], dtype=gk.accumulator(dtype)))
+        got["grad"] = _backward(kernels, xp, logits, targets, lse, upstream, -1, 8)
+        want["grad"] = np.empty((n, V))
+        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, 1 / 8)
+        _backward_twin(None, None, twin)
+    scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
+    return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * V, scale[k])) for k in want]
