@@ -203,14 +203,28 @@ def backward(root, grad=None):
         raise
 
 
+# What a VJP returns for an input whose gradient it wrote into `into` itself (primitive's takes_into).
+WROTE = object()
+
+
+def _zeroed_grad(t) -> bool:
+    """A leaf whose .grad is a zeroed buffer nothing has added to yet (Param.grad_is_zero)."""
+    return t._node is None and t.requires_grad and t.grad is not None and getattr(t, "grad_is_zero", False)
+
+
 def _propagate(node: Node, g, grads: dict):
     """Run node's VJP on its output gradient g; add the results to its inputs' (leaves: their .grad)."""
     arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
     settings = node.settings
     if getattr(node.prim, "takes_needs", False):  # skip the gradients of frozen inputs
         settings = {**settings, "needs": tuple(t.requires_grad for t in node.inputs)}
+    if getattr(node.prim, "takes_into", False):  # zeroed parameter gradients the VJP may write into
+        settings = {**settings, "into": tuple(t.grad if _zeroed_grad(t) else None for t in node.inputs)}
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
+        if gi is WROTE:  # the VJP wrote it into t.grad itself
+            t.grad_is_zero = False
+            continue
         if gi is None or not t.requires_grad:
             continue
         if t._node is None:

@@ -31,24 +31,31 @@ class Primitive:
     vjp: Callable
     reads_inputs: bool = True  # False: the VJP needs only the inputs' shapes, never their values
     takes_needs: bool = False  # True: the VJP gets needs=(bool per input) and skips unneeded gradients
+    takes_into: bool = False  # True: the VJP gets into=(a zeroed .grad or None, per input): see WROTE
 
 
 PRIMITIVES: dict[str, Primitive] = {}
 
 
-def primitive(name: str, vjp: Callable, reads_inputs: bool = True, takes_needs: bool = False):
+def primitive(
+    name: str, vjp: Callable, reads_inputs: bool = True, takes_needs: bool = False, takes_into: bool = False
+):
     """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
 
     reads_inputs=False lets the tape drop its reference to the input arrays (only their shapes are
     kept), so activations consumed only by such ops (add, reshape, ...) are freed during forward.
     takes_needs=True: backward passes the VJP `needs`, one bool per input (does it require grad?), so
     the gradient of a frozen weight is never computed (it may return None there).
+    takes_into=True: backward passes `into`, per input the parameter's .grad where it is known to be
+    all zeros (FSDP's freshly zeroed flat gradient, Param.grad_is_zero), else None; the VJP may write
+    that input's gradient there (a GEMM's output, say) and return tape.WROTE for it: no temporary, and no
+    launch to add it on a GPU.
     """
 
     def register(forward):
         if name in PRIMITIVES:
             raise ValueError(f"primitive {name!r} registered twice")
-        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs)
+        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs, takes_into)
         return PRIMITIVES[name]
 
     return register
@@ -120,6 +127,7 @@ class Tensor:
             self.grad = g.astype(self.dtype, copy=True)
         else:
             self.grad += g
+        self.grad_is_zero = False
 
     def zero_grad(self):
         self.grad = None
@@ -216,6 +224,9 @@ class Param(Tensor):
     def __init__(self, data, name: str = "", shape=None, dtype=None, absent: str | None = None):
         super().__init__(data, requires_grad=True)
         self.name = name
+        # True while .grad is a buffer its binder zeroed and nothing has added to: a VJP may then
+        # write the gradient there instead of adding it (primitive's takes_into)
+        self.grad_is_zero = False
         self._shape = tuple(data.shape) if data is not None else tuple(shape)
         self._dtype = np.dtype(data.dtype if data is not None else dtype)
         self.absent = absent if data is None else None  # why there is no data, while there is none

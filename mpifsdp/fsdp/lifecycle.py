@@ -132,9 +132,11 @@ class UnitLifecycle:
         self._check_frozen_unchanged()
         self._gather_and_bind("backward")
         if self.unit.trainable:
+            fresh = not self.unit.holds_full_grad()  # else no_sync kept earlier micro-batches' sum
             grads = self.unit.zero_full_grad()
             for name, p in self.params:
                 p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+                p.grad_is_zero = fresh  # or write into it (a GPU's GEMM), while nothing has
         self._model.prefetch_after(self, "backward")
 
     def _check_frozen_unchanged(self):
@@ -154,7 +156,7 @@ class UnitLifecycle:
         backward to add to; the backward with sync on reduces the sum."""
         self._move(Stage.IDLE)
         for _, p in self.params:
-            p.grad = None
+            p.grad, p.grad_is_zero = None, False
         self.release()
         if self.unit.trainable and self._model.deterministic:  # the chunk added to the exact sum
             self.unit.add_chunk_grad(weight=self._model.chunk_state.weight or 0)

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from ..autodiff.tape import WROTE
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
 from ..base.threads import for_row_blocks
@@ -150,9 +151,20 @@ def _gelu(x):
 # -- linear ---------------------------------------------------------------------------------------
 
 
-def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(True, True, True)):
+def writable(into, k: int, shape, dtype):
+    """into[k] where a GPU VJP may write input k's gradient itself (primitive's takes_into): a zeroed
+    device buffer of the gradient's shape and dtype; None otherwise (the CPU path always adds)."""
+    target = None if into is None else into[k]
+    if target is None or array_module_of(target) is np:
+        return None
+    fits = target.shape == tuple(shape) and target.dtype == dtype and target.flags.c_contiguous
+    return target if fits else None
+
+
+def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(True, True, True), into=None):
     """needs: which of x, w, b want a gradient (a frozen weight's GEMM is skipped, and so is the
-    input's where nothing upstream trains)."""
+    input's where nothing upstream trains). into: on a GPU the GEMM writes the weight's gradient,
+    and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE)."""
     g2 = _rows(g)
     gx, gw, gb = None, None, None
     h = x
@@ -171,15 +183,26 @@ def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(
         h = gelu_array(x)
     if needs[1]:
         h2 = _rows(h)
-        gw = h2.T @ g2 if not transpose_w else g2.T @ h2
+        a, c = (h2.T, g2) if not transpose_w else (g2.T, h2)
+        gw = writable(into, 1, w.shape, g2.dtype)
+        if gw is None:
+            gw = a @ c
+        else:
+            array_module_of(g2).matmul(a, c, out=gw)
+            gw = WROTE
     if b is None:
         return gx, gw
     if needs[2]:
-        gb = g2.sum(axis=0)
+        gb = writable(into, 2, b.shape, g2.dtype)
+        if gb is None:
+            gb = g2.sum(axis=0)
+        else:
+            g2.sum(axis=0, out=gb)
+            gb = WROTE
     return gx, gw, gb
 
 
-@primitive("linear", vjp=_linear_vjp, takes_needs=True)
+@primitive("linear", vjp=_linear_vjp, takes_needs=True, takes_into=True)
 def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
 
@@ -207,8 +230,9 @@ def sum_of_products(xp, a, b, axis: int):
     return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
 
 
-def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
-    """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std."""
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None):
+    """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std. into:
+    on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients."""
     mean, rstd = saved
     xp = array_module_of(x)
     x2, g2 = _rows(x), _rows(g)
@@ -216,9 +240,9 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
     gx = xp.empty_like(x)
     gx2 = _rows(gx)
     if xp is not np:  # one kernel for the rows, one to add up the weight and bias gradients
-        gw, gb = xp.empty_like(w), None if b is None else xp.empty_like(b)
-        if gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, gw, gb):
-            return (gx, gw) if b is None else (gx, gw, gb)
+        params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into)
+        if params is not None:
+            return (gx, params[0]) if b is None else (gx, *params)
     parts = {}  # per block: partial sums for the weight and bias gradients
 
     def work(i, lo, hi):
@@ -240,7 +264,18 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5):
     return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
 
 
-@primitive("layer_norm", vjp=_layer_norm_vjp)
+def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into):
+    """(d w, d b) from the GPU kernels, which write gx2 too; each WROTE where it went straight into
+    a zeroed parameter gradient (`into`); None where the kernels cannot run."""
+    params = (w, b)
+    targets = [None if a is None else writable(into, k, a.shape, a.dtype) for k, a in enumerate(params, 1)]
+    outs = [t if t is not None or a is None else xp.empty_like(a) for t, a in zip(targets, params)]
+    if not gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs):
+        return None
+    return tuple(WROTE if t is not None else out for t, out in zip(targets, outs))
+
+
+@primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True)
 def _layer_norm(x, w, b=None, eps=1e-5):
     """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
     xp = array_module_of(x)
@@ -303,19 +338,22 @@ def _split_ln_linear(arrays, ln_bias: bool, bias: bool):
 
 
 def _layer_norm_linear_vjp(
-    g, saved, *arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False, needs=None
+    g, saved, *arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False, needs=None, into=None
 ):
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     needs = needs or (True,) * len(arrays)
+    into = into or (None,) * len(arrays)
     n_ln = 2 + ln_bias
     y = _layer_norm_again(x, *saved, ln_w, ln_b, eps)
-    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=(any(needs[:n_ln]), *needs[n_ln:]))
+    linear_needs = (any(needs[:n_ln]), *needs[n_ln:])
+    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=linear_needs, into=(None, *into[n_ln:]))
     del y
-    ln = _layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps) if gy is not None else (None,) * n_ln
-    return (*ln, *lin)
+    if gy is None:
+        return (None,) * n_ln + tuple(lin)
+    return (*_layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps, into=into[:n_ln]), *lin)
 
 
-@primitive("layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True)
+@primitive("layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True, takes_into=True)
 def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
     """linear(layer_norm(x)) whose normalized x is not kept (inputs: x, ln_w[, ln_b], w[, b])."""
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)

@@ -249,6 +249,11 @@ class Unit:
             self.ledger.free("gathered_params", full.nbytes)
 
     # -- gradients ----------------------------------------------------------------------------------
+    def holds_full_grad(self) -> bool:
+        """Whether a full gradient is held: between zero_full_grad and the reduce-scatter, and across
+        backwards while gradient sync is off (the sum of earlier micro-batches)."""
+        return self.full_grad is not None
+
     def zero_full_grad(self) -> dict:
         """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
         self._require_trainable("accumulate")

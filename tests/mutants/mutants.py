@@ -347,6 +347,12 @@ def _report_not_waited_for():
     _replace(mpifsdp.comm.presence, "wait_until_read", lambda fd: None)
 
 
+def _zeroed_grads_always_fresh():
+    from mpifsdp.shard.unit import Unit
+
+    _replace(Unit, "holds_full_grad", lambda self: False)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -374,6 +380,11 @@ MUTANTS = {
         [
             "tests/unit/comm/test_presence.py::test_the_abort_comes_only_after_the_launcher_has_read_the_report"
         ],
+    ),
+    "fresh_zeroed_grads": Mutant(
+        _zeroed_grads_always_fresh,
+        "a VJP writes into a parameter's gradient only while it is freshly zeroed (fsdp/lifecycle.py)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_are_the_cpus_also_when_accumulated"],
     ),
     "writer_lock": Mutant(
         _no_writer_lock,
