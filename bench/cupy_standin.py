@@ -205,13 +205,13 @@ class ElementwiseKernel:
 
 
 class RawModule:
-    """mpifsdp's raw kernels, each run as its NumPy twin (ops/gpu_kernels.py TWINS: the same arguments)."""
+    """mpifsdp's raw kernels, each run as its NumPy twin (base/kernels.py TWINS: the same arguments)."""
 
     def __init__(self, code="", options=()):
         pass
 
     def get_function(self, name):
-        from mpifsdp.ops.gpu_kernels import TWINS
+        from mpifsdp.base.kernels import TWINS
 
         def launch(grid, block, args, shared_mem=0):
             _launch(name)

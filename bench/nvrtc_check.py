@@ -1,5 +1,5 @@
 """Compile every GPU kernel of mpifsdp with NVRTC, with no GPU and no driver: the raw kernels
-(gpu_kernels.RAW_FAMILIES) and the elementwise ones (through CuPy's own code generator, as CuPy
+(base/kernels.py RAW_FAMILIES) and the elementwise ones (through CuPy's own code generator, as CuPy
 would build them), for float16, float32 and float64, for sm_80 (A100) and sm_90 (H100/H200). One
 JSON line per kernel and architecture (registers, spill bytes), then a summary; exit 1 on a compile
 error or a spill. Needs CuPy and NVRTC (make test installs them in .nvrtc: see the Makefile):
@@ -28,6 +28,7 @@ from cupy._core import core as cupy_core  # noqa: E402
 from cupy_backends.cuda.libs import nvrtc  # noqa: E402
 
 import mpifsdp.ops  # noqa: E402, F401 - registers every kernel family
+from mpifsdp.base import kernels  # noqa: E402
 from mpifsdp.ops import gpu_kernels  # noqa: E402
 
 ARCHES = ("sm_80", "sm_90")
@@ -87,7 +88,7 @@ def elementwise_source(name: str, dtype) -> str:
 def main() -> int:
     results = []
     for arch in ARCHES:
-        for family, (source, _) in sorted(gpu_kernels.RAW_FAMILIES.items()):
+        for family, (source, _) in sorted(kernels.RAW_FAMILIES.items()):
             for dtype in DTYPES:
                 results.append(build(f"{family} {np.dtype(dtype).name}", source(dtype), arch))
         for name in gpu_kernels._SOURCES:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..base import kernels as gk
 from ..base.backend import array_module_of, to_numpy
-from . import gpu_kernels as gk
 
 THREADS = 256
 

@@ -1,6 +1,6 @@
 """Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU, attention.py's causal
-softmax and its backward, and optim.py's AdamW update; and what every raw kernel shares (compiling,
-its NumPy twin, its check at first use). gpu_layer_norm.py holds the LayerNorm kernels.
+softmax and its backward, and optim.py's AdamW update (base/kernels.py: what every raw kernel
+shares). gpu_layer_norm.py and gpu_cross_entropy.py hold the LayerNorm and cross-entropy kernels.
 
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
 launch and a trip through device memory, so the same arithmetic is done in one kernel that reads
@@ -8,12 +8,6 @@ each element once. The formulas are the NumPy ones; float16 computes in float32 
 NumPy path rounds after every pass). tests/unit/ops/test_gpu_kernels.py holds both paths to the same float64
 formulas, and the attention and parity checks to each other. Kernels are compiled by CuPy on first
 use and cached; nothing here imports CuPy.
-
-Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
-the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
-it counts launches, and on a device each kernel is compared once with its twin on a small problem
-before its first real use (`checked_once`): a compiler or GPU that computes it wrong is named, not
-trained with. tests/project/test_kernels_compile.py compiles every source with NVRTC, with no GPU.
 """
 
 from __future__ import annotations
@@ -21,12 +15,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 
 import numpy as np
 
 from ..base.backend import array_module_of
-from ..base.checks import yes_or_no
+from ..base.kernels import ELEMENT_TYPES, RAW_FAMILIES, TWINS, accumulator, compiled, typed_source
 
 log = logging.getLogger(__name__)
 
@@ -109,94 +102,6 @@ def _segment_arrays(cupy, segments: tuple):
     """A group's decay segments on the device (its starts, its stops), copied there once."""
     table = np.array(segments, dtype=np.int64).reshape(-1, 2)
     return cupy.asarray(table[:, 0].copy()), cupy.asarray(table[:, 1].copy())
-
-
-# -- what raw kernels share -------------------------------------------------------------------------
-# BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it.
-BLOCK_REDUCE = r"""
-#include <cuda_fp16.h>
-__device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
-    __shared__ ACC part[32];
-    for (int o = 16; o > 0; o >>= 1) {
-        ACC w = __shfl_xor_sync(0xffffffff, v, o);
-        v = is_max ? max(v, w) : v + w;
-    }
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = part[0];
-    for (int k = 1; k < (int)(blockDim.x >> 5); ++k) v = is_max ? max(v, part[k]) : v + part[k];
-    __syncthreads();
-    return v;
-}
-"""
-# The C types of a kernel's elements and of its arithmetic, by NumPy dtype.
-ELEMENT_TYPES = {
-    np.float16: ("__half", "float"),
-    np.float32: ("float", "float"),
-    np.float64: ("double", "double"),
-}
-TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
-# what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
-RAW_FAMILIES: dict = {}
-
-
-def typed_source(dtype, body: str) -> str:
-    """A raw kernel's CUDA source for `dtype`: its ELEM and ACC types, BLOCK_REDUCE, then `body`."""
-    elem, acc = ELEMENT_TYPES[dtype]
-    return f"#define ELEM {elem}\n#define ACC {acc}\n" + BLOCK_REDUCE + body
-
-
-@functools.cache
-def compiled(cupy, source: str, names: tuple, what: str):
-    """The functions `names` of `source`, or None where NVRTC cannot build them (then the caller keeps
-    its array-module passes; one warning says so, naming `what`)."""
-    if not fused_enabled():
-        return None
-    try:
-        module = cupy.RawModule(code=source, options=("--std=c++17",))
-        return tuple(module.get_function(name) for name in names)
-    except Exception as exc:  # a CUDA toolkit without cuda_fp16.h for NVRTC, say
-        log.warning("%s unavailable (%s): using unfused passes", what, exc)
-        return None
-
-
-def fused_enabled() -> bool:
-    """MPIFSDP_FUSED=0 turns the raw kernels off (the array-module passes run instead): to compare
-    them, or to train on while a kernel that fails its check on a new device is looked into."""
-    return yes_or_no(os.environ.get("MPIFSDP_FUSED", "1"))
-
-
-def accumulator(dtype):
-    """The NumPy type of a kernel's scalar arguments in ACC (float64 kernels: double; else float)."""
-    return np.float64 if dtype == np.float64 else np.float32
-
-
-_checked: set = set()
-
-
-def checked_once(key, probe):
-    """Run `probe()` the first time `key` (a kernel and dtype) is used in this process. probe runs the
-    kernel on a small problem and returns [(what, got, want, bound)], `got` from the device and `want`
-    from the kernel's NumPy twin on the same inputs; an error beyond its bound raises, naming the
-    kernel, before any result of it is used."""
-    if key in _checked:
-        return
-    for what, got, want, bound in probe():
-        err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0))
-        if not err <= bound:
-            raise RuntimeError(
-                f"mpifsdp GPU kernel {key[0]} ({np.dtype(key[1]).name}) computes {what} wrong on this "
-                f"device: max error {err:.3g} against its NumPy twin, bound {bound:.3g}. Report it with "
-                "your GPU, CUDA and CuPy versions; MPIFSDP_FUSED=0 runs the unfused passes meanwhile."
-            )
-    _checked.add(key)
-
-
-def error_bound(dtype, terms: int, scale: float) -> float:
-    """What a kernel may differ from its float64 twin by: `terms` roundings in ACC (sums of up to
-    `terms` values no larger than `scale`) and the result's one rounding to the element type."""
-    acc = float(np.finfo(accumulator(dtype)).eps)
-    return (terms * acc + float(np.finfo(dtype).eps)) * scale
 
 
 # -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..base import kernels as gk
 from ..base.backend import array_module_of, to_numpy
-from . import gpu_kernels as gk
 
 THREADS = 256
 MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C partial sums, added at the end

@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from ..base import kernels
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
 from ..base.checks import float_dtype
@@ -188,11 +189,13 @@ class Unit:
         the same gathered values, so every rank raises here alike (no collective needed). On a GPU
         the verdict stays on the device until the step's (take_overflow_flag): a host sync per
         gather would stall the host's queue 49 times a step."""
-        finite = self.xp.isfinite(full).all()
-        if self.xp is not np:
-            self._overflow = ~finite if self._overflow is None else self._overflow | ~finite
+        if self.xp is not np:  # one int32 flag a step, set by one kernel per gather
+            if self._overflow is None:
+                self._overflow = self.xp.zeros(1, dtype=np.int32)
+            if not kernels.flag_nonfinite(full, self._overflow):
+                self._overflow |= ~self.xp.isfinite(full).all()
             return
-        if not bool(finite):
+        if not bool(self.xp.isfinite(full).all()):
             self.raise_unrepresentable()
 
     def take_overflow_flag(self):

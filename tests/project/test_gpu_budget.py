@@ -28,8 +28,9 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # forward: no collective waits (was 25), only the input checks left, one read per array (was 9)
     assert "eventQuery" not in syncs.get("forward", {}) and sum(syncs["forward"].values()) <= 6, syncs
     # LayerNorm as raw kernels, AdamW's decay in its kernel, the norm's dots read at once:
-    # 167.5 -> 68.8 with cross-entropy's kernel and VJPs writing into zeroed gradients (budget: 25)
-    assert budget["launches_per_layer"] <= 69, budget
+    # cross-entropy's kernel, VJPs writing into zeroed gradients, one NaN-flag kernel per gather:
+    # 167.5 -> 64.8 (the budget: 25)
+    assert budget["launches_per_layer"] <= 65, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])

@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from mpifsdp.base import kernels
 from mpifsdp.ops import gpu_kernels
 
 from support import ROOT
@@ -36,7 +37,7 @@ def test_every_gpu_kernel_compiles_for_sm80_and_sm90_without_spills(comm):
     built = {(r["kernel"], r["arch"]): r for r in lines if "kernel" in r}
     dtypes = [np.dtype(t).name for t in (np.float16, np.float32, np.float64)]
     for arch in ("sm_80", "sm_90"):
-        for family, (_, names) in gpu_kernels.RAW_FAMILIES.items():
+        for family, (_, names) in kernels.RAW_FAMILIES.items():
             for dtype in dtypes:
                 result = built[(f"{family} {dtype}", arch)]
                 assert len(result["registers"]) == len(names), result  # every function of it was built

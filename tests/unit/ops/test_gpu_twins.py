@@ -1,4 +1,4 @@
-"""The raw GPU kernels' NumPy twins (gpu_kernels.TWINS) against the CPU's own passes (fused.py,
+"""The raw GPU kernels' NumPy twins (kernels.TWINS) against the CPU's own passes (fused.py,
 causal_attention.py), in float64: the twins are what the kernels are checked against on a device
 (at first use, and in tests/unit/ops/test_gpu_kernels.py), so they must compute the same function.
 On a GPU the kernels themselves are compared with the twins."""
@@ -6,8 +6,9 @@ On a GPU the kernels themselves are compared with the twins."""
 import numpy as np
 import pytest
 
+from mpifsdp.base import kernels
 from mpifsdp.base.backend import to_numpy
-from mpifsdp.ops import fused, gpu_cross_entropy, gpu_kernels, gpu_layer_norm
+from mpifsdp.ops import fused, gpu_cross_entropy, gpu_layer_norm
 
 # float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
 F64 = float(np.finfo(np.float64).eps)
@@ -30,7 +31,7 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     want_grads = fused._layer_norm_vjp(g, (mean, rstd), x, w, b, 1e-5)
 
     out, m, r = np.empty((n, C)), np.empty((n, 1)), np.empty((n, 1))
-    twins = gpu_kernels.TWINS
+    twins = kernels.TWINS
     twins["layer_norm_forward"]((n,), None, (x, w, w if b is None else b, out, m, r, C, 1e-5, 2 | bias))
     for got, want in ((out, want_out), (m, mean), (r, rstd)):
         _close(got, want, C)
@@ -52,7 +53,7 @@ def test_the_recompute_twin_leaves_the_statistics_alone():
     rng = np.random.default_rng(4)
     x, w, b = rng.normal(0, 1, (5, 8)), rng.normal(1, 0.1, 8), rng.normal(0, 0.1, 8)
     out, m, r = np.empty((5, 8)), np.full((5, 1), 7.0), np.full((5, 1), 7.0)
-    gpu_kernels.TWINS["layer_norm_forward"]((5,), None, (x, w, b, out, m, r, 8, 1e-5, 1))
+    kernels.TWINS["layer_norm_forward"]((5,), None, (x, w, b, out, m, r, 8, 1e-5, 1))
     assert (m == 7).all() and (r == 7).all()
     _close(out, fused._layer_norm.forward(x, w, b, 1e-5)[0], 8)
 
@@ -62,12 +63,12 @@ def test_the_softmax_twins_compute_the_attention_softmax():
     heads, T, scale = 3, 16, 0.3
     scores, d = rng.normal(0, 2, (heads, T, T)), rng.normal(0, 1, (heads, T, T))
     p = scores.copy()
-    gpu_kernels.TWINS["causal_softmax"](None, None, (p, T, scale))
+    kernels.TWINS["causal_softmax"](None, None, (p, T, scale))
     masked = np.where(np.tri(T, dtype=bool), scores * scale, -np.inf)
     want = np.exp(masked - masked.max(-1, keepdims=True))
     _close(p, want / want.sum(-1, keepdims=True), T)
     gs = d.copy()
-    gpu_kernels.TWINS["softmax_backward"](None, None, (gs, p, T, scale))
+    kernels.TWINS["softmax_backward"](None, None, (gs, p, T, scale))
     _close(gs, p * (d - (d * p).sum(-1, keepdims=True)) * scale, T)
 
 
@@ -77,22 +78,22 @@ def test_a_kernel_that_computes_wrong_is_named_before_its_first_use():
     key = ("a wrong kernel", np.float16)
 
     def wrong():
-        return [("out", np.ones(4), np.zeros(4), gpu_kernels.error_bound(np.float16, 8, 1.0))]
+        return [("out", np.ones(4), np.zeros(4), kernels.error_bound(np.float16, 8, 1.0))]
 
     with pytest.raises(RuntimeError, match=r"a wrong kernel \(float16\) computes out wrong"):
-        gpu_kernels.checked_once(key, wrong)
-    assert key not in gpu_kernels._checked
+        kernels.checked_once(key, wrong)
+    assert key not in kernels._checked
     good = ("a right kernel", np.float32)
-    gpu_kernels.checked_once(good, lambda: [("out", np.zeros(3), np.zeros(3), 0.0)])
-    assert good in gpu_kernels._checked
-    gpu_kernels._checked.discard(good)
+    kernels.checked_once(good, lambda: [("out", np.zeros(3), np.zeros(3), 0.0)])
+    assert good in kernels._checked
+    kernels._checked.discard(good)
 
 
 def test_the_layer_norm_probe_passes_with_the_twins_as_kernels(monkeypatch):
     """_probe, run where the 'device' is NumPy and the kernels are their twins, finds no error: the
     probe compares like with like (the same arguments, the same layout of the partial sums)."""
     twins = tuple(
-        (lambda name: lambda grid, block, args, shared_mem=0: gpu_kernels.TWINS[name](grid, block, args))(k)
+        (lambda name: lambda grid, block, args, shared_mem=0: kernels.TWINS[name](grid, block, args))(k)
         for k in gpu_layer_norm.KERNELS
     )
     monkeypatch.setattr(gpu_layer_norm, "_kernels", lambda *arrays: twins)
@@ -108,7 +109,7 @@ def test_the_cross_entropy_twins_compute_fused_cross_entropy():
     targets[[2, 7]] = -1  # ignored
     loss, saved = fused._cross_entropy.forward(logits, targets, ignore_index=-1)
     (want_grad,) = fused._cross_entropy_vjp(np.float64(0.5), saved, logits, targets, ignore_index=-1)
-    twins = gpu_kernels.TWINS
+    twins = kernels.TWINS
     lse, rows = np.empty(n), np.empty(n)
     twins["cross_entropy_forward"]((n,), None, (logits, targets, lse, rows, V, -1))
     _close(lse, saved[0], V)
@@ -121,7 +122,7 @@ def test_the_cross_entropy_twins_compute_fused_cross_entropy():
 
 def test_the_cross_entropy_probe_passes_with_the_twins_as_kernels(monkeypatch):
     twins = tuple(
-        (lambda name: lambda grid, block, args, shared_mem=0: gpu_kernels.TWINS[name](grid, block, args))(k)
+        (lambda name: lambda grid, block, args, shared_mem=0: kernels.TWINS[name](grid, block, args))(k)
         for k in gpu_cross_entropy.KERNELS
     )
     monkeypatch.setattr(gpu_cross_entropy, "_kernels", lambda *arrays: twins)
@@ -145,3 +146,22 @@ def test_float16_logits_give_a_float32_loss_with_the_bits_of_widening_them_first
         loss.backward()
         results.append((loss.dtype, to_numpy(loss.data).tobytes(), logits.grad.dtype, logits.grad.tobytes()))
     assert results[0] == results[1] and results[0][0] == np.float32 and results[0][2] == np.float16
+
+
+def test_the_nonfinite_flag_is_set_by_an_inf_and_only_by_one(monkeypatch):
+    """flag_nonfinite's launch (grid, arguments) with its twin as the kernel, the first-use check
+    included: one flag gathers the verdicts of several arrays."""
+
+    def twin(grid, block, args, shared_mem=0):
+        kernels.TWINS["flag_nonfinite"](grid, block, args)
+
+    monkeypatch.setattr(kernels, "compiled", lambda *a: (twin,))
+    monkeypatch.setattr(kernels, "_checked", set())
+    flag = np.zeros(1, dtype=np.int32)
+    for dtype in (np.float16, np.float32, np.float64):
+        assert kernels.flag_nonfinite(np.ones(1000, dtype), flag) and flag[0] == 0
+    bad = np.ones(3000, np.float16)
+    bad[2999] = np.inf  # what a master beyond float16 becomes in the gather
+    assert kernels.flag_nonfinite(bad, flag) and flag[0] == 1
+    assert kernels.flag_nonfinite(np.ones(10, np.float16), flag) and flag[0] == 1  # stays set
+    assert not kernels.flag_nonfinite(np.ones((4, 4), np.float32)[:, ::2], flag)  # not contiguous

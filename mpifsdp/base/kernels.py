@@ -1,0 +1,168 @@
+"""Raw GPU kernels: what every one shares (its C types, a block-wide reduction, compiling it, its
+NumPy twin, its check at first use). The kernels themselves live where they are used (ops/gpu_*.py,
+and the non-finite flag below, which shard/unit.py uses); nothing here imports CuPy.
+
+Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
+the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
+it counts launches, and on a device each kernel is compared once with its twin on a small problem
+before its first real use (`checked_once`): a compiler or GPU that computes it wrong is named, not
+trained with. tests/project/test_kernels_compile.py compiles every source with NVRTC, with no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numpy as np
+
+from .backend import array_module_of, to_numpy
+from .checks import yes_or_no
+
+log = logging.getLogger(__name__)
+
+# BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it.
+BLOCK_REDUCE = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
+    __shared__ ACC part[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        ACC w = __shfl_xor_sync(0xffffffff, v, o);
+        v = is_max ? max(v, w) : v + w;
+    }
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = part[0];
+    for (int k = 1; k < (int)(blockDim.x >> 5); ++k) v = is_max ? max(v, part[k]) : v + part[k];
+    __syncthreads();
+    return v;
+}
+"""
+# The C types of a kernel's elements and of its arithmetic, by NumPy dtype.
+ELEMENT_TYPES = {
+    np.float16: ("__half", "float"),
+    np.float32: ("float", "float"),
+    np.float64: ("double", "double"),
+}
+TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
+# what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
+RAW_FAMILIES: dict = {}
+
+
+def typed_source(dtype, body: str) -> str:
+    """A raw kernel's CUDA source for `dtype`: its ELEM and ACC types, BLOCK_REDUCE, then `body`."""
+    elem, acc = ELEMENT_TYPES[dtype]
+    return f"#define ELEM {elem}\n#define ACC {acc}\n" + BLOCK_REDUCE + body
+
+
+@functools.cache
+def compiled(cupy, source: str, names: tuple, what: str):
+    """The functions `names` of `source`, or None where NVRTC cannot build them (then the caller keeps
+    its array-module passes; one warning says so, naming `what`)."""
+    if not fused_enabled():
+        return None
+    try:
+        module = cupy.RawModule(code=source, options=("--std=c++17",))
+        return tuple(module.get_function(name) for name in names)
+    except Exception as exc:  # a CUDA toolkit without cuda_fp16.h for NVRTC, say
+        log.warning("%s unavailable (%s): using unfused passes", what, exc)
+        return None
+
+
+def fused_enabled() -> bool:
+    """MPIFSDP_FUSED=0 turns the raw kernels off (the array-module passes run instead): to compare
+    them, or to train on while a kernel that fails its check on a new device is looked into."""
+    return yes_or_no(os.environ.get("MPIFSDP_FUSED", "1"))
+
+
+def accumulator(dtype):
+    """The NumPy type of a kernel's scalar arguments in ACC (float64 kernels: double; else float)."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+_checked: set = set()
+
+
+def checked_once(key, probe):
+    """Run `probe()` the first time `key` (a kernel and dtype) is used in this process. probe runs the
+    kernel on a small problem and returns [(what, got, want, bound)], `got` from the device and `want`
+    from the kernel's NumPy twin on the same inputs; an error beyond its bound raises, naming the
+    kernel, before any result of it is used."""
+    if key in _checked:
+        return
+    for what, got, want, bound in probe():
+        err = float(np.max(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)), initial=0))
+        if not err <= bound:
+            raise RuntimeError(
+                f"mpifsdp GPU kernel {key[0]} ({np.dtype(key[1]).name}) computes {what} wrong on this "
+                f"device: max error {err:.3g} against its NumPy twin, bound {bound:.3g}. Report it with "
+                "your GPU, CUDA and CuPy versions; MPIFSDP_FUSED=0 runs the unfused passes meanwhile."
+            )
+    _checked.add(key)
+
+
+def error_bound(dtype, terms: int, scale: float) -> float:
+    """What a kernel may differ from its float64 twin by: `terms` roundings in ACC (sums of up to
+    `terms` values no larger than `scale`) and the result's one rounding to the element type."""
+    acc = float(np.finfo(accumulator(dtype)).eps)
+    return (terms * acc + float(np.finfo(dtype).eps)) * scale
+
+
+# -- a flag for NaN and Inf: mixed precision's overflow check of each gather, one launch ----------
+FLAG_THREADS, FLAG_BLOCKS = 256, 1024
+FLAG_SOURCE = r"""
+extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long long n) {
+    /* flag[0] = 1 where x holds a NaN or an Inf (a plain store: any thread that finds one may) */
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        if (!isfinite((ACC)x[i])) { flag[0] = 1; return; }
+}
+"""
+
+
+def flag_source(dtype) -> str:
+    return typed_source(dtype, FLAG_SOURCE)
+
+
+def _flag_twin(grid, block, args, shared_mem=0):
+    x, flag, n = args
+    if not np.isfinite(x.reshape(-1)[: int(n)].astype(np.float64)).all():
+        flag[0] = 1
+
+
+TWINS["flag_nonfinite"] = _flag_twin
+RAW_FAMILIES["non-finite flag"] = (flag_source, ("flag_nonfinite",))
+
+
+def flag_nonfinite(x, flag) -> bool:
+    """flag[0] = 1 where the contiguous device array x holds a NaN or an Inf, left as it is otherwise
+    (flag: a one-element int32 device array, so one flag gathers the verdicts of several arrays);
+    False where the kernel cannot run (the caller then checks with array passes)."""
+    dtype = x.dtype.type
+    if dtype not in ELEMENT_TYPES or not x.flags.c_contiguous:
+        return False
+    xp = array_module_of(x)
+    kernel = compiled(xp, flag_source(dtype), ("flag_nonfinite",), "the non-finite flag")
+    if kernel is None:
+        return False
+    checked_once(("flag_nonfinite", dtype), lambda: _flag_probe(xp, dtype, kernel[0]))
+    blocks = max(1, min(FLAG_BLOCKS, -(-x.size // FLAG_THREADS)))
+    kernel[0]((blocks,), (FLAG_THREADS,), (x, flag, np.int64(x.size)))
+    return True
+
+
+def _flag_probe(xp, dtype, kernel):
+    """The flag of an array with one Inf far from its start, and of one with none, against the twin."""
+    values = np.linspace(-3, 3, 5000).astype(dtype)
+    got, want = [], []
+    for bad in (3777, None):
+        host = values.copy()
+        if bad is not None:
+            host[bad] = np.inf
+        flag, expected = xp.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
+        kernel((4,), (FLAG_THREADS,), (xp.asarray(host), flag, np.int64(host.size)))
+        _flag_twin(None, None, (host, expected, host.size))
+        got.append(int(to_numpy(flag)[0]))
+        want.append(int(expected[0]))
+    return [("the flag", np.array(got), np.array(want), 0.0)]
