@@ -195,13 +195,6 @@ class ElementwiseKernel:
             s = sigmoid(a[0])
             a[1][...] = a[0] * s
             a[2][...] *= slope(a[0], s)
-        elif self.name == "mpifsdp_adamw":
-            g, starts, stops, segments, decay, b1, omb1, b2, omb2, lrb, bias2, eps, p, m, v = a
-            for start, stop in list(zip(starts, stops))[: int(segments)]:
-                p[start:stop] *= decay
-            m[...] = m * b1 + g * omb1
-            v[...] = v * b2 + (g * g) * omb2
-            p -= m / (np.sqrt(v) / bias2 + eps) * lrb
 
 
 class RawModule:

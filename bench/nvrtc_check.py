@@ -28,6 +28,7 @@ from cupy._core import core as cupy_core  # noqa: E402
 from cupy_backends.cuda.libs import nvrtc  # noqa: E402
 
 import mpifsdp.ops  # noqa: E402, F401 - registers every kernel family
+import mpifsdp.optim  # noqa: E402, F401 - and AdamW's
 from mpifsdp.base import kernels  # noqa: E402
 from mpifsdp.ops import gpu_kernels  # noqa: E402
 
@@ -58,23 +59,12 @@ def build(name: str, source: str, arch: str) -> dict:
 
 
 def elementwise_source(name: str, dtype) -> str:
-    """The CUDA source CuPy generates for gpu_kernels' ElementwiseKernel `name` on contiguous
-    arrays of `dtype` (its last SCALAR_INPUTS[name] inputs passed as scalars), with the headers CuPy
-    puts in front of it."""
+    """The CUDA source CuPy generates for gpu_kernels' ElementwiseKernel `name` on contiguous arrays
+    of `dtype` (every parameter of ours is an array of T), with the headers CuPy puts before it."""
     in_params, out_params, operation = gpu_kernels._SOURCES[name]
     ins, outs = _kernel._get_param_info(in_params, True), _kernel._get_param_info(out_params, False)
-    scalars = gpu_kernels.SCALAR_INPUTS.get(name, 0)
     t = np.dtype(dtype).type
-
-    def info(param, scalar: bool):
-        ctype = t if param.ctype == "T" else np.dtype(param.dtype).type
-        return (
-            _kernel._ArgInfo(3, ctype, ctype, 0, True, True)
-            if scalar
-            else _kernel._ArgInfo(1, cupy.ndarray, ctype, 1, True, True)
-        )
-
-    infos = [info(p, i >= len(ins) - scalars) for i, p in enumerate(ins)] + [info(p, False) for p in outs]
+    infos = [_kernel._ArgInfo(1, cupy.ndarray, t, 1, True, True) for _ in ins + outs]
     infos.append(_kernel._ArgInfo(2, _carray.Indexer, None, 1, True, True))
     params = ins + outs + _kernel._get_param_info("CIndexer _ind", False)
     headers = "".join(f"#include <{h}>\n" for h in cupy_core._cupy_header_list)

@@ -1,6 +1,7 @@
-"""Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU, attention.py's causal
-softmax and its backward, and optim.py's AdamW update (base/kernels.py: what every raw kernel
-shares). gpu_layer_norm.py and gpu_cross_entropy.py hold the LayerNorm and cross-entropy kernels.
+"""Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU and of attention.py's
+causal softmax and its backward (base/kernels.py: what every raw kernel shares; AdamW's kernel is
+optim/gpu_adamw.py; gpu_layer_norm.py and gpu_cross_entropy.py hold the LayerNorm and
+cross-entropy kernels).
 
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
 launch and a trip through device memory, so the same arithmetic is done in one kernel that reads
@@ -47,20 +48,7 @@ _SOURCES = {
         "typedef Acc<T>::type A; A a = (A)x; A s = GELU_SIGMOID(a); h = (T)(a * s);"
         " gh = (T)((A)gh * GELU_SLOPE(a, s));",
     ),
-    "adamw": (  # optim.adamw_update's arithmetic, in its order, on whole vectors, the decay included
-        "T g, raw int64 decay_from, raw int64 decay_to, int32 segments, T decay,"
-        " T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T lr_over_bias1, T bias2, T eps",
-        "T p, T m, T v",
-        "for (int k = 0; k < segments; ++k) if (i >= decay_from[k] && i < decay_to[k]) p = p * decay;"
-        " m = m * beta1 + g * one_minus_beta1; v = v * beta2 + (g * g) * one_minus_beta2;"
-        " p -= m / (sqrt(v) / bias2 + eps) * lr_over_bias1;",
-    ),
 }
-
-
-# how many of a kernel's last inputs are passed as scalars, not arrays (for the NVRTC check, which
-# builds each kernel as CuPy would for its call)
-SCALAR_INPUTS = {"adamw": 9}
 
 
 @functools.cache
@@ -83,25 +71,6 @@ def gelu_grad_into(out, g, x):
 
 def gelu_and_grad_into(h, gh, x):
     _run("gelu_and_grad", x, h, gh)
-
-
-def adamw_into(p, g, m, v, beta1, beta2, lr_over_bias1, bias2, eps, decay=1.0, decay_segments=()):
-    """p, m, v updated in place; p *= decay first inside decay_segments ((start, stop) pairs). One
-    launch however many segments (each segment's `p[a:b] *= decay` was a launch and a copy: 1,168
-    launches of a 24-layer GPT's step). The scalars are computed in Python and take the arrays'
-    dtype, as NumPy's in-place ufuncs take them (so 1 - beta1 is not recomputed in float32)."""
-    cupy = array_module_of(p)
-    starts, stops = _segment_arrays(cupy, tuple(decay_segments) or ((0, 0),))
-    scalars = (decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr_over_bias1, bias2, eps)
-    typed = (p.dtype.type(s) for s in scalars)
-    _run("adamw", g, starts, stops, np.int32(len(decay_segments)), *typed, p, m, v)
-
-
-@functools.lru_cache(maxsize=1024)
-def _segment_arrays(cupy, segments: tuple):
-    """A group's decay segments on the device (its starts, its stops), copied there once."""
-    table = np.array(segments, dtype=np.int64).reshape(-1, 2)
-    return cupy.asarray(table[:, 0].copy()), cupy.asarray(table[:, 1].copy())
 
 
 # -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------

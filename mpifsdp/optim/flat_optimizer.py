@@ -108,6 +108,7 @@ class FlatOptimizer:
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
         self._steps = [0] * len(self.groups)
+        self._grad_scale = 1.0  # this step's, for an _update that applies it (folds_grad_scale)
         self._state: list[dict] = [{} for _ in self.groups]  # per group: kind -> array, once allocated
 
     # -- the state accessor: what checkpoints (and tests) read and restore ------------------------
@@ -162,9 +163,10 @@ class FlatOptimizer:
                 return i
         raise KeyError(f"{type(self).__name__} does not step {_name(target)!r}")
 
-    def step(self) -> bool:
+    def step(self, grad_scale: float = 1.0) -> bool:
         """Update every group that has a gradient; groups without one are left alone and their step
-        count stays (as PyTorch).
+        count stays (as PyTorch). grad_scale: every gradient is multiplied by it first (LossScaler's
+        unscale and clip in one; AdamW on a GPU does it inside its update, in the same pass).
 
         A NaN or Inf anywhere in the gradients (on any rank: the norm is global) raises
         NonFiniteError on every rank, or with nonfinite="skip" drops the step on every rank, logs a
@@ -196,6 +198,10 @@ class FlatOptimizer:
             log.warning("%s.step() without gradients: nothing updated (call backward() first)", name)
             return False
         self.step_count += 1
+        if grad_scale != 1.0 and not self.folds_grad_scale():
+            self.scale_grads(grad_scale)
+            grad_scale = 1.0
+        self._grad_scale = grad_scale
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
@@ -217,6 +223,11 @@ class FlatOptimizer:
     def _update(self, i: int, p, g, state: dict, step: int):
         """Update group i's flat vector p in place from gradient g; `step` is the group's own count."""
         raise NotImplementedError
+
+    def folds_grad_scale(self) -> bool:
+        """Whether _update applies step()'s grad_scale itself (self._grad_scale); else step() scales
+        the gradients first."""
+        return False
 
     def zero_grad(self):
         self._norm = None
@@ -251,11 +262,10 @@ class FlatOptimizer:
 
         `norm`: the current global norm when the caller already has it (saves a pass and an all_reduce).
         """
-        if not (0 < max_norm < math.inf):
-            raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm}")
+        clip_scale(max_norm, 0.0)  # max_norm checked before the norm costs a collective
         norm = self.grad_norm("the gradient norm of clip_grad_norm") if norm is None else norm
         self.set_grad_norm(norm)
-        scale = max_norm / (norm + 1e-6)
+        scale = clip_scale(max_norm, norm)
         if scale < 1.0:
             self.scale_grads(scale)
         return norm
@@ -265,6 +275,13 @@ class FlatOptimizer:
         if self.weight_decay:
             for start, stop in self.decay_segments[i]:
                 g[start:stop] += self.weight_decay * p[start:stop]
+
+
+def clip_scale(max_norm: float, norm: float) -> float:
+    """The factor clipping a gradient of global norm `norm` to at most max_norm (1.0: no clipping)."""
+    if not (0 < max_norm < math.inf):
+        raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm}")
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def _sum_of_squares(grads) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 from ..base.backend import array_module_of
 from ..base.checks import is_finite_at_least, refuse_invalid
 from ..base.threads import for_row_blocks
-from ..ops import gpu_kernels
+from . import gpu_adamw
 from .flat_optimizer import FlatOptimizer, NonFiniteError
 
 __all__ = ["SGD", "Adam", "AdamW", "NonFiniteError", "adamw_update"]
@@ -18,8 +18,11 @@ __all__ = ["SGD", "Adam", "AdamW", "NonFiniteError", "adamw_update"]
 SLICE = 1 << 16  # elements updated at a time: the temporary stays small and in cache
 
 
-def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0):
-    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read).
+def adamw_update(
+    p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), weight_decay=0.0, grad_scale=1.0
+):
+    """One AdamW step, in place, on 1-D arrays (p, m, v updated; g read, and first multiplied by
+    grad_scale in place where that is not 1).
 
     Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
     PyTorch's AdamW. The update, decay included, runs slice by slice (in parallel over the rank's
@@ -31,9 +34,12 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, step, decay_segments=(), 
     decay = 1.0 - lr * weight_decay
     segments = list(decay_segments) if weight_decay else []
     bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
-    if xp is not np:  # a GPU decays and updates the whole vector in one kernel
-        gpu_kernels.adamw_into(p, g, m, v, beta1, beta2, lr / bias1, bias2, eps, decay, segments)
-        return
+    if xp is not np:  # a GPU scales, decays and updates the whole vector in one kernel
+        hyper = dict(beta1=beta1, beta2=beta2, lr_over_bias1=lr / bias1, bias2=bias2, eps=eps)
+        if gpu_adamw.step(p, g, m, v, decay=decay, grad_scale=grad_scale, decay_segments=segments, **hyper):
+            return
+    if grad_scale != 1.0:
+        g *= grad_scale
 
     def update(lo, hi, s):
         s = s[: hi - lo]
@@ -103,7 +109,12 @@ class AdamW(FlatOptimizer):
             step=step,
             decay_segments=self._decoupled(i),
             weight_decay=self.weight_decay,
+            grad_scale=self._grad_scale,
         )
+
+    def folds_grad_scale(self) -> bool:
+        """On a GPU the update kernel multiplies the gradient by step()'s grad_scale in its own pass."""
+        return all(array_module_of(group.flat_param()) is not np for group in self.groups)
 
     def _decoupled(self, i):
         return self.decay_segments[i]
@@ -119,6 +130,9 @@ class Adam(AdamW):
     def _update(self, i, p, g, state, step):
         self._add_l2(i, p, g)
         super()._update(i, p, g, state, step)
+
+    def folds_grad_scale(self) -> bool:
+        return False  # the L2 term joins the gradient after it is scaled
 
     def _decoupled(self, i):
         return ()

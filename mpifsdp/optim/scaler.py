@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+from .flat_optimizer import clip_scale
 from .optimizers import FlatOptimizer, NonFiniteError
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,13 @@ class LossScaler:
         return loss * self.scale_value
 
     def step(self, optimizer: FlatOptimizer, max_norm: float | None = None) -> bool:
-        optimizer.scale_grads(1.0 / self.scale_value)
-        norm = optimizer.grad_norm()
+        """Unscale, check, clip (max_norm) and step. Where the optimizer folds a gradient scale into
+        its update (AdamW on a GPU), the unscale and the clip travel as one factor into it: the
+        norm is the scaled gradients' over the scale, and no pass over the gradients is added."""
+        folded = optimizer.folds_grad_scale()
+        if not folded:
+            optimizer.scale_grads(1.0 / self.scale_value)
+        norm = optimizer.grad_norm() / (self.scale_value if folded else 1.0)
         if not math.isfinite(norm):
             if self.scale_value <= self.min_scale or self.skips_in_a_row + 1 >= self.max_skips_in_a_row:
                 raise NonFiniteError(
@@ -64,10 +70,13 @@ class LossScaler:
             log.warning("loss scale overflow: skipped the step, scale now %g", self.scale_value)
             return False
         self.skips_in_a_row = 0
-        if max_norm is not None:
+        factor = 1.0 / self.scale_value if folded else 1.0
+        if max_norm is not None and folded:
+            factor *= clip_scale(max_norm, norm)
+        elif max_norm is not None:
             optimizer.clip_grad_norm(max_norm, norm=norm)
         optimizer.set_grad_norm(norm)  # one global norm a step
-        optimizer.step()
+        optimizer.step(grad_scale=factor)
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale_value *= 2

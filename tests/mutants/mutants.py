@@ -384,7 +384,7 @@ MUTANTS = {
     "fresh_zeroed_grads": Mutant(
         _zeroed_grads_always_fresh,
         "a VJP writes into a parameter's gradient only while it is freshly zeroed (fsdp/lifecycle.py)",
-        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_are_the_cpus_also_when_accumulated"],
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
     ),
     "writer_lock": Mutant(
         _no_writer_lock,

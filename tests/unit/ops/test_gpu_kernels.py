@@ -65,17 +65,18 @@ def test_gelu_kernels_match_the_float64_formula(device, xp, dtype):
 
 def test_adamw_update_matches_its_float64_formula(device, xp):
     """The update with decoupled decay on two segments (the GPU's one kernel tests each element
-    against the segment table; the CPU decays slice by slice)."""
+    against the segment table; the CPU decays slice by slice) and a gradient scale."""
     rng = np.random.default_rng(1)
     n, lr, b1, b2, eps, step, wd = 10_000, 1e-3, 0.9, 0.95, 1e-8, 3, 0.1
     segments = [(10, 500), (2000, 2100)]
     p64, g64 = rng.normal(0, 1, n), rng.normal(0, 1, n)
     m64, v64 = rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
     p, g, m, v = (xp.asarray(a, dtype=np.float32) for a in (p64, g64, m64, v64))
-    adamw_update(
-        p, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step, decay_segments=segments, weight_decay=wd
-    )
+    adamw_update(p, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step, decay_segments=segments,
+                 weight_decay=wd, grad_scale=0.5)  # fmt: skip
     p64, g64, m64, v64 = (a.astype(np.float32).astype(np.float64) for a in (p64, g64, m64, v64))
+    g64 *= 0.5  # the folded unscale: exact in binary
+    np.testing.assert_array_equal(to_numpy(g), g64)  # and written back
     for start, stop in segments:
         p64[start:stop] *= 1 - lr * wd
     m_want = b1 * m64 + (1 - b1) * g64

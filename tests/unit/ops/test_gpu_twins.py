@@ -165,3 +165,36 @@ def test_the_nonfinite_flag_is_set_by_an_inf_and_only_by_one(monkeypatch):
     assert kernels.flag_nonfinite(bad, flag) and flag[0] == 1
     assert kernels.flag_nonfinite(np.ones(10, np.float16), flag) and flag[0] == 1  # stays set
     assert not kernels.flag_nonfinite(np.ones((4, 4), np.float32)[:, ::2], flag)  # not contiguous
+
+
+def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
+    """optim/gpu_adamw.py's twin against the CPU's adamw_update (decay segments, a folded unscale and
+    clip written back into the gradient), float64."""
+    from mpifsdp.optim import gpu_adamw
+    from mpifsdp.optim.optimizers import adamw_update
+
+    rng = np.random.default_rng(9)
+    n, lr, b1, b2, eps, step, wd, scale = 5000, 1e-2, 0.9, 0.95, 1e-8, 4, 0.1, 0.37
+    segments = ((5, 900), (3000, 4100))
+    p, g, m, v = rng.normal(0, 1, n), rng.normal(0, 1, n), rng.normal(0, 0.1, n), rng.uniform(0, 0.1, n)
+    want = [a.copy() for a in (p, g, m, v)]
+    adamw_update(*want, lr=lr, beta1=b1, beta2=b2, eps=eps, step=step, decay_segments=segments,
+                 weight_decay=wd, grad_scale=scale)  # fmt: skip
+    bias1, bias2 = 1 - b1**step, np.sqrt(1 - b2**step)
+    got = [a.copy() for a in (p, g, m, v)]
+    hyper = (1 - lr * wd, scale, b1, 1 - b1, b2, 1 - b2, lr / bias1, bias2, eps)
+    kernels.TWINS["adamw_step"](None, None, (*got, np.array([5, 3000]), np.array([900, 4100]), 2, n, *hyper))
+    for name, a, b in zip("pgmv", got, want):
+        _close(a, b, 8), name
+    assert gpu_adamw.KERNELS == ("adamw_step",)
+
+
+def test_the_adamw_probe_passes_with_the_twin_as_kernel():
+    from mpifsdp.optim import gpu_adamw
+
+    def twin(grid, block, args, shared_mem=0):
+        kernels.TWINS["adamw_step"](grid, block, args)
+
+    for dtype in (np.float16, np.float32, np.float64):
+        for what, got, want, bound in gpu_adamw._probe(np, np.dtype(dtype), twin):
+            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)

@@ -1,0 +1,78 @@
+"""The GPU path against the CPU's, on a CPU (run under bench/standin_run.py), sharded, float64:
+- the flat gradient shards after one backward, and after three micro-batches accumulated with
+  no_sync (the first backward writes into the zeroed gradients, the later ones must add);
+- the parameters after three steps through a LossScaler with clipping (on a GPU the unscale and the
+  clip are folded into AdamW's kernel; on the CPU they are passes of their own).
+Prints one JSON line; exits 1 beyond the bound.
+
+    python bench/standin_run.py bench/standin_checks.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from common import random_batch
+
+import mpifsdp
+from mpifsdp import sharded_model
+from mpifsdp.base.backend import to_numpy
+from mpifsdp.models import GPT, GPTConfig
+
+CONFIG = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
+BOUND = 1e-12  # float64, relative to the largest gradient: only summation order differs
+
+
+def _sharded_gpt(device: str):
+    comm = mpifsdp.Comm(device=device, transport="nccl" if device == "cuda" else None)
+    keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
+    model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, dtype=np.float64, device=device)
+    mpifsdp.fully_shard(model, comm, units=model.blocks)
+    return model, mpifsdp.array_module(device), sharded_model(model)
+
+
+def shards(device: str, micro_batches: int) -> list[np.ndarray]:
+    """Every unit's gradient shard after `micro_batches` backwards (the last one reducing)."""
+    model, xp, sharded = _sharded_gpt(device)
+    for step in range(micro_batches):
+        x, y = random_batch(CONFIG, 4, seed=step)
+        sharded.set_requires_gradient_sync(step == micro_batches - 1)
+        model(xp.asarray(x), xp.asarray(y)).backward()
+    return [to_numpy(unit.flat_grad()) for unit in sharded.trainable_units]
+
+
+def scaled_steps(device: str) -> list[np.ndarray]:
+    """Every unit's parameter shard after 3 AdamW steps through a LossScaler that clips (max_norm
+    below the gradients' norm, so every step clips)."""
+    model, xp, sharded = _sharded_gpt(device)
+    opt, scaler = mpifsdp.AdamW(model, lr=1e-2, weight_decay=0.1), mpifsdp.LossScaler(init_scale=2.0**10)
+    for step in range(3):
+        x, y = random_batch(CONFIG, 4, seed=step)
+        scaler.scale(model(xp.asarray(x), xp.asarray(y))).backward()
+        assert scaler.step(opt, max_norm=0.05)
+        opt.zero_grad()
+    return [to_numpy(unit.shard) for unit in sharded.trainable_units]
+
+
+def _relative_error(gpu, cpu) -> float:
+    return max(float(np.abs(g - c).max()) for g, c in zip(gpu, cpu)) / max(
+        float(np.abs(c).max()) for c in cpu
+    )
+
+
+def main() -> int:
+    result = {"check": "standin_checks"}
+    for micro_batches in (1, 3):
+        err = _relative_error(shards("cuda", micro_batches), shards("cpu", micro_batches))
+        result[f"grads_after_{micro_batches}_backwards"] = {"max_rel_err": err, "bound": BOUND}
+    err = _relative_error(scaled_steps("cuda"), scaled_steps("cpu"))
+    result["params_after_3_scaled_clipped_steps"] = {"max_rel_err": err, "bound": BOUND}
+    ok = all(r["max_rel_err"] <= BOUND for r in result.values() if isinstance(r, dict))
+    print(json.dumps({**result, "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
