@@ -239,7 +239,7 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None):
     n, C = x2.shape
     gx = xp.empty_like(x)
     gx2 = _rows(gx)
-    if xp is not np:  # one kernel for the rows, one to add up the weight and bias gradients
+    if xp is not np and x.flags.c_contiguous:  # one kernel for the rows, one for dw and db
         params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into)
         if params is not None:
             return (gx, params[0]) if b is None else (gx, *params)
@@ -285,8 +285,8 @@ def _layer_norm(x, w, b=None, eps=1e-5):
     o2 = _rows(out)
     mean = xp.empty((n, 1), dtype=x.dtype)
     rstd = xp.empty((n, 1), dtype=x.dtype)
-    if xp is not np and gpu_layer_norm.forward(x2, w, b, eps, o2, mean, rstd):
-        return out, (mean, rstd)
+    if xp is not np and x.flags.c_contiguous and gpu_layer_norm.forward(x2, w, b, eps, o2, mean, rstd):
+        return out, (mean, rstd)  # (x contiguous: x2 and o2 are views, not copies)
 
     def work(i, lo, hi):
         o = o2[lo:hi]
@@ -313,7 +313,7 @@ def _layer_norm_again(x, mean, rstd, w, b, eps):
     xp = array_module_of(x)
     out = xp.empty_like(x)
     x2, o2 = _rows(x), _rows(out)
-    if xp is not np and gpu_layer_norm.again(x2, w, b, eps, o2, mean, rstd):
+    if xp is not np and x.flags.c_contiguous and gpu_layer_norm.again(x2, w, b, eps, o2, mean, rstd):
         return out
 
     def work(i, lo, hi):
@@ -411,7 +411,7 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
             f"and is not the ignore_index {ignore_index}"
         )
     count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
-    if xp is not np and gpu_cross_entropy.usable(flat, t):  # one kernel reads the logits as they are
+    if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
         return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count)

@@ -135,7 +135,7 @@ def _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index: int, c
     n, V = logits2.shape
     acc = gk.accumulator(logits2.dtype.type)
     grad = xp.empty_like(logits2)
-    args = (logits2, targets, lse, upstream.astype(acc, copy=False).reshape(1), grad)
+    args = (logits2, targets, lse, xp.asarray(upstream, dtype=acc).reshape(1), grad)
     kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), acc(1.0 / count)))
     return grad
 

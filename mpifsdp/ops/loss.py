@@ -38,7 +38,7 @@ def cross_entropy(logits, targets, ignore_index=-1) -> Tensor:
 def _read_as_they_are(logits, targets) -> bool:
     """Whether the GPU's cross-entropy kernel takes these float16 logits directly (it computes in
     float32: a float32 copy of the step's largest array is not needed)."""
-    if array_module_of(logits) is np:
+    if array_module_of(logits) is np or not logits.flags.c_contiguous:
         return False
     return gpu_cross_entropy.usable(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
