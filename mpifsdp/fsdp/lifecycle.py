@@ -136,7 +136,7 @@ class UnitLifecycle:
             grads = self.unit.zero_full_grad()
             for name, p in self.params:
                 p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
-                p.grad_is_zero = fresh  # or write into it (a GPU's GEMM), while nothing has
+                p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
         self._model.prefetch_after(self, "backward")
 
     def _check_frozen_unchanged(self):

@@ -1,7 +1,7 @@
 """The differentiable operations: `mpifsdp.ops.<name>` is the functional API (functional.py) and the
 loss with its collective (loss.py). Underneath: the primitives, each forward next to its VJP
 (primitives.py), the fused transformer kernels (fused.py), causal attention (causal_attention.py) and
-their CuPy twins (gpu_kernels.py).
+their GPU kernels (gpu_kernels.py, gpu_layer_norm.py, gpu_cross_entropy.py).
 
 May import: autodiff, base.
 """

@@ -6,7 +6,7 @@ the forward reads each row of float16 (or float32, float64) logits twice (its ma
 exponentials about it), in float32 arithmetic (double for float64), and writes one log-sum-exp and
 one loss per row; the backward reads the row once more and writes softmax minus one-hot, times the
 upstream gradient (read on the device: no host sync) over the valid count, in the logits' dtype.
-Each kernel has a NumPy twin taking the same arguments (gpu_kernels.TWINS).
+Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 """
 
 from __future__ import annotations

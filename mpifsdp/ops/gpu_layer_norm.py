@@ -7,7 +7,7 @@ is the same kernel, so it gives the forward's bits. The backward kernel gives ea
 of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
 g*xhat and g in shared memory, and one small kernel adds the blocks' partials into dw and db.
 Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type.
-Each kernel has a NumPy twin taking the same arguments (gpu_kernels.TWINS).
+Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 """
 
 from __future__ import annotations

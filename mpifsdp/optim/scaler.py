@@ -52,7 +52,7 @@ class LossScaler:
         """Unscale, check, clip (max_norm) and step. Where the optimizer folds a gradient scale into
         its update (AdamW on a GPU), the unscale and the clip travel as one factor into it: the
         norm is the scaled gradients' over the scale, and no pass over the gradients is added."""
-        folded = optimizer.folds_grad_scale()
+        folded = getattr(optimizer, "folds_grad_scale", lambda: False)()  # an optimizer of one's own: no
         if not folded:
             optimizer.scale_grads(1.0 / self.scale_value)
         norm = optimizer.grad_norm() / (self.scale_value if folded else 1.0)
@@ -76,7 +76,10 @@ class LossScaler:
         elif max_norm is not None:
             optimizer.clip_grad_norm(max_norm, norm=norm)
         optimizer.set_grad_norm(norm)  # one global norm a step
-        optimizer.step(grad_scale=factor)
+        if folded:
+            optimizer.step(grad_scale=factor)
+        else:
+            optimizer.step()
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale_value *= 2
