@@ -27,6 +27,7 @@ from ..base.backend import array_module_of, to_numpy
 MAX_CHUNKS = 2**12  # chunks one sum may hold: 4096 sequences of one, at 4 bytes/element of headroom
 LEVEL_STEP = 4  # levels are multiples of this many bits
 TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TOP_BITS
+BLOCK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64 scratch, in cache
 LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
 
 
@@ -43,26 +44,37 @@ def scratch(xp, numel: int, dtype, which: int = 0):
     return buffer[:numel]
 
 
-def _add_limbs(xp, chunk, factor: float, limbs: list | None, two: bool) -> list:
-    """Add the int64 fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (None: new
-    ones): rint of it, and with two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS
-    more bits, so a float64 chunk keeps its precision relative to its smaller elements too (2**-96 of
-    its largest, not 2**-46). One product (exact for float32 and float16 chunks: 24 bits times an
-    integer weight times a power of two), then in place."""
-    scaled = xp.multiply(chunk, factor, out=scratch(xp, chunk.size, np.float64), dtype=np.float64)
-    high = xp.rint(scaled, out=scratch(xp, chunk.size, np.float64, which=1) if two else scaled)
-    parts = [high]
-    if two:
-        scaled -= high
-        scaled *= 2.0**LOW_BITS
-        parts.append(xp.rint(scaled, out=scaled))
-    if limbs is None:
-        return [part.astype(np.int64) for part in parts]
-    whole = scratch(xp, chunk.size, np.int64)
-    for total, part in zip(limbs, parts):
-        xp.copyto(whole, part, casting="unsafe")  # integral values: exact
-        total += whole
+def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, fresh: bool) -> list:
+    """Add the int64 fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (fresh: write
+    it there, their contents are garbage): rint of it, and with two=True the remainder (|r| <= 1/2,
+    exact in float64) at LOW_BITS more bits, so a float64 chunk keeps its precision relative to its
+    smaller elements too (2**-96 of its largest, not 2**-46). One product (exact for float32 and
+    float16 chunks: 24 bits times an integer weight times a power of two), then in place, a
+    cache-sized block at a time on the CPU (elementwise: the blocks change no bit)."""
+    for start, stop in blocks(xp, chunk.size):
+        n = stop - start
+        scaled = xp.multiply(chunk[start:stop], factor, out=scratch(xp, n, np.float64), dtype=np.float64)
+        high = xp.rint(scaled, out=scratch(xp, n, np.float64, which=1) if two else scaled)
+        parts = [high]
+        if two:
+            scaled -= high
+            scaled *= 2.0**LOW_BITS
+            parts.append(xp.rint(scaled, out=scaled))
+        whole = scratch(xp, n, np.int64)
+        for total, part in zip(limbs, parts):
+            if fresh:  # integral values: exact
+                xp.copyto(total[start:stop], part, casting="unsafe")
+            else:
+                xp.copyto(whole, part, casting="unsafe")
+                total[start:stop] += whole
     return limbs
+
+
+def blocks(xp, numel: int):
+    """(start, stop) pieces of a vector: BLOCK elements on the CPU, so that a conversion's passes stay
+    in cache; the whole vector on a GPU (each piece there is launches)."""
+    step = BLOCK if xp is np else max(numel, 1)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
 def level_of(largest: float) -> int:
@@ -78,9 +90,13 @@ class ExactSum:
     leaves this rank's shard of the total. A NaN or Inf in any chunk on any rank makes the whole
     total NaN on every rank (the optimizer's non-finite policy then applies), never a wrapped integer."""
 
-    def __init__(self, numel: int, xp, dtype=np.float32):
-        """dtype: the chunks' (float64 takes two int64 limbs per element, narrower types one)."""
+    def __init__(self, numel: int, xp, dtype=np.float32, buffers=None):
+        """dtype: the chunks' (float64 takes two int64 limbs per element, narrower types one).
+        buffers: where the int64 vectors come from and go back to, (take(numel), give(vector)): a
+        Unit's pool, so that no vector of the model's size is allocated (and faulted in) each step,
+        and its memory ledger counts them; default: fresh arrays."""
         self.numel, self.xp = numel, xp
+        self.take, self.give = buffers or ((lambda n: xp.empty(n, dtype=np.int64)), (lambda vector: None))
         self.limbs = 2 if np.dtype(dtype) == np.float64 else 1
         self.levels: dict[int, list] = {}  # level -> its limbs, int64 buffers of numel
         self.nonfinite = False
@@ -99,7 +115,15 @@ class ExactSum:
             return
         level = level_of(largest * weight)
         factor, two = math.ldexp(weight, level), self.limbs == 2
-        self.levels[level] = _add_limbs(self.xp, chunk, factor, self.levels.get(level), two)
+        limbs = self.levels.get(level) or [self.take(self.numel) for _ in range(self.limbs)]
+        self.levels[level] = _add_limbs(self.xp, chunk, factor, limbs, two, fresh=level not in self.levels)
+
+    def release(self):
+        """Give back the vectors of chunks added and not reduced (the sum is forgotten)."""
+        for limbs in self.levels.values():
+            for vector in limbs:
+                self.give(vector)
+        self.levels = {}
 
     def reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
         """Collective: (this rank's float64 slice of the total over every rank's chunks, and over
@@ -120,11 +144,13 @@ class ExactSum:
                 "headroom): use larger chunks, or reduce more often"
             )
         nonfinite, weight = any(bad for _, bad, *_ in everyone), sum(w for _, _, w, _ in everyone)
-        pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp)
+        pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp, self.give)
         for level in sorted({level for used, *_ in everyone for level in used}):  # ascending, at every N
             for limb, full in enumerate(self.levels.get(level) or [None] * self.limbs):
-                full = self.xp.zeros(self.numel, dtype=np.int64) if full is None else full
-                part = self.xp.empty(shard_numel, dtype=np.int64)
+                if full is None:  # a level only other ranks used: this rank adds zeros
+                    full = self.take(self.numel)
+                    full.fill(0)
+                part = self.take(shard_numel)
                 request = comm.ireduce_scatter(full, part, unit=unit, phase=phase)
                 pending.parts.append((request, full, part, -level - LOW_BITS * limb))
         self.levels = {}
@@ -145,20 +171,55 @@ class PendingSum:
     weight: int
     shard_numel: int
     xp: object
+    give: object  # where the int64 vectors go back once their sums are read
     parts: list = dataclasses.field(default_factory=list)  # (request, full, part, exponent)
 
     def finish(self):
         """(this rank's float64 slice of the total; the total weight)."""
-        total = self.xp.zeros(self.shard_numel, dtype=np.float64)
-        for request, _, part, exponent in self.parts:
+        self._wait()
+        total = self.xp.empty(self.shard_numel, dtype=np.float64)
+        for start, stop in blocks(self.xp, self.shard_numel):
+            total[start:stop] = self._total(start, stop)
+        self._give_back()
+        return total, self.weight
+
+    def add_mean_into(self, target) -> int:
+        """target += (the total / the total weight), rounded to target's dtype, as target +=
+        (finish()'s total / weight).astype(target.dtype) would, a cache-sized block at a time;
+        nothing where the weight is 0. Returns the total weight."""
+        self._wait()
+        if self.weight > 0:
+            for start, stop in blocks(self.xp, self.shard_numel):
+                mean = self._total(start, stop)
+                mean /= self.weight
+                target[start:stop] += mean.astype(target.dtype, copy=False)
+        self._give_back()
+        return self.weight
+
+    def _give_back(self):
+        for _, full, part, _ in self.parts:
+            self.give(full)
+            self.give(part)
+        self.parts = []
+
+    def _wait(self):
+        for request, _, part, _ in self.parts:
             self.comm.wait(request)
             if self.replicas is not None:
                 self.replicas.all_reduce(part, unit=self.unit, phase=self.phase)
-            total += _times_power_of_two(self.xp, part, exponent)
+
+    def _total(self, start: int, stop: int):
+        """Elements start:stop of the total (float64 scratch), its levels added in ascending order."""
+        total = scratch(self.xp, stop - start, np.float64, which=2)
         if self.nonfinite:
             total[...] = np.nan
-        self.parts = []
-        return total, self.weight
+            return total
+        total[...] = 0.0
+        for _, _, part, exponent in self.parts:
+            total += _times_power_of_two(
+                self.xp, part[start:stop], exponent, out=scratch(self.xp, stop - start, np.float64, which=3)
+            )
+        return total
 
 
 def exact_squared_norm(comm, vectors) -> float:
@@ -178,18 +239,27 @@ def exact_squared_norm(comm, vectors) -> float:
     # Every square < 2**(2e). At this level a square is below 2**32 and rounds to an integer, so a
     # float64 sum of 2**20 of them is exact (< 2**52); the remainder, at 20 more bits, the same way.
     # The ranks' integer sums meet as Python integers.
-    level, step = 32 - 2 * math.frexp(top)[1], 2**20
-    partial = 0
-    for v in vectors:
-        xp = array_module_of(v)
-        squares = xp.multiply(v, v, out=scratch(xp, v.size, np.float64), dtype=np.float64)
-        scaled = _times_power_of_two(xp, squares, level, out=squares)
-        high = xp.rint(scaled, out=scratch(xp, v.size, np.float64, which=1))
-        scaled -= high  # the remainder at 20 more bits: 2**-52 of the largest square in all
-        scaled *= 2.0**20
-        partial += _exact_total(high, step) * 2**20 + _exact_total(xp.rint(scaled, out=scaled), step)
+    level = 32 - 2 * math.frexp(top)[1]
+    partial = sum(_squares_in_fixed_point(v, level) for v in vectors)
     total = sum(comm.allgather_object(partial, phase="optimizer"))  # Python ints: exact
     return math.ldexp(float(total), -level - 20)
+
+
+def _squares_in_fixed_point(v, level: int) -> int:
+    """sum(v * v) * 2**(level + 20) as an exact integer: each square at `level` rounded (high), and
+    its remainder at 20 more bits rounded, summed exactly; a block at a time (integers: any grouping
+    gives the same total)."""
+    xp = array_module_of(v)
+    total, step = 0, 2**20
+    for start, stop in blocks(xp, v.size):
+        n = stop - start
+        squares = xp.multiply(v[start:stop], v[start:stop], out=scratch(xp, n, np.float64), dtype=np.float64)
+        scaled = _times_power_of_two(xp, squares, level, out=squares)
+        high = xp.rint(scaled, out=scratch(xp, n, np.float64, which=1))
+        scaled -= high  # the remainder at 20 more bits: 2**-52 of the largest square in all
+        scaled *= 2.0**20
+        total += _exact_total(high, step) * 2**20 + _exact_total(xp.rint(scaled, out=scaled), step)
+    return total
 
 
 def _times_power_of_two(xp, values, exponent: int, out=None):

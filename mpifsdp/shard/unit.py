@@ -419,7 +419,7 @@ class Unit:
         elif self.full_grad is None:
             raise RuntimeError(f"unit {self.name!r}: add_chunk_grad() without gradients: pass them")
         if self._exact is None:
-            self._exact = ExactSum(self.layout.padded_numel, self.xp, self.full_grad.dtype)
+            self._exact = self._exact_sum(self.full_grad.dtype)
         self._exact.add(self.full_grad, int(weight))
         self.drop_full_grad()
 
@@ -436,17 +436,23 @@ class Unit:
         self._require_trainable("reduce")
         self.finish_reduce_grad()  # one reduction of a unit in flight
         if self._exact is None:  # no chunk here: the dtype the others' chunks have
-            self._exact = ExactSum(self.layout.padded_numel, self.xp, self.param_dtype)
+            self._exact = self._exact_sum(self.param_dtype)
         self._pending_sum = self._exact.start_reduce_scatter(
             self.comm, self.layout.shard_numel, self.replicas, unit=self.name, phase=phase
         )
 
+    def _exact_sum(self, dtype) -> ExactSum:
+        """An exact sum whose int64 vectors come from this unit's pool, counted as exact_sums."""
+        buffers = (
+            lambda n: self._take("exact_sums", np.int64, numel=n),
+            lambda v: self._give("exact_sums", v),
+        )
+        return ExactSum(self.layout.padded_numel, self.xp, dtype, buffers)
+
     def _finish_chunk_sum(self) -> int:
         pending, self._pending_sum = self._pending_sum, None
-        total, weight = pending.finish()
+        weight = pending.add_mean_into(self.grad_shard)
         if weight > 0:
-            total /= weight
-            self.grad_shard += total.astype(self.grad_shard.dtype)
             self.has_grad = True
         return weight
 
@@ -495,6 +501,8 @@ class Unit:
         """Forget every gradient: the shard's, a full one kept unreduced (no_sync) and chunks added but
         not reduced (deterministic mode)."""
         self.drop_full_grad()
+        if self._exact is not None:
+            self._exact.release()
         self._exact = None
         if self.trainable:
             self.grad_shard[...] = 0
