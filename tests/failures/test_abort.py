@@ -2,14 +2,13 @@
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
 
-from support import ROOT, mpiexec, run_job
+from support import ROOT, mpiexec, run_job, run_launched
 
 SCRIPT = textwrap.dedent(
     """
@@ -36,12 +35,7 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path, comm):
     script = tmp_path / "fail.py"
     script.write_text(SCRIPT)
     start = time.monotonic()
-    result = subprocess.run(
-        [*mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_launched([*mpiexec(), "-n", "3", sys.executable, "-m", "mpi4py", str(script)], timeout=120)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
@@ -71,11 +65,10 @@ def test_a_failed_test_on_one_rank_ends_pytest_with_mpi_promptly(tmp_path, comm)
     (tmp_path / "test_planted.py").write_text(FAILS_ON_ONE_RANK)
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     start = time.monotonic()
-    result = subprocess.run(
+    result = run_launched(
         [*mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "--with-mpi", str(tmp_path / "test_planted.py")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        env={**os.environ, "MPIFSDP_TIMEOUT": "600"},
+        timeout=120, cwd=tmp_path, env={**os.environ, "MPIFSDP_TIMEOUT": "600"},
     )  # fmt: skip
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr

@@ -7,12 +7,11 @@ asserts that they fail. Collection errors and "no tests ran" do not count as cau
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from support import ROOT, mpiexec
+from support import ROOT, mpiexec, run_launched
 
 sys.path.insert(0, str(ROOT / "tests" / "mutants"))
 from mutants import MUTANTS  # noqa: E402
@@ -30,7 +29,7 @@ def test_switching_a_mechanism_off_fails_its_test(comm, name):
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--with-mpi", *mutant.tests]
     if mutant.ranks > 1:
         command = [*mpiexec(), "-n", str(mutant.ranks), sys.executable, "-m", "mpi4py", *command[1:]]
-    result = subprocess.run(command, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300)
+    result = run_launched(command, cwd=TESTS.parent, env=env, timeout=300)
     output = result.stdout + result.stderr
     # Caught: tests failed (under mpiexec, a failed test aborts the job: conftest.py; or the watchdog
     # ended it). Not caught: exit 0, or a

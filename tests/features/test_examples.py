@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from support import ROOT, mpiexec, run_job
+from support import ROOT, mpiexec, run_job, run_launched
 
 
 def run_example(comm, ranks, *args, timeout=300, returncode=0, progress=None):
@@ -18,7 +18,7 @@ def run_example(comm, ranks, *args, timeout=300, returncode=0, progress=None):
         pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    result = run_launched(cmd, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == returncode, result.stdout[-2000:] + result.stderr[-3000:]
     if progress is not None:
         progress.append(result.stderr)

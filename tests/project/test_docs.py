@@ -8,13 +8,12 @@ reader would), in a fresh directory, as a user would run them: `python script.py
 import ast
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support import ROOT, mpiexec
+from support import ROOT, mpiexec, run_launched
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -39,7 +38,7 @@ def test_python_blocks_run_as_written(comm, tmp_path, document, ranks):
     if ranks > 1:
         command = [*mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = run_launched(command, cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 

@@ -25,7 +25,17 @@ from mpifsdp.checkpoint import (
 from mpifsdp.checkpoint.consolidated import export_safetensors, load_safetensors
 from mpifsdp.models import GPT, GPTConfig
 
-from support import TINY_GPT, agree, mpiexec, sharded_tiny_gpt, shared_dir, sub_comm, tiny_batch, train
+from support import (
+    TINY_GPT,
+    agree,
+    mpiexec,
+    run_launched,
+    sharded_tiny_gpt,
+    shared_dir,
+    sub_comm,
+    tiny_batch,
+    train,
+)
 
 
 def full_moments(model, opt):
@@ -219,10 +229,9 @@ def killed_during_save(comm, tmp_path, mode):
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
     root = tmp_path / "ckpts"
-    result = subprocess.run(
-        [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root), mode],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = run_launched(
+        [*mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", str(script), str(root), mode], timeout=120
+    )
     assert result.returncode != 0
     return root
 
