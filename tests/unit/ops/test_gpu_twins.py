@@ -89,17 +89,28 @@ def test_a_kernel_that_computes_wrong_is_named_before_its_first_use():
     kernels._checked.discard(good)
 
 
-def test_the_layer_norm_probe_passes_with_the_twins_as_kernels(monkeypatch):
+def _as_kernel(name: str):
+    """A launcher of kernel `name` that runs its twin: the 'device' is NumPy."""
+
+    def launch(grid, block, args, shared_mem=0):
+        kernels.TWINS[name](grid, block, args)
+
+    return launch
+
+
+def _probe_passes(probe):
+    for dtype in (np.float16, np.float32, np.float64):
+        for what, got, want, bound in probe(np.dtype(dtype)):
+            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
+
+
+@pytest.mark.parametrize("module", [gpu_layer_norm, gpu_cross_entropy], ids=["layer_norm", "cross_entropy"])
+def test_the_probe_passes_with_the_twins_as_kernels(monkeypatch, module):
     """_probe, run where the 'device' is NumPy and the kernels are their twins, finds no error: the
     probe compares like with like (the same arguments, the same layout of the partial sums)."""
-    twins = tuple(
-        (lambda name: lambda grid, block, args, shared_mem=0: kernels.TWINS[name](grid, block, args))(k)
-        for k in gpu_layer_norm.KERNELS
-    )
-    monkeypatch.setattr(gpu_layer_norm, "_kernels", lambda *arrays: twins)
-    for dtype in (np.float16, np.float32, np.float64):
-        for what, got, want, bound in gpu_layer_norm._probe(np, np.dtype(dtype), backward=True):
-            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
+    twins = tuple(_as_kernel(name) for name in module.KERNELS)
+    monkeypatch.setattr(module, "_kernels", lambda *arrays: twins)
+    _probe_passes(lambda dtype: module._probe(np, dtype, backward=True))
 
 
 def test_the_cross_entropy_twins_compute_fused_cross_entropy():
@@ -118,17 +129,6 @@ def test_the_cross_entropy_twins_compute_fused_cross_entropy():
     twins["cross_entropy_backward"]((n,), None, (logits, targets, lse, np.array([0.5]), grad, V, -1, 1 / 10))
     _close(grad, want_grad, V)
     assert (grad[[2, 7]] == 0).all()
-
-
-def test_the_cross_entropy_probe_passes_with_the_twins_as_kernels(monkeypatch):
-    twins = tuple(
-        (lambda name: lambda grid, block, args, shared_mem=0: kernels.TWINS[name](grid, block, args))(k)
-        for k in gpu_cross_entropy.KERNELS
-    )
-    monkeypatch.setattr(gpu_cross_entropy, "_kernels", lambda *arrays: twins)
-    for dtype in (np.float16, np.float32, np.float64):
-        for what, got, want, bound in gpu_cross_entropy._probe(np, np.dtype(dtype), backward=True):
-            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
 
 
 def test_float16_logits_give_a_float32_loss_with_the_bits_of_widening_them_first():
@@ -152,10 +152,7 @@ def test_the_nonfinite_flag_is_set_by_an_inf_and_only_by_one(monkeypatch):
     """flag_nonfinite's launch (grid, arguments) with its twin as the kernel, the first-use check
     included: one flag gathers the verdicts of several arrays."""
 
-    def twin(grid, block, args, shared_mem=0):
-        kernels.TWINS["flag_nonfinite"](grid, block, args)
-
-    monkeypatch.setattr(kernels, "compiled", lambda *a: (twin,))
+    monkeypatch.setattr(kernels, "compiled", lambda *a: (_as_kernel("flag_nonfinite"),))
     monkeypatch.setattr(kernels, "_checked", set())
     flag = np.zeros(1, dtype=np.int32)
     for dtype in (np.float16, np.float32, np.float64):
@@ -192,9 +189,4 @@ def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
 def test_the_adamw_probe_passes_with_the_twin_as_kernel():
     from mpifsdp.optim import gpu_adamw
 
-    def twin(grid, block, args, shared_mem=0):
-        kernels.TWINS["adamw_step"](grid, block, args)
-
-    for dtype in (np.float16, np.float32, np.float64):
-        for what, got, want, bound in gpu_adamw._probe(np, np.dtype(dtype), twin):
-            assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
+    _probe_passes(lambda dtype: gpu_adamw._probe(np, dtype, _as_kernel("adamw_step")))
