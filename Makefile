@@ -25,20 +25,24 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-# The NVRTC compile check's tools, in a venv of their own (tests/project/test_kernels_compile.py runs
-# bench/nvrtc_check.py with it): CuPy, NVRTC and the CUDA headers, no GPU or driver needed. The
-# suite's venv has no CuPy, so its tests meet a machine without a GPU as a user's would. CuPy is
-# pinned: the check builds elementwise kernels with CuPy's private code generator.
-NVRTC_VENV = .venv-nvrtc
-$(NVRTC_VENV)/.installed: Makefile
-	$(PYTHON) -m venv $(NVRTC_VENV)
-	$(NVRTC_VENV)/bin/pip install -q numpy cupy-cuda12x==14.2.0 nvidia-cuda-nvrtc-cu12==12.9.86 \
-	  nvidia-cuda-runtime-cu12==12.9.79
+# The GPU toolchain's checks without a GPU, in a venv of their own: bench/nvrtc_check.py compiles
+# every kernel with NVRTC (CuPy, NVRTC, the CUDA headers; tests/project/test_kernels_compile.py) and
+# bench/cudnn_check.py builds every cuDNN attention graph with cuDNN's own library (the frontend,
+# whose other dependencies are for other engines: --no-deps, and libcudnn.so.9;
+# tests/project/test_cudnn_graphs.py). No GPU or driver is needed. The suite's venv has no CuPy, so
+# its tests meet a machine without a GPU as a user's would. CuPy is pinned: the NVRTC check builds
+# elementwise kernels with CuPy's private code generator.
+GPU_TOOLS_VENV = .venv-gpu-tools
+$(GPU_TOOLS_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(GPU_TOOLS_VENV)
+	$(GPU_TOOLS_VENV)/bin/pip install -q numpy cupy-cuda12x==14.2.0 nvidia-cuda-nvrtc-cu12==12.9.86 \
+	  nvidia-cuda-runtime-cu12==12.9.79 nvidia-cudnn-cu12==9.27.0.42
+	$(GPU_TOOLS_VENV)/bin/pip install -q --no-deps nvidia-cudnn-frontend==1.32.0
 	touch $@
 
 # The whole suite at N = 1, then under mpiexec at N = 2, 3, 4 (each rank runs every test; collective
 # tests check their verdicts on all ranks). `timeout` turns a hung collective into a failure.
-test: install $(NVRTC_VENV)/.installed
+test: install $(GPU_TOOLS_VENV)/.installed
 	$(TEST_ENV) $(PYTEST)
 	for n in 2 3 4; do \
 	  echo "== mpiexec -n $$n"; \
@@ -77,5 +81,5 @@ format: install
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) $(NVRTC_VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_TOOLS_VENV) build dist *.egg-info .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

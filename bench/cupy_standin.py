@@ -7,7 +7,7 @@ Counted, by phase (set `PHASE[0]`): a launch for every ufunc call, reduction, ma
 gather or scatter, fill and one of mpifsdp's own kernels (CuPy issues one kernel for each); a host
 sync for every float()/int()/bool()/item()/get(), a boolean-mask index (its size is read back) and
 an eventQuery. NCCL on one rank copies. Our raw kernels run as their NumPy twins, our elementwise
-kernels as NumPy formulas of the same math.
+kernels as NumPy formulas of the same math, cuDNN's attention as bench/cudnn_standin.py's twin.
 """
 
 from __future__ import annotations
@@ -235,8 +235,9 @@ _NCCL_TYPES = ["NCCL_INT64", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NC
 _NCCL_ITEMSIZE = dict(enumerate([8, 2, 4, 8, 2]))
 
 
-def install():
-    """Make `import cupy` (and cupyx, cupy.cuda.nccl) give the stand-in; call before importing mpifsdp."""
+def install(with_cudnn: bool = True):
+    """Make `import cupy` (and cupyx, cupy.cuda.nccl, and cudnn unless with_cudnn is False: then
+    attention runs as it does on a GPU without cuDNN) give the stand-ins; call before importing mpifsdp."""
     cp = types.ModuleType("cupy")
     for name in dir(np):
         if not name.startswith("_"):
@@ -252,7 +253,7 @@ def install():
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
     cp.cuda = types.SimpleNamespace(
         get_current_stream=_Stream, Stream=lambda **_: _Stream(), runtime=runtime,
-        Device=lambda i=0: types.SimpleNamespace(use=lambda: None, id=i),
+        Device=lambda i=0: types.SimpleNamespace(use=lambda: None, id=i, synchronize=lambda: _sync("device.synchronize()")),
     )  # fmt: skip
     nccl = types.ModuleType("cupy.cuda.nccl")
     for i, name in enumerate(_NCCL_TYPES):
@@ -267,4 +268,8 @@ def install():
 
     cupyx.scatter_add = scatter_add
     sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl})
+    if with_cudnn:
+        import cudnn_standin
+
+        sys.modules["cudnn"] = cudnn_standin.module()
     return cp

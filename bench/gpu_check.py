@@ -6,6 +6,7 @@ mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16] [--prefetch 0]
+python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -24,13 +26,15 @@ from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
+from mpifsdp.ops import gpu_attention  # noqa: E402
 
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
 CONFIGS = {
     **CONFIGS,
     "gpu350m": dict(vocab_size=32768, n_embd=1024, n_layer=24, n_head=16, block_size=1024, batch_size=8),
 }
-PEAK_TFLOPS = {"float16": 790.0, "float32": 60.0}  # H200: dense bf16/fp16 measured by others; fp32 (no TF32)
+# H200 SXM: dense fp16/bf16 (the datasheet's 1,979 is "with sparsity"; an NVL is 835); fp32 without TF32
+PEAK_TFLOPS = {"float16": 989.4, "float32": 60.0}
 
 
 SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
@@ -73,6 +77,7 @@ def preflight(args):
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
             nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
+            cudnn=gpu_attention.version(),
         )
     print(json.dumps(info))
     if info.get("kernel_ok") is False:
@@ -230,6 +235,39 @@ def gemm(args):
     print(json.dumps({"check": "gemm", "rows": rows}))
 
 
+def attention(args):
+    """Causal attention at the config's shape (gpu350m: B 8, 16 heads, T 1024, head 64), float16:
+    forward and backward through cuDNN's fused SDPA and through the batched passes (MPIFSDP_FUSED=0's
+    path), milliseconds and TFLOP/s of the causal half of the T x T work (its first use ran the check)."""
+    from mpifsdp import Tensor, ops
+
+    xp = mpifsdp.array_module(args.device)
+    synchronize = synchronizer(xp)
+    c = CONFIGS[args.config]
+    B, H, T, D = c["batch_size"], c["n_head"], c["block_size"], c["n_embd"] // c["n_head"]
+    rng = np.random.default_rng(0)
+    qkv = xp.asarray(rng.standard_normal((B, T, 3 * H * D), dtype=np.float32), dtype=np.float16)
+    g = xp.asarray(rng.standard_normal((B, T, H * D), dtype=np.float32), dtype=np.float16)
+    flops = 2 * 2 * B * H * T * T * D / 2  # two products, causal half
+
+    def run(backward: bool):
+        x = Tensor(qkv, requires_grad=backward)
+        y = ops.attention_qkv(x, H)
+        if backward:
+            y.backward(g)
+
+    row = {"check": "attention", "shape": [B, H, T, D], "cudnn_version": gpu_attention.version()}
+    for path, fused in (("cudnn", "1"), ("batched", "0")):
+        os.environ["MPIFSDP_FUSED"] = fused
+        fwd = median_time(lambda: (run(False), synchronize()), 5)
+        both = median_time(lambda: (run(True), synchronize()), 5)
+        row[path] = {"forward_ms": round(fwd * 1e3, 3), "backward_ms": round((both - fwd) * 1e3, 3),
+                     "forward_tflops": round(flops / fwd / 1e12, 1),
+                     "backward_tflops": round(2.5 * flops / max(both - fwd, 1e-9) / 1e12, 1)}  # fmt: skip
+    os.environ.pop("MPIFSDP_FUSED")
+    print(json.dumps(row))
+
+
 def _torch_gemm_tflops(device, dtype, M, K, N):
     try:
         import torch
@@ -249,7 +287,7 @@ def _torch_gemm_tflops(device, dtype, M, K, N):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm"])
+    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm", "attention"])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
@@ -259,7 +297,8 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (0: no overlap)")
     ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
     args = ap.parse_args()
-    {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm}[args.check](args)
+    checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
+    checks[args.check](args)
 
 
 if __name__ == "__main__":

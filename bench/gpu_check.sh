@@ -58,6 +58,8 @@ if [ "$DEVICE" != cpu ]; then
     echo "== probe exit ${PIPESTATUS[0]} (not counted)" | tee -a "$LOG"
   fi
 fi
+# cuDNN's fused attention (where it loads) against the batched passes, at the ~350M model's shape
+[ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
 # the ~350M model in float16: tokens/s, TFLOP/s and MFU against the GPU's dense peak
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3
 # speed and overlap: two ranks on one GPU over host staging, gathers ahead (prefetch 1) or not (0)

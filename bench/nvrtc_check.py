@@ -2,9 +2,9 @@
 (base/kernels.py RAW_FAMILIES) and the elementwise ones (through CuPy's own code generator, as CuPy
 would build them), for float16, float32 and float64, for sm_80 (A100) and sm_90 (H100/H200). One
 JSON line per kernel and architecture (registers, spill bytes), then a summary; exit 1 on a compile
-error or a spill. Needs CuPy and NVRTC (make test installs them in .nvrtc: see the Makefile):
+error or a spill. Needs CuPy and NVRTC (make test installs them in .venv-gpu-tools: see the Makefile):
 
-    PYTHONPATH=.nvrtc python bench/nvrtc_check.py
+    .venv-gpu-tools/bin/python bench/nvrtc_check.py
 
 CuPy's elementwise generator is private API: its version is pinned in the Makefile.
 """

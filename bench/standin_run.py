@@ -4,6 +4,8 @@ what the GPU path computes (the wiring of every kernel) before a device sees it:
 
     python bench/standin_run.py bench/gpu_check.py parity
     python bench/standin_run.py bench/gpu_check.py parity --sharded --transport nccl
+
+--no-cudnn leaves cudnn out (as on a GPU without it): attention then runs as batched passes.
 """
 
 import runpy
@@ -15,7 +17,8 @@ sys.path.insert(0, str(HERE))
 import cupy_standin  # noqa: E402
 
 if __name__ == "__main__":
-    cupy_standin.install()
-    script, *args = sys.argv[1:]
+    no_cudnn = "--no-cudnn" in sys.argv[1:2]
+    cupy_standin.install(with_cudnn=not no_cudnn)
+    script, *args = sys.argv[1 + no_cudnn :]
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

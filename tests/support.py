@@ -46,6 +46,17 @@ LAUNCHER_DID_NOT_START = (
 )
 
 
+def gpu_tools_python() -> str:
+    """The Python of .venv-gpu-tools (NVRTC, CuPy's headers, cuDNN's library: the GPU toolchain's
+    checks without a GPU), which `make test` installs; missing fails in CI and skips elsewhere."""
+    python = ROOT / ".venv-gpu-tools" / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("CI"):
+            pytest.fail(".venv-gpu-tools is missing: `make test` installs it, and CI runs make test")
+        pytest.skip("no .venv-gpu-tools: `make test` installs the GPU toolchain's checks (NVRTC, cuDNN)")
+    return str(python)
+
+
 def run_launched(command, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True, **kwargs) for a command that starts
     mpiexec, started again when the launcher itself failed to start (LAUNCHER_DID_NOT_START)."""

@@ -96,8 +96,9 @@ def checked_once(key, probe):
         if not err <= bound:
             raise RuntimeError(
                 f"mpifsdp GPU kernel {key[0]} ({np.dtype(key[1]).name}) computes {what} wrong on this "
-                f"device: max error {err:.3g} against its NumPy twin, bound {bound:.3g}. Report it with "
-                "your GPU, CUDA and CuPy versions; MPIFSDP_FUSED=0 runs the unfused passes meanwhile."
+                f"device: max error {err:.3g} against its NumPy reference, bound {bound:.3g}. Report it "
+                "with your GPU, CUDA, CuPy (and cuDNN) versions; MPIFSDP_FUSED=0 runs the unfused "
+                "passes meanwhile."
             )
     _checked.add(key)
 

@@ -1,7 +1,8 @@
 """The differentiable operations: `mpifsdp.ops.<name>` is the functional API (functional.py) and the
 loss with its collective (loss.py). Underneath: the primitives, each forward next to its VJP
 (primitives.py), the fused transformer kernels (fused.py), causal attention (causal_attention.py) and
-their GPU kernels (gpu_kernels.py, gpu_layer_norm.py, gpu_cross_entropy.py).
+their GPU kernels (gpu_kernels.py, gpu_layer_norm.py, gpu_cross_entropy.py; cuDNN's attention:
+gpu_attention.py).
 
 May import: autodiff, base.
 """

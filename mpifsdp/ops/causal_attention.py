@@ -15,7 +15,7 @@ import numpy as np
 
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
-from . import gpu_kernels
+from . import gpu_attention, gpu_kernels
 from .fused import by_rows, row_slices
 
 
@@ -146,6 +146,8 @@ def split_heads(qkv, n_head: int):
 
 def _attention_qkv_vjp(g, saved, qkv, n_head, scale=None):
     """The three head gradients written into one (B, T, 3C) array (no zero-filled slices to sum)."""
+    if isinstance(saved, gpu_attention.Saved):
+        return (gpu_attention.backward(g, saved, qkv),)
     xp = array_module_of(qkv)
     B, T, C = g.shape
     g_heads = g.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
@@ -164,6 +166,10 @@ def _attention_qkv(qkv, n_head, scale=None):
     B, T, C3 = qkv.shape
     if C3 % (3 * n_head):
         raise ValueError(f"attention_qkv: {C3} features are not 3 x {n_head} heads of equal size")
+    scale = scale or 1.0 / math.sqrt(C3 // (3 * n_head))
+    graphs = gpu_attention.graphs_for(qkv, n_head, scale) if qkv.flags.c_contiguous else None
+    if graphs is not None:  # a GPU with cuDNN: one fused launch, no (T, T) scores
+        return gpu_attention.forward(graphs, qkv, n_head)
     y, saved = _causal_attention(*split_heads(qkv, n_head), scale)
     return y.transpose(0, 2, 1, 3).reshape(B, T, C3 // 3), saved
 

@@ -1,9 +1,8 @@
 """Every GPU kernel compiles with NVRTC for sm_80 and sm_90, without spills, on a machine with no GPU
-(bench/nvrtc_check.py, run with the tools `make test` installs in .venv-nvrtc): a kernel that does
+(bench/nvrtc_check.py, run with the tools `make test` installs in .venv-gpu-tools): a kernel that does
 not compile fails here, not at a user's first step on a device."""
 
 import json
-import os
 import subprocess
 
 import numpy as np
@@ -12,24 +11,15 @@ import pytest
 from mpifsdp.base import kernels
 from mpifsdp.ops import gpu_kernels
 
-from support import ROOT
+from support import ROOT, gpu_tools_python
 
-NVRTC_PYTHON = ROOT / ".venv-nvrtc" / "bin" / "python"
 CHECK = ROOT / "bench" / "nvrtc_check.py"
-
-
-def _nvrtc_python():
-    if not NVRTC_PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail(".venv-nvrtc is missing: `make test` installs it, and CI runs make test")
-        pytest.skip("no .venv-nvrtc: `make test` installs the NVRTC tools (CuPy, NVRTC, CUDA headers)")
-    return str(NVRTC_PYTHON)
 
 
 def test_every_gpu_kernel_compiles_for_sm80_and_sm90_without_spills(comm):
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    done = subprocess.run([_nvrtc_python(), str(CHECK)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([gpu_tools_python(), str(CHECK)], capture_output=True, text=True, timeout=600)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0, [
         r for r in lines if not r.get("ok", True) or r.get("spill_bytes")
@@ -55,7 +45,7 @@ def test_a_kernel_that_does_not_compile_is_reported(comm):
         "print(nvrtc_check.build('broken', 'extern \"C\" __global__ void k() { undeclared = 1; }', 'sm_90'))"
     )
     done = subprocess.run(
-        [_nvrtc_python(), "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [gpu_tools_python(), "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
     assert "'ok': False" in done.stdout and "undeclared" in done.stdout, done.stdout

@@ -1,0 +1,108 @@
+"""cuDNN's fused attention as mpifsdp wires it, checked on a CPU (run under bench/standin_run.py, which
+puts bench/cudnn_standin.py's twin in cudnn's place): a float16 attention_qkv forward and backward
+on the GPU branch against float64 on the host, within the first-use check's bound; one launch each
+way; the first-use check itself (a twin with the causal mask planted off must be refused by name);
+and, with --no-cudnn, the fallback (one line says why, and the batched passes compute the same).
+Prints one JSON line; exits 1 on a failure.
+
+    python bench/standin_run.py bench/standin_attention.py
+    python bench/standin_run.py --no-cudnn bench/standin_attention.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import cupy
+import cupy_standin
+import numpy as np
+
+import mpifsdp
+from mpifsdp.base import kernels
+from mpifsdp.base.backend import to_numpy
+from mpifsdp.ops import gpu_attention
+
+B, T, HEADS, HEAD = 2, 64, 4, 16
+
+
+def _launches() -> dict:
+    counted = {kind: n for (_, kind), n in cupy_standin.LAUNCHES.items()}
+    cupy_standin.LAUNCHES.clear()
+    return counted
+
+
+def attention(qkv, g):
+    """attention_qkv's output and gradient on the device branch, and the launches each way by kind."""
+    x, g = mpifsdp.Tensor(cupy.asarray(qkv), requires_grad=True), cupy.asarray(g)
+    _launches()
+    y = mpifsdp.ops.attention_qkv(x, HEADS)
+    forward = _launches()
+    y.backward(g)
+    return to_numpy(y.data), to_numpy(x.grad), forward, _launches()
+
+
+def errors(qkv, g, out, gqkv) -> dict:
+    """Each result against float64, divided by the magnitude its terms sum to (gpu_attention.reference)."""
+    want, magnitude = gpu_attention.reference(qkv, g, HEADS, HEAD**-0.5)
+    got = dict(
+        zip(
+            ("out", "dq", "dk", "dv"),
+            (gpu_attention._split(out, HEADS), *gpu_attention._split_qkv(gqkv, HEADS)),
+        )
+    )
+    return {name: float(np.abs((got[name] - want[name]) / magnitude[name]).max()) for name in want}
+
+
+def planted_fault_is_refused(qkv) -> str:
+    """A fresh first use with the twin's causal mask off: the check must raise, naming the kernel."""
+    import cudnn_standin
+
+    cudnn_standin.BROKEN["causal"] = True
+    kernels._checked.clear()
+    gpu_attention._LIBRARY.graphs.clear()
+    try:
+        mpifsdp.ops.attention_qkv(mpifsdp.Tensor(cupy.asarray(qkv)), HEADS)
+        return ""
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        cudnn_standin.BROKEN.clear()
+
+
+def main() -> int:
+    with_cudnn = "cudnn" in sys.modules
+    said = []
+    logging.getLogger("mpifsdp.ops.gpu_attention").addHandler(logging.Handler())
+    logging.getLogger("mpifsdp.ops.gpu_attention").handlers[-1].emit = lambda r: said.append(r.getMessage())
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((B, T, 3 * HEADS * HEAD)).astype(np.float16)
+    g = rng.standard_normal((B, T, HEADS * HEAD)).astype(np.float16)
+    attention(qkv, g)  # the first use builds the graphs and runs the check
+    out, gqkv, forward, backward = attention(qkv, g)
+    bound = 8 * gpu_attention.EPS["float16"] + 2 * T * float(np.finfo(np.float32).eps)
+    result = {
+        "check": "standin_attention",
+        "cudnn": with_cudnn,
+        "errors": errors(qkv, g, out, gqkv),
+        "bound": bound,
+    }
+    result.update(launches_forward=forward, launches_backward=backward, said=said)
+    ok = all(e <= bound for e in result["errors"].values())
+    if with_cudnn:
+        refusal = planted_fault_is_refused(qkv)
+        result["planted_fault"] = refusal
+        launched = forward == {"cudnn sdpa": 1} and backward == {
+            "cudnn sdpa": 1,
+            "astype": 1,
+        }  # x.grad's copy
+        ok = ok and launched and "cudnn_sdpa" in refusal and not said
+    else:
+        ok = ok and len(said) == 1 and "cuDNN's fused attention is unavailable" in said[0]
+    print(json.dumps({**result, "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
