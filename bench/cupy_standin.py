@@ -251,10 +251,15 @@ def install(with_cudnn: bool = True):
     cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
+
+    def device(i=0):
+        return types.SimpleNamespace(
+            use=lambda: None, id=i, synchronize=lambda: _sync("device.synchronize()")
+        )
+
     cp.cuda = types.SimpleNamespace(
-        get_current_stream=_Stream, Stream=lambda **_: _Stream(), runtime=runtime,
-        Device=lambda i=0: types.SimpleNamespace(use=lambda: None, id=i, synchronize=lambda: _sync("device.synchronize()")),
-    )  # fmt: skip
+        get_current_stream=_Stream, Stream=lambda **_: _Stream(), runtime=runtime, Device=device
+    )
     nccl = types.ModuleType("cupy.cuda.nccl")
     for i, name in enumerate(_NCCL_TYPES):
         setattr(nccl, name, i)

@@ -2,7 +2,9 @@
 - the flat gradient shards after one backward, and after three micro-batches accumulated with
   no_sync (the first backward writes into the zeroed gradients, the later ones must add);
 - the parameters after three steps through a LossScaler with clipping (on a GPU the unscale and the
-  clip are folded into AdamW's kernel; on the CPU they are passes of their own).
+  clip are folded into AdamW's kernel; on the CPU they are passes of their own);
+- a host (NumPy) batch against the same batch on the device: the same gradients, bit for bit (host
+  token ids and targets are checked on the host and copied once).
 Prints one JSON line; exits 1 beyond the bound.
 
     python bench/standin_run.py bench/standin_checks.py
@@ -33,13 +35,14 @@ def _sharded_gpt(device: str):
     return model, mpifsdp.array_module(device), sharded_model(model)
 
 
-def shards(device: str, micro_batches: int) -> list[np.ndarray]:
+def shards(device: str, micro_batches: int, host_batch: bool = False) -> list[np.ndarray]:
     """Every unit's gradient shard after `micro_batches` backwards (the last one reducing)."""
     model, xp, sharded = _sharded_gpt(device)
+    place = np.asarray if host_batch else xp.asarray
     for step in range(micro_batches):
         x, y = random_batch(CONFIG, 4, seed=step)
         sharded.set_requires_gradient_sync(step == micro_batches - 1)
-        model(xp.asarray(x), xp.asarray(y)).backward()
+        model(place(x), place(y)).backward()
     return [to_numpy(unit.flat_grad()) for unit in sharded.trainable_units]
 
 
@@ -67,6 +70,8 @@ def main() -> int:
     for micro_batches in (1, 3):
         err = _relative_error(shards("cuda", micro_batches), shards("cpu", micro_batches))
         result[f"grads_after_{micro_batches}_backwards"] = {"max_rel_err": err, "bound": BOUND}
+    err = _relative_error(shards("cuda", 1, host_batch=True), shards("cuda", 1))
+    result["host_batch_against_device_batch"] = {"max_rel_err": err, "bound": 0.0}
     err = _relative_error(scaled_steps("cuda"), scaled_steps("cpu"))
     result["params_after_3_scaled_clipped_steps"] = {"max_rel_err": err, "bound": BOUND}
     ok = all(r["max_rel_err"] <= BOUND for r in result.values() if isinstance(r, dict))

@@ -80,8 +80,8 @@ class GPT(Module):
         """idx (B, T) int tokens -> logits (B, T, vocab), or the mean cross-entropy given targets."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
-        xp = array_module(self._device)
-        x = self.drop(self.wte(idx) + self.wpe(xp.arange(T)))  # (B, T, C)
+        # host positions (and host token ids, when given) are checked on the host and copied once
+        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         if self.lm_head is None:  # tied, the final LayerNorm fused into the head where it can be

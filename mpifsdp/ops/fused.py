@@ -367,16 +367,12 @@ def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=F
 
 def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
-    lse, valid, count = saved
+    lse, valid, count, t = saved
     xp = array_module_of(logits)
     flat = _rows(logits)
     if valid is None:  # the forward ran the GPU kernel: so does the backward, in one pass
-        return (
-            gpu_cross_entropy.backward(flat, targets.reshape(-1), lse, g, ignore_index, count).reshape(
-                logits.shape
-            ),
-        )
-    picked = xp.where(valid, targets.reshape(-1), 0)
+        return (gpu_cross_entropy.backward(flat, t, lse, g, ignore_index, count).reshape(logits.shape),)
+    picked = xp.where(valid, t, 0)
     weight = (valid * (g / count)).astype(logits.dtype)[:, None]
     grad = xp.empty_like(flat)
 
@@ -411,10 +407,13 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
             f"and is not the ignore_index {ignore_index}"
         )
     count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
+    if xp is not np and array_module_of(t) is np:  # host targets: checked above with no device read
+        t = xp.asarray(t)
+        valid = t != ignore_index
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
-        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count)
+        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count, t)
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
@@ -427,4 +426,4 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
     loss = ((lse - picked) * valid).sum() / count
-    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count)
+    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count, t)

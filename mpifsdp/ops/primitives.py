@@ -247,16 +247,19 @@ def _log_softmax(x, axis=-1):
     return out, out
 
 
-def _embedding_vjp(g, _, w, idx):
+def _embedding_vjp(g, idx_on_device, w, idx):
     gw = array_module_of(g).zeros_like(w)
+    idx = idx if idx_on_device is None else idx_on_device
     return (scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
 
 
 @primitive("embedding", vjp=_embedding_vjp)
 def _embedding(w, idx):
+    """w[idx]. Host (NumPy) indices into a GPU table are checked on the host and copied once (kept
+    for backward): the check reads nothing back from the device."""
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding indices must be integers, got {idx.dtype}")
-    if idx.size:  # both ends in one read (on a GPU a host sync)
+    if idx.size:  # both ends in one read (of device indices: a host sync)
         ends = host_values(array_module_of(idx).stack([idx.min(), idx.max()]), "an input check")
         low, high = int(ends[0]), int(ends[1])
         if low < 0 or high >= w.shape[0]:
@@ -264,6 +267,10 @@ def _embedding(w, idx):
                 f"embedding index out of range: indices span [{low}, {high}] but the table has "
                 f"{w.shape[0]} rows"
             )
+    xp = array_module_of(w)
+    if xp is not np and array_module_of(idx) is np:
+        idx = xp.asarray(idx)
+        return w[idx], idx
     return w[idx], None
 
 

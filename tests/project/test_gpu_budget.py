@@ -25,12 +25,13 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     assert syncs.get("backward") == {"eventQuery": 1}, syncs
     # the step: its verdict and the gradient norm, read once each (was 25 norms)
     assert sum(syncs.get("optimizer", {}).values()) <= 2, syncs
-    # forward: no collective waits (was 25), only the input checks left, one read per array (was 9)
-    assert "eventQuery" not in syncs.get("forward", {}) and sum(syncs["forward"].values()) <= 6, syncs
+    # forward: no collective waits (was 25), and with the batch on the host its checks read nothing
+    # back from the device (was 9, then 6 with a device batch)
+    assert "forward" not in syncs, syncs
     # raw kernels for LayerNorm, cross-entropy, AdamW (decay, unscale and clip in it) and the NaN flag;
     # the norm's dots read at once; VJPs writing into zeroed gradients: 167.5 -> 62.7; cuDNN's fused
-    # attention (one launch each way): 50.7 (budget: 25)
-    assert budget["launches_per_layer"] <= 51, budget
+    # attention (one launch each way): 50.7; the host batch's positions copied, not made: 49.8 (budget: 25)
+    assert budget["launches_per_layer"] <= 50, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
