@@ -101,9 +101,13 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         _sync("item()")
         return _host(self).item()
 
-    def get(self):
-        _sync("get()")
-        return _host(self).copy()
+    def get(self, out=None, blocking=True):
+        if blocking:
+            _sync("get()")
+        if out is None:
+            return _host(self).copy()
+        np.copyto(out, _host(self))  # blocking=False: queued (its stream's event says when it is done)
+        return out
 
     @property
     def data(self):  # .data.ptr: the buffer's address (NCCL copies through it)
@@ -272,6 +276,7 @@ def install(with_cudnn: bool = True):
         np.add.at(_host(target), _host(index), _host(values))
 
     cupyx.scatter_add = scatter_add
+    cupyx.empty_pinned = np.empty
     sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl})
     if with_cudnn:
         import cudnn_standin

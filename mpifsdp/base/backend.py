@@ -213,3 +213,16 @@ class StreamRequest:
     def Wait(self):
         self.event.synchronize()
         self.Test()
+
+
+class DeviceRead(StreamRequest):
+    """A small device array copied into pinned host memory behind everything queued on the current
+    stream, as a request: the host polls its completion like a collective's (Comm.read, under the
+    watchdog) and then finds the values in `host`, with no blocking copy."""
+
+    def __init__(self, array):
+        import cupyx
+
+        self.source, self.host = array, cupyx.empty_pinned(array.shape, array.dtype)
+        array.get(out=self.host, blocking=False)
+        super().__init__(_cupy().cuda.get_current_stream())

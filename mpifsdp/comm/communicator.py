@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 
+from ..base import backend
 from ..base.accounting import HOST_SYNCS, CommLedger
-from ..base.backend import bytes_digest, parse_device, select_gpu
+from ..base.backend import array_module_of, bytes_digest, parse_device, select_gpu
 from ..base.threads import set_threads
 from . import presence
 from .schedule import Schedule, ScheduleError, describe, digest
@@ -244,6 +245,21 @@ class Comm:
         start = time.perf_counter()
         self.schedule.wait(request, current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
+
+    def read(self, arrays: list, purpose: str) -> list:
+        """Small arrays' values on the host. On a GPU one host sync (counted in HOST_SYNCS) under the
+        watchdog: the copies are queued behind everything on the stream, the collectives it waits
+        for among them, so they settle those too, and a stalled one is named (as settle names it)."""
+        if all(array_module_of(a) is np for a in arrays):
+            return [np.asarray(a) for a in arrays]
+        copies = [backend.DeviceRead(a) for a in arrays]  # the last one's event comes after all
+        fingerprint = self.schedule.current if self._in_flight is None else self._in_flight[1]
+        self._in_flight = None
+        HOST_SYNCS.count(purpose)
+        start = time.perf_counter()
+        self.schedule.wait(copies[-1], current=fingerprint)
+        self.ledger.wait_s += time.perf_counter() - start
+        return [copy.host for copy in copies]
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         self.wait(self.iall_gather(shard, full, unit=unit, phase=phase))

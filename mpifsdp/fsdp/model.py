@@ -251,13 +251,15 @@ class ShardedModel:
             self._reduces.popleft().finish_reduce_grad()
 
     def post_backward(self):
-        """The end of backward: every unit reduced, nothing gathered, the ranks' schedules compared."""
+        """The end of backward: every unit reduced, nothing gathered, the ranks' schedules compared.
+        On a GPU the host does not wait here for the backward's collectives: the optimizer's one read
+        of the step's verdict comes after them on the stream and waits for them, under the watchdog
+        (Comm.read); code reading gradients itself calls Comm.settle() first."""
         self._sweep_unreached()
         self._finish_reduces(keep=0)
         self._release_gathered()
         for level in self.levels():  # every rank issued the same collectives this step, on each level
             level.check_schedule()
-            level.settle()  # on a GPU: the backward's collectives completed (one host wait a level)
 
     def backward_failed(self):
         """Backward raised part-way (tape.backward tells the scopes it cut short): finish every

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from ..autodiff.tensor import Param
-from ..base.backend import array_module_of, host_value, host_values
+from ..base.backend import array_module_of, host_values
 from ..shard.exact import exact_squared_norm
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class FlatOptimizer:
         self.comm = comm if comm is not None else self.groups[0].comm
         self.skipped_steps = 0
         self._norm = None  # the global grad norm of this step, once computed
+        self._overflowed = None  # a group whose gather overflowed param_dtype, read with the norm
         self.step_count = 0  # steps taken (skipped ones not counted)
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
@@ -179,9 +180,9 @@ class FlatOptimizer:
             raise ValueError(
                 f"{name}.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
             )
-        self._settle()
         norm = self._norm if self._norm is not None else self.grad_norm(f"the gradient norm of {name}.step")
         self._norm = None
+        self._settle()
         if self.comm is not None:  # every rank reached this step through the same collectives
             self.comm.check_schedule(phase="optimizer")
         if not math.isfinite(norm):
@@ -209,16 +210,38 @@ class FlatOptimizer:
         return True
 
     def _settle(self):
-        """The step's device checks, at once: the collectives waited for on the GPU completed (under
-        the watchdog), and no gather overflowed param_dtype (every unit's flag in one read)."""
+        """The step's device checks: the collectives waited for on the GPU completed (under the
+        watchdog), and no gather overflowed param_dtype. On a GPU grad_norm reads both with the norm
+        (one host sync); here what it did not read, once the caller gave the norm."""
         if self.comm is not None and hasattr(self.comm, "settle"):
             self.comm.settle()
-        flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
-        flags = [(group, flag) for group, flag in flags if flag is not None]
+        flags = self._overflow_flags()
         if flags:
-            xp = array_module_of(flags[0][1])
-            if host_value(xp.stack([flag for _, flag in flags]).any(), "the step's verdict"):
-                next(group for group, flag in flags if bool(flag)).raise_unrepresentable()
+            (read,) = self._read(
+                [array_module_of(flags[0][1]).stack([f for _, f in flags])], "the step's verdict"
+            )
+            self._note_overflow(flags, read)
+        overflowed, self._overflowed = self._overflowed, None
+        if overflowed is not None:
+            overflowed.raise_unrepresentable()
+
+    def _overflow_flags(self) -> list:
+        """(group, device flag) of each group whose gathers were checked on a device, taken: each flag
+        is read once."""
+        flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
+        return [(group, flag) for group, flag in flags if flag is not None]
+
+    def _note_overflow(self, flags: list, values):
+        hit = [group for (group, _), value in zip(flags, values) if value.any()]
+        if hit and self._overflowed is None:
+            self._overflowed = hit[0]
+
+    def _read(self, arrays: list, purpose: str) -> list:
+        """Small device arrays' values on the host: through the comm in one host sync that also settles
+        its collectives, under the watchdog (Comm.read); without one, a read each."""
+        if self.comm is not None and hasattr(self.comm, "read"):
+            return self.comm.read(arrays, purpose)
+        return [host_values(a, purpose) for a in arrays]
 
     def _update(self, i: int, p, g, state: dict, step: int):
         """Update group i's flat vector p in place from gradient g; `step` is the group's own count."""
@@ -240,10 +263,26 @@ class FlatOptimizer:
         grads = [group.flat_grad() for group in self.groups]
         if self.comm is not None and any(getattr(group, "deterministic", False) for group in self.groups):
             return math.sqrt(exact_squared_norm(self.comm, grads))  # the same bits at any N
-        local = _sum_of_squares([g for g in grads if g is not None])
+        local = self._sum_of_squares([g for g in grads if g is not None])
         if self.comm is None:
             return math.sqrt(local)
         return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))
+
+    def _sum_of_squares(self, grads) -> float:
+        """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU the
+        per-group dots are stacked and read at once with the gathers' overflow flags, then summed on
+        the host: one host sync, the step's verdict (and one launch a group, not three)."""
+        if not grads:
+            return 0.0
+        xp = array_module_of(grads[0])
+        if xp is np:
+            return float(sum((g @ g).astype(np.float64) for g in grads))
+        flags = self._overflow_flags()
+        arrays = [xp.stack([g @ g for g in grads])] + ([xp.stack([f for _, f in flags])] if flags else [])
+        read = self._read(arrays, "the step's verdict")
+        if flags:
+            self._note_overflow(flags, read[1])
+        return float(sum(read[0].astype(np.float64)))
 
     def scale_grads(self, factor: float):
         """Multiply every gradient this optimizer steps by `factor`, in place."""
@@ -282,18 +321,6 @@ def clip_scale(max_norm: float, norm: float) -> float:
     if not (0 < max_norm < math.inf):
         raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm}")
     return min(1.0, max_norm / (norm + 1e-6))
-
-
-def _sum_of_squares(grads) -> float:
-    """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU the per-group
-    dots are stacked and read at once, then summed on the host (one launch a group, not three)."""
-    if not grads:
-        return 0.0
-    xp = array_module_of(grads[0])
-    if xp is np:
-        return float(sum((g @ g).astype(np.float64) for g in grads))
-    dots = host_values(xp.stack([g @ g for g in grads]), "the gradient norm").astype(np.float64)
-    return float(sum(dots))
 
 
 def _decay_filter(decay):

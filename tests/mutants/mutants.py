@@ -77,6 +77,14 @@ def _no_device_settle():
     _replace(Comm, "settle", lambda self, purpose="": None)
 
 
+def _unwatched_device_read():
+    import numpy as np
+
+    from mpifsdp.comm.communicator import Comm
+
+    _replace(Comm, "read", lambda self, arrays, purpose: [np.asarray(a) for a in arrays])
+
+
 def _no_step_verdict():
     from mpifsdp.optim.flat_optimizer import FlatOptimizer
 
@@ -543,6 +551,13 @@ MUTANTS = {
         "collectives waited for on the GPU are checked, under the watchdog, once a step (Comm.settle)",
         [
             "tests/unit/comm/test_device_waits.py::test_a_device_collective_that_never_completes_is_named_at_the_settle"
+        ],
+    ),
+    "watched_device_read": Mutant(
+        _unwatched_device_read,
+        "the step's one read on a GPU waits for the collectives before it under the watchdog (Comm.read)",
+        [
+            "tests/unit/comm/test_device_waits.py::test_a_device_collective_that_never_completes_is_named_at_the_steps_read"
         ],
     ),
     "step_verdict": Mutant(

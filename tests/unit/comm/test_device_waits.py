@@ -78,3 +78,51 @@ def test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device():
     unit.reduce_grad({"w": np.ones(6, np.float32)})
     with pytest.raises(FloatingPointError, match="unit 'big': parameter values no longer fit float16"):
         AdamW([unit], lr=1e-3).step()
+
+
+class DeviceCopy(DeviceRequest):
+    """backend.DeviceRead's protocol: the values land in `host` once Test() says the copy is done."""
+
+    made: list = []
+
+    def __init__(self, array, done_after: int | None = 0):
+        super().__init__(done_after)
+        self.host = np.asarray(array)
+        DeviceCopy.made.append(self)
+
+
+def _device_reads(monkeypatch, done_after):
+    from mpifsdp.comm import communicator
+
+    DeviceCopy.made = []
+    monkeypatch.setattr(communicator, "array_module_of", lambda a: None)  # every array "on a device"
+    monkeypatch.setattr(communicator.backend, "DeviceRead", lambda a: DeviceCopy(a, done_after))
+
+
+def test_the_steps_read_is_one_host_sync_that_settles_the_collectives(monkeypatch):
+    """Comm.read (the optimizer's verdict: the norm's dots and the overflow flags): the copies are
+    queued behind the collectives, so polling the last one settles them; one sync for all."""
+    comm = _alone()
+    request = DeviceRequest(done_after=5)
+    comm.schedule.announce("u", "backward", "reduce_scatter", 8, np.dtype(np.float32))
+    comm.wait(request)
+    _device_reads(monkeypatch, done_after=2)
+    HOST_SYNCS.reset()
+    dots, flags = comm.read([np.arange(3.0), np.zeros(2, np.int32)], "the step's verdict")
+    assert dots.tolist() == [0.0, 1.0, 2.0] and flags.tolist() == [0, 0]
+    assert [c.polls for c in DeviceCopy.made] == [0, 3] and request.polls == 0  # the last copy only
+    assert HOST_SYNCS.counts == {"the step's verdict": 1}
+    comm.settle()  # read settled what was in flight: nothing left to wait for
+    assert HOST_SYNCS.total() == 1
+
+
+def test_a_device_collective_that_never_completes_is_named_at_the_steps_read(monkeypatch):
+    comm = _alone(timeout=0.3, abort_on_timeout=False)
+    comm.schedule.announce("blocks.3", "backward", "reduce_scatter", 8, np.dtype(np.float32))
+    comm.wait(DeviceRequest(done_after=None))
+    comm.schedule.announce("", "optimizer", "all_reduce", 1, np.dtype(np.float64))  # the host went on
+    _device_reads(monkeypatch, done_after=None)  # the copy waits behind the stalled collective
+    with pytest.raises(
+        CollectiveTimeout, match=r"waited 0.3 s in backward reduce-scatter of unit 'blocks.3' \(8 x float32"
+    ):
+        comm.read([np.zeros(1)], "the step's verdict")
