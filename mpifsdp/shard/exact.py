@@ -6,9 +6,11 @@ at a level L of its own, q = rint(g * 2**L), with L a function of max|g| alone (
 gives the same q on any rank, at any world size), and chunks are added as integers, by this rank and
 then by MPI's integer reduce-scatter. The level leaves room for `MAX_CHUNKS` chunks of the largest
 magnitude (|q| <= 2**62 / MAX_CHUNKS), and levels are multiples of LEVEL_STEP, so chunks of similar
-size share one int64 buffer; each level used is one buffer and one reduction (usually one level per
-unit: 8 bytes per element, twice a float32 reduce-scatter). The total is sum_L q_L * 2**-L, converted
-level by level in ascending order. Relative to each chunk's largest element the rounding is
+size share one int64 buffer. Where the chunks' levels differ (on one rank or across ranks) and the
+chunk count leaves the headroom, the coarser levels are shifted to the finest before the reduction:
+one buffer and one reduction a unit (8 bytes per element, twice a float32 reduce-scatter);
+otherwise one per level. The total is sum_L q_L * 2**-L, converted level by level in ascending
+order. Relative to each chunk's largest element the rounding is
 2**-(62 - log2 MAX_CHUNKS - LEVEL_STEP) ~ 2**-46, below float32's precision; a float64 chunk keeps a
 second limb for the remainder (2**-96: 16 bytes per element, twice a float64 reduce-scatter), so
 that Adam, which divides each element by its own size, sees float64's precision. Either way the
@@ -145,7 +147,14 @@ class ExactSum:
             )
         nonfinite, weight = any(bad for _, bad, *_ in everyone), sum(w for _, _, w, _ in everyone)
         pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp, self.give)
-        for level in sorted({level for used, *_ in everyone for level in used}):  # ascending, at every N
+        levels = sorted(
+            {level for used, *_ in everyone for level in used}
+        )  # every chunk's: the same at any N
+        merged = merged_level(levels, chunks)
+        if merged is not None:  # one vector (per limb) to reduce: bytes as with a single level
+            self._shift_into(merged)
+            levels = [merged]
+        for level in levels:  # ascending, at every N
             for limb, full in enumerate(self.levels.get(level) or [None] * self.limbs):
                 if full is None:  # a level only other ranks used: this rank adds zeros
                     full = self.take(self.numel)
@@ -156,6 +165,33 @@ class ExactSum:
         self.levels = {}
         self.nonfinite, self.weight, self.chunks = False, 0, 0
         return pending
+
+    def _shift_into(self, target: int):
+        """Every local level's integers shifted up to the finer level `target` and added into one
+        vector per limb: exact (integers; merged_level checked the headroom), so the total is the
+        same integer whichever rank held which chunk."""
+        into = self.levels.pop(target, None)
+        for level, limbs in self.levels.items():
+            for vector in limbs:
+                vector <<= target - level
+            if into is None:
+                into = limbs
+                continue
+            for total, vector in zip(into, limbs):
+                total += vector
+                self.give(vector)
+        self.levels = {target: into}
+
+
+def merged_level(levels: list, chunks: int):
+    """The finest of a sum's levels where every chunk at a coarser one can be shifted to it exactly,
+    or None: a shift of d bits multiplies a chunk's |q| <= 2**TOP_BITS by 2**d, so `chunks` of them
+    stay in the int64 headroom while chunks * 2**d <= MAX_CHUNKS (levels one LEVEL_STEP apart, the
+    usual case: up to 256 chunks). Depends on every chunk's level and the chunk count only, so the
+    same at any N."""
+    if len(levels) < 2 or chunks << (levels[-1] - levels[0]) > MAX_CHUNKS:
+        return None
+    return levels[-1]
 
 
 @dataclasses.dataclass

@@ -85,6 +85,12 @@ def _unwatched_device_read():
     _replace(Comm, "read", lambda self, arrays, purpose: [np.asarray(a) for a in arrays])
 
 
+def _merge_past_headroom():
+    from mpifsdp.shard import exact
+
+    _replace(exact, "merged_level", lambda levels, chunks: levels[-1] if len(levels) > 1 else None)
+
+
 def _no_step_verdict():
     from mpifsdp.optim.flat_optimizer import FlatOptimizer
 
@@ -559,6 +565,11 @@ MUTANTS = {
         [
             "tests/unit/comm/test_device_waits.py::test_a_device_collective_that_never_completes_is_named_at_the_steps_read"
         ],
+    ),
+    "merge_headroom": Mutant(
+        _merge_past_headroom,
+        "an exact sum's levels are merged only while the int64 headroom allows the shift",
+        ["tests/unit/shard/test_exact.py::test_levels_are_not_merged_past_the_int64_headroom"],
     ),
     "step_verdict": Mutant(
         _no_step_verdict,

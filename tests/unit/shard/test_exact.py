@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpifsdp import Comm
-from mpifsdp.shard.exact import MAX_CHUNKS, ExactSum, exact_squared_norm
+from mpifsdp.shard.exact import LEVEL_STEP, MAX_CHUNKS, ExactSum, exact_squared_norm, level_of
 
 
 def _alone():
@@ -61,3 +61,50 @@ def test_the_exact_squared_norm_is_the_true_one_and_ignores_how_vectors_are_cut(
     assert whole == cut and abs(whole - truth) <= 2.0**-50 * float(np.abs(v).max()) ** 2 * len(v)
     assert math.isnan(exact_squared_norm(_alone(), [np.array([np.nan, 1.0])]))
     assert exact_squared_norm(_alone(), [np.array([np.inf, 1.0])]) == math.inf
+
+
+def _chunks_on_two_levels(n_coarse: int, n_fine: int, numel: int):
+    """Chunks one LEVEL_STEP apart: all-3.9 ones (largest < 4: level 48, |q| ~ 2**50, the top of
+    the headroom) and all-0.2 ones (level 52)."""
+    coarse, fine = np.full(numel, 3.9, np.float32), np.full(numel, 0.2, np.float32)
+    assert level_of(3.9) + LEVEL_STEP == level_of(0.2)
+    return [coarse] * n_coarse + [fine] * n_fine
+
+
+def test_chunks_on_adjacent_levels_are_reduced_as_one_with_the_same_bits_at_any_n(comm):
+    """Levels differing between chunks (on one rank, or across ranks) are shifted to the finest:
+    one integer reduce-scatter a unit, as with a single level (bytes 2x a float32 one, not 4x), and
+    the total is the same bits whichever ranks held which chunks."""
+    numel = 120  # divisible by 1..4 ranks
+    rng = np.random.default_rng(2)
+    scale = np.repeat(rng.standard_normal(numel // 4).astype(np.float32), 4)
+    chunks = [c * scale / 4 for c in _chunks_on_two_levels(5, 7, numel)]
+
+    def total(on, mine):
+        exact = ExactSum(numel, np)
+        for i in mine:
+            exact.add(chunks[i], weight=i + 1)
+        pending = exact.start_reduce_scatter(on, numel // on.size, unit="u", phase="backward")
+        assert len(pending.parts) == 1  # one level reduced, not two
+        shard, _ = pending.finish()
+        return np.concatenate(on.allgather_object(shard))
+
+    alone = total(_alone(), range(len(chunks)))
+    spread = total(comm, range(comm.rank, len(chunks), comm.size))
+    assert spread.tobytes() == alone.tobytes()
+    truth = [sum(Fraction(float(c[i])) * (k + 1) for k, c in enumerate(chunks)) for i in range(numel)]
+    largest = max(float(np.abs(c).max()) * (k + 1) for k, c in enumerate(chunks))
+    assert max(abs(float(t) - float(x)) for t, x in zip(alone, truth)) <= len(chunks) * largest * 2.0**-45
+
+
+def test_levels_are_not_merged_past_the_int64_headroom():
+    """600 chunks at the top of the coarse level, shifted 4 bits, would pass 2**63 and wrap: they
+    keep their own level (two reductions) and the total stays exact."""
+    chunks = _chunks_on_two_levels(600, 1, 8)
+    exact = ExactSum(8, np)
+    for chunk in chunks:
+        exact.add(chunk)
+    pending = exact.start_reduce_scatter(_alone(), 8, unit="u", phase="backward")
+    assert len(pending.parts) == 2
+    total, _ = pending.finish()
+    assert total.tolist() == [600 * float(np.float32(3.9)) + float(np.float32(0.2))] * 8
