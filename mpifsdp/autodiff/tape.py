@@ -207,6 +207,14 @@ def backward(root, grad=None):
 WROTE = object()
 
 
+class Summed:
+    """What a VJP returns for an input whose `pending` gradient it added to its own (primitive's
+    takes_pending): the tape takes `array` as that input's gradient so far, with no add of its own."""
+
+    def __init__(self, array):
+        self.array = array
+
+
 def _zeroed_grad(t) -> bool:
     """A leaf whose .grad is a zeroed buffer nothing has added to yet (Param.grad_is_zero)."""
     return t._node is None and t.requires_grad and t.grad is not None and getattr(t, "grad_is_zero", False)
@@ -220,10 +228,16 @@ def _propagate(node: Node, g, grads: dict):
         settings = {**settings, "needs": tuple(t.requires_grad for t in node.inputs)}
     if getattr(node.prim, "takes_into", False):  # zeroed parameter gradients the VJP may write into
         settings = {**settings, "into": tuple(t.grad if _zeroed_grad(t) else None for t in node.inputs)}
+    if getattr(node.prim, "takes_pending", False):  # the inputs' gradients so far, the VJP may add in
+        pending = tuple(None if t._node is None else grads.get(id(t._node)) for t in node.inputs)
+        settings = {**settings, "pending": pending}
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
         if gi is WROTE:  # the VJP wrote it into t.grad itself
             t.grad_is_zero = False
+            continue
+        if isinstance(gi, Summed):  # the VJP added the pending gradient into its own
+            grads[id(t._node)] = gi.array
             continue
         if gi is None or not t.requires_grad:
             continue

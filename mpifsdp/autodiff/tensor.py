@@ -32,13 +32,19 @@ class Primitive:
     reads_inputs: bool = True  # False: the VJP needs only the inputs' shapes, never their values
     takes_needs: bool = False  # True: the VJP gets needs=(bool per input) and skips unneeded gradients
     takes_into: bool = False  # True: the VJP gets into=(a zeroed .grad or None, per input): see WROTE
+    takes_pending: bool = False  # True: the VJP gets pending=(gradient so far, per input): see Summed
 
 
 PRIMITIVES: dict[str, Primitive] = {}
 
 
 def primitive(
-    name: str, vjp: Callable, reads_inputs: bool = True, takes_needs: bool = False, takes_into: bool = False
+    name: str,
+    vjp: Callable,
+    reads_inputs: bool = True,
+    takes_needs: bool = False,
+    takes_into: bool = False,
+    takes_pending: bool = False,
 ):
     """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
 
@@ -50,12 +56,15 @@ def primitive(
     all zeros (FSDP's freshly zeroed flat gradient, Param.grad_is_zero), else None; the VJP may write
     that input's gradient there (a GEMM's output, say) and return tape.WROTE for it: no temporary, and no
     launch to add it on a GPU.
+    takes_pending=True: backward passes `pending`, per input the gradient its other uses gave it so
+    far (a residual stream's, say; None for leaves and where there is none yet); the VJP may return
+    tape.Summed(its gradient + that) for it, formed in its own kernel: the add is not a launch of its own.
     """
 
     def register(forward):
         if name in PRIMITIVES:
             raise ValueError(f"primitive {name!r} registered twice")
-        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs, takes_into)
+        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs, takes_into, takes_pending)
         return PRIMITIVES[name]
 
     return register

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..autodiff.tape import WROTE
+from ..autodiff.tape import WROTE, Summed
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
 from ..base.threads import for_row_blocks
@@ -230,9 +230,10 @@ def sum_of_products(xp, a, b, axis: int):
     return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
 
 
-def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None):
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None):
     """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std. into:
-    on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients."""
+    on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients; and
+    adds x's pending gradient (the residual stream's) into its own there (tape.Summed)."""
     mean, rstd = saved
     xp = array_module_of(x)
     x2, g2 = _rows(x), _rows(g)
@@ -240,8 +241,11 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None):
     gx = xp.empty_like(x)
     gx2 = _rows(gx)
     if xp is not np and x.flags.c_contiguous:  # one kernel for the rows, one for dw and db
-        params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into)
+        add = (pending or (None,))[0]
+        add = add if add is not None and add.shape == x.shape and add.flags.c_contiguous else None
+        params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add)
         if params is not None:
+            gx = gx if add is None else Summed(gx)
             return (gx, params[0]) if b is None else (gx, *params)
     parts = {}  # per block: partial sums for the weight and bias gradients
 
@@ -264,18 +268,19 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None):
     return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
 
 
-def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into):
-    """(d w, d b) from the GPU kernels, which write gx2 too; each WROTE where it went straight into
-    a zeroed parameter gradient (`into`); None where the kernels cannot run."""
+def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add):
+    """(d w, d b) from the GPU kernels, which write gx2 too (plus `add`, where given); each WROTE
+    where it went straight into a zeroed parameter gradient (`into`); None where they cannot run."""
     params = (w, b)
     targets = [None if a is None else writable(into, k, a.shape, a.dtype) for k, a in enumerate(params, 1)]
     outs = [t if t is not None or a is None else xp.empty_like(a) for t, a in zip(targets, params)]
-    if not gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs):
+    add2 = None if add is None else _rows(add)
+    if not gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs, add2):
         return None
     return tuple(WROTE if t is not None else out for t, out in zip(targets, outs))
 
 
-@primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True)
+@primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True, takes_pending=True)
 def _layer_norm(x, w, b=None, eps=1e-5):
     """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
     xp = array_module_of(x)
@@ -338,7 +343,16 @@ def _split_ln_linear(arrays, ln_bias: bool, bias: bool):
 
 
 def _layer_norm_linear_vjp(
-    g, saved, *arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False, needs=None, into=None
+    g,
+    saved,
+    *arrays,
+    ln_bias=True,
+    bias=True,
+    eps=1e-5,
+    transpose_w=False,
+    needs=None,
+    into=None,
+    pending=None,
 ):
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     needs = needs or (True,) * len(arrays)
@@ -350,10 +364,12 @@ def _layer_norm_linear_vjp(
     del y
     if gy is None:
         return (None,) * n_ln + tuple(lin)
-    return (*_layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps, into=into[:n_ln]), *lin)
+    return (*_layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps, into=into[:n_ln], pending=pending), *lin)
 
 
-@primitive("layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True, takes_into=True)
+@primitive(
+    "layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True, takes_into=True, takes_pending=True
+)
 def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
     """linear(layer_norm(x)) whose normalized x is not kept (inputs: x, ln_w[, ln_b], w[, b])."""
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
@@ -368,6 +384,7 @@ def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=F
 def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     """Softmax minus one-hot, recomputed from the logits (saves a (N, V) buffer between passes)."""
     lse, valid, count, t = saved
+    t = targets.reshape(-1) if t is None else t  # else the device copy of host targets
     xp = array_module_of(logits)
     flat = _rows(logits)
     if valid is None:  # the forward ran the GPU kernel: so does the backward, in one pass
@@ -407,13 +424,14 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
             f"and is not the ignore_index {ignore_index}"
         )
     count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
+    copied = None
     if xp is not np and array_module_of(t) is np:  # host targets: checked above with no device read
-        t = xp.asarray(t)
+        t = copied = xp.asarray(t)
         valid = t != ignore_index
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
-        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count, t)
+        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count, copied)
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
@@ -426,4 +444,4 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     by_rows(xp, flat.shape[0], flat.shape[1], work)
     picked = flat[xp.arange(flat.shape[0]), xp.where(valid, t, 0)]
     loss = ((lse - picked) * valid).sum() / count
-    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count, t)
+    return xp.asarray(loss, dtype=logits.dtype), (lse, valid, count, copied)

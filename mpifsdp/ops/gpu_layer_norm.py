@@ -42,9 +42,11 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
-                                               ACC* partial, const int n, const int C,
-                                               const int rows_per_block) {
-    /* partial: (2, gridDim.x, C): this block's column sums of g * xhat (for dw) and of g (for db) */
+                                               const ELEM* add, ACC* partial, const int n,
+                                               const int C, const int rows_per_block,
+                                               const int has_add) {
+    /* partial: (2, gridDim.x, C): this block's column sums of g * xhat (for dw) and of g (for db);
+       has_add: gx = dx + add, the input's gradient from its other uses (the residual path) */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
@@ -67,7 +69,8 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         ELEM* out = gx + (size_t)r * C;
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
             const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
-            out[j] = (ELEM)((gh - mean_gh - xh * mean_ghx) * rs);
+            const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
+            out[j] = (ELEM)(has_add ? dx + (ACC)add[(size_t)r * C + j] : dx);
         }
     }
     ACC* mine = partial + (size_t)blockIdx.x * C;
@@ -112,14 +115,15 @@ def _forward_twin(grid, block, args, shared_mem=0):
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
-    g, x, w, mean, rstd, gx, partial, n, C, rows_per_block = args
+    g, x, w, mean, rstd, gx, add, partial, n, C, rows_per_block, has_add = args
     n, C, per = int(n), int(C), int(rows_per_block)
     g64, x64 = g.reshape(n, C).astype(np.float64), x.reshape(n, C).astype(np.float64)
     rs = rstd.reshape(n, 1).astype(np.float64)
     xh = (x64 - mean.reshape(n, 1).astype(np.float64)) * rs
     gh = g64 * w.astype(np.float64)
     mean_gh, mean_ghx = gh.mean(axis=1, keepdims=True), (gh * xh).mean(axis=1, keepdims=True)
-    gx.reshape(n, C)[...] = (gh - mean_gh - xh * mean_ghx) * rs
+    dx = (gh - mean_gh - xh * mean_ghx) * rs
+    gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if int(has_add) else dx
     blocks = partial.reshape(2, -1, C).shape[1]
     parts = partial.reshape(2, blocks, C)
     for k in range(blocks):
@@ -187,29 +191,32 @@ def again(x2, w, b, eps: float, out, mean, rstd) -> bool:
     return True
 
 
-def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, max_blocks: int = MAX_BLOCKS):
+def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, max_blocks: int = MAX_BLOCKS):
     n, C = x2.shape
     blocks = min(n, max_blocks)
     per = -(-n // blocks)
     blocks = -(-n // per)
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((2, blocks, C), dtype=acc)
-    args = (g2, x2, w, mean, rstd, gx2, partial, np.int32(n), np.int32(C), np.int32(per))
+    has_add = np.int32(add2 is not None)
+    add2 = gx2 if add2 is None else add2  # not read without has_add
+    args = (g2, x2, w, mean, rstd, gx2, add2, partial, np.int32(n), np.int32(C), np.int32(per), has_add)
     kernels[1]((blocks,), (THREADS,), args, shared_mem=2 * C * np.dtype(acc).itemsize)
     sums = (partial, gw, gw if gb is None else gb, np.int32(blocks), np.int32(C), np.int32(gb is not None))
     kernels[2]((-(-C // THREADS),), (THREADS,), sums)
 
 
-def backward(g2, x2, w, mean, rstd, gx2, gw, gb) -> bool:
+def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None) -> bool:
     """gx2 (n, C), gw and gb (C,; gb None without a bias) from the output's gradient g2 and the
-    forward's x2 and per-row statistics; False (nothing written) where the kernels cannot run."""
+    forward's x2 and per-row statistics, gx2 with add2 (n, C) added where given (the gradient x has
+    from its other uses: no launch to add it); False (nothing written) where the kernels cannot run."""
     C = x2.shape[1]
-    kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb)
+    kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb, add2)
     if kernels is None or 2 * C * np.dtype(gk.accumulator(x2.dtype.type)).itemsize > SHARED_BYTES:
         return False
     xp = array_module_of(x2)
     gk.checked_once(("layer_norm_backward", x2.dtype.type), lambda: _probe(xp, x2.dtype, backward=True))
-    _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb)
+    _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2)
     return True
 
 
@@ -224,9 +231,9 @@ def _probe(xp, dtype, backward: bool = False):
     n, C = 37, 96
     host = {
         k: rng.normal(0, 1, shape).astype(dtype)
-        for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C))
+        for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C), ("a", (n, C)))
     }
-    x, g, w, b = (xp.asarray(host[k]) for k in "xgwb")
+    x, g, w, b, add = (xp.asarray(host[k]) for k in "xgwba")
     out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
     kernels = _kernels(x, w, b, out, mean, rstd)
     _forward(kernels, x, w, b, out, mean, rstd, 1e-5, write_stats=True)
@@ -237,19 +244,19 @@ def _probe(xp, dtype, backward: bool = False):
     got = {"out": out, "mean": mean, "rstd": rstd}
     if backward:
         gx, gw, gb = xp.empty_like(x), xp.empty_like(w), xp.empty_like(b)
-        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, max_blocks=8)
+        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, max_blocks=8)  # with the add
         stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
-        twin = (host["g"], host["x"], host["w"], *stats)
+        twin = (host["g"], host["x"], host["w"], *stats, host["a"])
         want.update(_backward_reference(*twin))
         got.update(gx=gx, gw=gw, gb=gb)
     scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
     return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * n, scale[k])) for k in want]
 
 
-def _backward_reference(g, x, w, mean, rstd) -> dict:
-    """gx, gw, gb in float64 through the twins (one block of partials)."""
+def _backward_reference(g, x, w, mean, rstd, add) -> dict:
+    """gx (+ add), gw, gb in float64 through the twins (one block of partials)."""
     n, C = x.shape
     gx, partial, gw, gb = np.empty((n, C)), np.empty((2, 1, C)), np.empty(C), np.empty(C)
-    _backward_twin(None, None, (g, x, w, mean, rstd, gx, partial, n, C, n))
+    _backward_twin(None, None, (g, x, w, mean, rstd, gx, add, partial, n, C, n, 1))
     _sum_partials_twin(None, None, (partial, gw, gb, 1, C, 1))
     return {"gx": gx, "gw": gw, "gb": gb}
