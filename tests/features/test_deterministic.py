@@ -18,7 +18,7 @@ from mpifsdp.checkpoint import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
-from support import agree, shared_dir
+from support import agree, run_job, shared_dir
 from tolerance import bound, rel_err
 
 SAMPLES, BLOCK, VOCAB = 12, 8, 37  # a global batch of 12 sequences: 12 chunks of 1, 3 of 4
@@ -140,6 +140,45 @@ def test_resuming_at_another_world_size_stays_on_the_same_bits(comm, tmp_path):
         _train(*straight, alone_comm, steps=3)
         resumed_state, straight_state = (_state(*m, [])[0] for m in (resumed, straight))
     agree(comm, comm.rank != 0 or resumed_state == straight_state, "resumed run left the trajectory")
+
+
+RESUMED_STAGE = """
+import sys
+sys.path[:0] = [{tests!r}, {here!r}]
+import test_deterministic as td
+from mpifsdp import Comm
+from mpifsdp.checkpoint import load, save
+first, steps, source, target = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+comm = Comm()
+model, opt = td._model(comm)
+if source != "-":
+    load(source, model, opt)
+td._train(model, opt, comm, steps=steps, first=first)
+if target != "-":
+    save(target, model, opt)
+digest = td._state(model, opt, [])[0]
+if comm.rank == 0:
+    print("state", digest)
+"""
+
+
+def test_a_run_resumed_on_4_then_3_then_1_ranks_has_the_bits_of_one_straight_run(comm, tmp_path):
+    """Three jobs in turn, each resuming the last one's checkpoint: 2 steps on 4 ranks, 1 on 3, 1 on
+    1 (dropout on): the parameters and moments of 4 steps on one rank, bit for bit."""
+    if comm.size > 1:
+        pytest.skip("starts its own jobs: the plain-pytest pass runs it")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "stage.py"
+    script.write_text(RESUMED_STAGE.format(tests=os.path.dirname(here), here=here))
+    stages = [(4, 0, 2, "-", tmp_path / "after-2"), (3, 2, 1, tmp_path / "after-2", tmp_path / "after-3")]
+    stages.append((1, 3, 1, tmp_path / "after-3", "-"))
+    for ranks, first, steps, source, target in stages:
+        result, _ = run_job(script, ranks, first, steps, source, target, timeout=240)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    resumed = result.stdout.split("state ")[-1].strip()
+    straight = _model(_alone())
+    _train(*straight, _alone(), steps=4)
+    assert resumed == _state(*straight, [])[0]
 
 
 def _normal_in_micro_batches(comm, rows=1):
