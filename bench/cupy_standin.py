@@ -195,6 +195,8 @@ class ElementwiseKernel:
             a[1][...] = a[0] * sigmoid(a[0])
         elif self.name == "mpifsdp_gelu_grad":
             a[2][...] = a[0] * slope(a[1], sigmoid(a[1]))
+        elif self.name == "mpifsdp_bias_residual":
+            a[3][...] = (a[0] + a[1]) + a[2]  # rounded after each add, as the kernel's (T) casts
         elif self.name == "mpifsdp_gelu_and_grad":
             s = sigmoid(a[0])
             a[1][...] = a[0] * s

@@ -68,8 +68,12 @@ class Dropout(Module):
         self._seed = seed
         self._calls = 0
 
+    def inactive(self) -> bool:
+        """Whether forward returns its input as it is (evaluation, or p = 0)."""
+        return not self.training or self.p == 0.0
+
     def forward(self, x):
-        if not self.training or self.p == 0.0:
+        if self.inactive():
             return x
         self._calls += 1
         chunk = _chunk.get()
@@ -124,13 +128,14 @@ class MLP(Module):
         self.c_proj = Linear(hidden, n_embd, bias, std=proj_std, **kw)
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
-    def forward(self, x, norm: LayerNorm | None = None):
-        """norm: the block's LayerNorm, fused into c_fc (its output is not stored)."""
+    def forward(self, x, norm: LayerNorm | None = None, residual=None):
+        """norm: the block's LayerNorm, fused into c_fc (its output is not stored); residual: added
+        to the output (fused into c_proj: project_into)."""
         h = norm_and_project(norm, self.c_fc, x)
         if self.activation == "relu":
-            return self.drop(self.c_proj(ops.relu(h)))
+            return project_into(residual, self.c_proj, self.drop, ops.relu(h))
         # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
-        return self.drop(self.c_proj(h, gelu_input=True))
+        return project_into(residual, self.c_proj, self.drop, h, gelu_input=True)
 
 
 class CausalSelfAttention(Module):
@@ -145,12 +150,13 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(n_embd, n_embd, bias, std=proj_std, **kw)
         self.drop = Dropout(dropout, seed=int(rng.integers(2**31)))
 
-    def forward(self, x, norm: LayerNorm | None = None):
-        """norm: the block's LayerNorm, fused into c_attn (its output is not stored)."""
+    def forward(self, x, norm: LayerNorm | None = None, residual=None):
+        """norm: the block's LayerNorm, fused into c_attn (its output is not stored); residual: added
+        to the output (fused into c_proj: project_into)."""
         qkv = norm_and_project(norm, self.c_attn, x)  # (B, T, 3C): q, k, v side by side, n_head heads each
         hs = x.shape[-1] // self.n_head
         y = ops.attention_qkv(qkv, self.n_head, scale=1.0 / math.sqrt(hs))  # (B, T, C), heads side by side
-        return self.drop(self.c_proj(y))
+        return project_into(residual, self.c_proj, self.drop, y)
 
 
 class Block(Module):
@@ -179,13 +185,13 @@ class Block(Module):
         self.mlp = MLP(n_embd, bias, dropout, proj_std, hidden=hidden, activation=activation, **kw)
 
     def forward(self, x):
-        x = x + _after_norm(self.ln_1, self.attn, CausalSelfAttention, x)
-        return x + _after_norm(self.ln_2, self.mlp, MLP, x)
+        x = _residual_after_norm(self.ln_1, self.attn, CausalSelfAttention, x)
+        return _residual_after_norm(self.ln_2, self.mlp, MLP, x)
 
 
-def _after_norm(norm, module, cls, x):
-    """module(norm(x)), norm handed to the module to fuse where it runs cls's own forward."""
-    return module(x, norm=norm) if fusable(module, cls) else module(norm(x))
+def _residual_after_norm(norm, module, cls, x):
+    """x + module(norm(x)), norm and x handed to the module to fuse where it runs cls's own forward."""
+    return module(x, norm=norm, residual=x) if fusable(module, cls) else x + module(norm(x))
 
 
 def fusable(module: Module, cls: type) -> bool:
@@ -214,6 +220,16 @@ def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
     return linear(norm(x))
 
 
+def project_into(residual, linear: Linear, dropout: Dropout, x, gelu_input: bool = False):
+    """residual + dropout(linear(x)): one op (linear_add) where the dropout is off and the linear is
+    a plain fusable one with a bias, else the calls (a LoRA adapter's forward, say)."""
+    if residual is None:
+        return dropout(linear(x, gelu_input=gelu_input))
+    if dropout.inactive() and linear.bias is not None and fusable(linear, Linear):
+        return ops.linear_add(x, linear.weight, linear.bias, residual, gelu_input=gelu_input)
+    return residual + dropout(linear(x, gelu_input=gelu_input))
+
+
 __all__ = [
     "Linear",
     "Embedding",
@@ -225,4 +241,5 @@ __all__ = [
     "fusable",
     "norm_then_linear",
     "norm_and_project",
+    "project_into",
 ]

@@ -18,6 +18,12 @@ def linear(x, weight, bias=None, transpose_w=False, gelu_input=False) -> Tensor:
     return apply("linear", *args, transpose_w=transpose_w, gelu_input=gelu_input)
 
 
+def linear_add(x, weight, bias, residual, transpose_w=False, gelu_input=False) -> Tensor:
+    """residual + linear(x, weight, bias) as one op: on a GPU the bias and the residual are added to
+    the GEMM's output in one pass."""
+    return apply("linear_add", x, weight, bias, residual, transpose_w=transpose_w, gelu_input=gelu_input)
+
+
 def relu(x) -> Tensor:
     return apply("relu", x)
 

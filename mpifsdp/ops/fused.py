@@ -219,6 +219,31 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
 
+def _linear_add_vjp(
+    g, _, x, w, b, residual, transpose_w=False, gelu_input=False, needs=(True,) * 4, into=None
+):
+    """The linear's gradients, and the residual's: g itself."""
+    grads = _linear_vjp(g, None, x, w, b, transpose_w, gelu_input, needs[:3], (into or (None,) * 4)[:3])
+    return (*grads, g if needs[3] else None)
+
+
+@primitive("linear_add", vjp=_linear_add_vjp, takes_needs=True, takes_into=True)
+def _linear_add(x, w, b, residual, transpose_w=False, gelu_input=False):
+    """residual + linear(x, w, b): a block's projection back into its residual stream. On a GPU the
+    bias and the residual are added to the GEMM's output in one pass (two otherwise); the bits of
+    linear then add, on the CPU as on a GPU."""
+    out, _ = _linear.forward(x, w, None, transpose_w, gelu_input)
+    if out.shape != residual.shape:
+        raise ValueError(f"linear_add: the residual {residual.shape} must match the output {out.shape}")
+    xp = array_module_of(out)
+    if xp is not np and out.flags.c_contiguous and residual.flags.c_contiguous:
+        gpu_kernels.add_bias_residual_(out, b, residual)
+        return out, None
+    out += b
+    out += residual  # residual + out: one addition, commutative, so the add primitive's bits
+    return out, None
+
+
 # -- LayerNorm ------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,9 @@ _SOURCES = {
         "typedef Acc<T>::type A; A a = (A)x; A s = GELU_SIGMOID(a); h = (T)(a * s);"
         " gh = (T)((A)gh * GELU_SLOPE(a, s));",
     ),
+    # a projection's bias and the residual stream added to its GEMM's output in one pass, rounded
+    # after each add as the two separate adds round (the same bits as them)
+    "bias_residual": ("T y, T b, T r", "T out", "out = (T)((T)(y + b) + r);"),
 }
 
 
@@ -71,6 +74,11 @@ def gelu_grad_into(out, g, x):
 
 def gelu_and_grad_into(h, gh, x):
     _run("gelu_and_grad", x, h, gh)
+
+
+def add_bias_residual_(y, b, r):
+    """y = (y + b) + r in place, b broadcast over y's rows."""
+    _run("bias_residual", y, b, r, y)
 
 
 # -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------

@@ -33,8 +33,9 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # raw kernels for LayerNorm, cross-entropy, AdamW (decay, unscale and clip in it) and the NaN flag;
     # the norm's dots read at once; VJPs writing into zeroed gradients: 167.5 -> 62.7; cuDNN's fused
     # attention (one launch each way): 50.7; the host batch's positions copied, not made: 49.8; the
-    # residual stream's gradient added inside LayerNorm's backward kernel: 47.8 (budget: 25)
-    assert budget["launches_per_layer"] <= 48, budget
+    # residual stream's gradient added inside LayerNorm's backward kernel: 47.8; the projections' bias
+    # and residual added in one pass (linear_add): 45.8 (budget: 25)
+    assert budget["launches_per_layer"] <= 46, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
