@@ -4,7 +4,9 @@
 - the parameters after three steps through a LossScaler with clipping (on a GPU the unscale and the
   clip are folded into AdamW's kernel; on the CPU they are passes of their own);
 - a host (NumPy) batch against the same batch on the device: the same gradients, bit for bit (host
-  token ids and targets are checked on the host and copied once).
+  token ids and targets are checked on the host and copied once);
+- float16 gathers whose backward sends the cast its forward kept against ones that cast again: the
+  same parameters after 3 steps, bit for bit.
 Prints one JSON line; exits 1 beyond the bound.
 
     python bench/standin_run.py bench/standin_checks.py
@@ -59,6 +61,31 @@ def scaled_steps(device: str) -> list[np.ndarray]:
     return [to_numpy(unit.shard) for unit in sharded.trainable_units]
 
 
+def float16_steps(keep_casts: bool) -> list[np.ndarray]:
+    """Every unit's master shard after 3 AdamW steps of a float16-gathering GPT on the device, its
+    backward gathers sending the forward's kept casts (keep_casts) or casting again."""
+    from mpifsdp.fsdp import lifecycle
+    from mpifsdp.fsdp import model as fsdp_model
+
+    comm = mpifsdp.Comm(device="cuda", transport="nccl")
+    keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
+    model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, device="cuda")
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt, xp = mpifsdp.AdamW(model, lr=1e-2), mpifsdp.array_module("cuda")
+    never = lambda phase, reshard: (False, False)  # noqa: E731
+    kept = lifecycle.casts_kept
+    lifecycle.casts_kept = fsdp_model.casts_kept = kept if keep_casts else never
+    try:
+        for step in range(3):
+            x, y = random_batch(CONFIG, 4, seed=step)
+            model(xp.asarray(x), xp.asarray(y)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        lifecycle.casts_kept = fsdp_model.casts_kept = kept
+    return [to_numpy(unit.shard) for unit in sharded_model(model).trainable_units]
+
+
 def _relative_error(gpu, cpu) -> float:
     return max(float(np.abs(g - c).max()) for g, c in zip(gpu, cpu)) / max(
         float(np.abs(c).max()) for c in cpu
@@ -72,6 +99,8 @@ def main() -> int:
         result[f"grads_after_{micro_batches}_backwards"] = {"max_rel_err": err, "bound": BOUND}
     err = _relative_error(shards("cuda", 1, host_batch=True), shards("cuda", 1))
     result["host_batch_against_device_batch"] = {"max_rel_err": err, "bound": 0.0}
+    err = _relative_error(float16_steps(keep_casts=True), float16_steps(keep_casts=False))
+    result["float16_kept_casts_against_fresh_casts"] = {"max_rel_err": err, "bound": 0.0}
     err = _relative_error(scaled_steps("cuda"), scaled_steps("cpu"))
     result["params_after_3_scaled_clipped_steps"] = {"max_rel_err": err, "bound": BOUND}
     ok = all(r["max_rel_err"] <= BOUND for r in result.values() if isinstance(r, dict))

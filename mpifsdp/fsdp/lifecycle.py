@@ -90,8 +90,9 @@ class UnitLifecycle:
         self.stage = stage
 
     def _gather_and_bind(self, phase: str):
+        keep, kept = casts_kept(phase, self.reshard_after_forward)
         for unit, params in self._parts:
-            views = unit.unshard(phase)
+            views = unit.unshard(phase, keep_cast=keep, use_kept=kept)
             for name, p in params:
                 p.data = views[name]
 
@@ -180,3 +181,10 @@ class UnitLifecycle:
             self.unit.drop_full_grad()
         self._reshard()
         self.stage = Stage.IDLE
+
+
+def casts_kept(phase: str, reshard_after_forward: bool) -> tuple[bool, bool]:
+    """(keep_cast, use_kept) of a unit's gather in `phase` (Unit.start_unshard): a forward with
+    gradients whose unit is gathered again for backward keeps its param_dtype cast; that backward
+    sends it."""
+    return (phase == "forward" and grad_enabled() and reshard_after_forward, phase == "backward")

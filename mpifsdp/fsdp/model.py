@@ -30,7 +30,7 @@ from ..comm.communicator import CollectiveError, Comm
 from ..shard.pool import BufferPool
 from ..shard.unit import Unit
 from .deterministic import ChunkedBatch, ChunkState
-from .lifecycle import Stage, UnitLifecycle
+from .lifecycle import Stage, UnitLifecycle, casts_kept
 
 
 class ShardedModel:
@@ -200,8 +200,9 @@ class ShardedModel:
 
     def _start_gathers(self, lifecycles, direction: str):
         for lc in lifecycles:
+            keep, kept = casts_kept(direction, lc.reshard_after_forward)
             for unit in lc.units:
-                unit.start_unshard(direction)
+                unit.start_unshard(direction, keep_cast=keep, use_kept=kept)
 
     def _release_gathered(self):
         """Reshard units gathered ahead that will not run now (a changed order, or the pass ended);

@@ -109,6 +109,7 @@ class Unit:
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
         self._pending_sum: PendingSum | None = None  # their reduction in flight
         self._overflow = None  # on a GPU: whether a gather overflowed param_dtype (a device bool)
+        self._kept_cast = None  # on a GPU: the checked param_dtype shard a forward's gather kept
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -151,27 +152,42 @@ class Unit:
         self.pool.give(buf)
 
     # -- parameters ---------------------------------------------------------------------------------
-    def start_unshard(self, phase: str = "forward"):
-        """Begin gathering the full parameters without waiting (a no-op unless sharded)."""
+    def start_unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False):
+        """Begin gathering the full parameters without waiting (a no-op unless sharded).
+
+        Mixed precision on a GPU: keep_cast=True (a forward whose backward gathers again, FSDP's
+        lifecycle) keeps the param_dtype copy of the shard this gather sends, checked; the next
+        gather with use_kept=True sends it instead of casting and checking again (two launches a
+        unit). The shard must not change in between: the optimizer steps after the backward. Any
+        other gather casts afresh and drops a kept copy."""
         if self.full is None:
             self.full = self._take("gathered_params", self.param_dtype)
-            send = self._cast("gathered_params", self.shard, self.param_dtype)
-            self._gathering = (self.comm.iall_gather(send, self.full, unit=self.name, phase=phase), send)
+            kept, self._kept_cast = self._kept_cast, None
+            if kept is not None and not use_kept:
+                self._give("gathered_params", kept)
+                kept = None
+            send = kept if kept is not None else self._cast("gathered_params", self.shard, self.param_dtype)
+            if keep_cast and send is not self.shard and self.xp is not np:
+                self._kept_cast = send
+            request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
+            self._gathering = (request, send, kept is not None)
 
-    def unshard(self, phase: str = "forward") -> dict:
+    def unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False) -> dict:
         """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
-        self.start_unshard(phase)
+        self.start_unshard(phase, keep_cast, use_kept)
         self._finish_gather()
         return self.layout.views(self.full)
 
     def _finish_gather(self):
         if self._gathering is not None:
-            request, send = self._gathering
+            request, send, checked = self._gathering
             self._gathering = None
             self.comm.wait(request)
             if send is not self.shard:
-                self._give("gathered_params", send)
-                self._check_representable(self.full)
+                if send is not self._kept_cast:
+                    self._give("gathered_params", send)
+                if not checked:  # a kept cast's values were checked when it was made
+                    self._check_representable(self.full)
 
     def _gather_into(self, full, phase: str):
         """Blocking: `full` = every rank's shard, in param_dtype (a buffer of the caller's)."""

@@ -100,8 +100,8 @@ def test_frozen_parameters_sharded_match_the_reference_and_stay_bit_identical(co
 
 
 def test_frozen_weight_gradient_is_not_computed(monkeypatch):
-    """The linear VJPs (alone, and with a LayerNorm fused in) are told which inputs need a gradient:
-    a frozen weight's GEMM never runs."""
+    """The linear VJPs (alone, with a LayerNorm fused in, and adding into the residual stream) are
+    told which inputs need a gradient: a frozen weight's GEMM never runs."""
     calls = []  # (needs and returned gradients from the weight on) of every linear VJP
 
     def recording(name):
@@ -110,12 +110,14 @@ def test_frozen_weight_gradient_is_not_computed(monkeypatch):
         def vjp(g, saved, *arrays, needs, **settings):
             grads = prim.vjp(g, saved, *arrays, needs=needs, **settings)
             weight = 2 + settings["ln_bias"] if name == "layer_norm_linear" else 1  # its index
-            calls.append((needs[weight:], grads[weight:]))
+            params = slice(weight, weight + 2 if name == "linear_add" else None)  # not the residual
+            calls.append((needs[params], grads[params]))
             return grads
 
         monkeypatch.setitem(PRIMITIVES, name, dataclasses.replace(prim, vjp=vjp))
 
     recording("linear")
+    recording("linear_add")
     recording("layer_norm_linear")
     model = _model()
     model(*_batch(0)).backward()

@@ -34,8 +34,9 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # the norm's dots read at once; VJPs writing into zeroed gradients: 167.5 -> 62.7; cuDNN's fused
     # attention (one launch each way): 50.7; the host batch's positions copied, not made: 49.8; the
     # residual stream's gradient added inside LayerNorm's backward kernel: 47.8; the projections' bias
-    # and residual added in one pass (linear_add): 45.8 (budget: 25)
-    assert budget["launches_per_layer"] <= 46, budget
+    # and residual added in one pass (linear_add): 45.8; the backward's gathers send the float16 cast
+    # their forward kept, checked then: 43.8 (budget: 25)
+    assert budget["launches_per_layer"] <= 44, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
@@ -54,7 +55,9 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     """bench/standin_checks.py: a sharded float64 GPT, GPU branches (stand-in) against the CPU: its
     gradient shards after one backward (the VJPs write into the zeroed gradients) and after three
     no_sync micro-batches (the later ones must add, not write), and its parameters after three
-    LossScaler steps that clip (a GPU folds the unscale and the clip into AdamW's kernel)."""
+    LossScaler steps that clip (a GPU folds the unscale and the clip into AdamW's kernel); a host batch
+    and float16 gathers reusing their forward's casts give the same bits as a device batch and fresh
+    casts."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     command = [
