@@ -28,7 +28,8 @@ $(VENV)/.installed: pyproject.toml
 # The GPU toolchain's checks without a GPU, in a venv of their own: bench/nvrtc_check.py compiles
 # every kernel with NVRTC (CuPy, NVRTC, the CUDA headers; tests/project/test_kernels_compile.py) and
 # bench/cudnn_check.py builds every cuDNN attention graph with cuDNN's own library (the frontend,
-# whose other dependencies are for other engines: --no-deps, and libcudnn.so.9;
+# whose other dependencies are for other engines, and libcudnn.so.9, whose cuBLAS its graph
+# building does not load: both --no-deps;
 # tests/project/test_cudnn_graphs.py). No GPU or driver is needed. The suite's venv has no CuPy, so
 # its tests meet a machine without a GPU as a user's would. CuPy is pinned: the NVRTC check builds
 # elementwise kernels with CuPy's private code generator.
@@ -36,8 +37,8 @@ GPU_TOOLS_VENV = .venv-gpu-tools
 $(GPU_TOOLS_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(GPU_TOOLS_VENV)
 	$(GPU_TOOLS_VENV)/bin/pip install -q numpy cupy-cuda12x==14.2.0 nvidia-cuda-nvrtc-cu12==12.9.86 \
-	  nvidia-cuda-runtime-cu12==12.9.79 nvidia-cudnn-cu12==9.27.0.42
-	$(GPU_TOOLS_VENV)/bin/pip install -q --no-deps nvidia-cudnn-frontend==1.32.0
+	  nvidia-cuda-runtime-cu12==12.9.79
+	$(GPU_TOOLS_VENV)/bin/pip install -q --no-deps nvidia-cudnn-frontend==1.32.0 nvidia-cudnn-cu12==9.27.0.42
 	touch $@
 
 # The whole suite at N = 1, then under mpiexec at N = 2, 3, 4 (each rank runs every test; collective

@@ -256,6 +256,7 @@ def install(with_cudnn: bool = True):
     cp.asarray = cp.array = _asarray
     cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(total_bytes=lambda: 0, used_bytes=lambda: 0)
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
 
     def device(i=0):

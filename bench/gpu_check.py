@@ -7,6 +7,7 @@ mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nc
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16] [--prefetch 0]
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
+python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
 """
 
@@ -19,7 +20,15 @@ import sys
 import time
 
 import numpy as np
-from common import CONFIGS, gpt_config, median_time, random_batch, synchronizer, train_step  # noqa: E402
+from common import (  # noqa: E402
+    CONFIGS,
+    gpt_config,
+    median_time,
+    random_batch,
+    step_gemm_shapes,
+    synchronizer,
+    train_step,
+)
 
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
@@ -27,17 +36,19 @@ from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.ops import gpu_attention  # noqa: E402
+from mpifsdp.planning.planner import gpt_activation_bytes  # noqa: E402
 
+SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
 CONFIGS = {
     **CONFIGS,
     "gpu350m": dict(vocab_size=32768, n_embd=1024, n_layer=24, n_head=16, block_size=1024, batch_size=8),
+    "tiny": SMALL_GPT,  # a dry run of a check's code (the stand-in's float16 GEMMs are slow NumPy loops)
 }
 # H200 SXM: dense fp16/bf16 (the datasheet's 1,979 is "with sparsity"; an NVL is 835); fp32 without TF32
 PEAK_TFLOPS = {"float16": 989.4, "float32": 60.0}
 
 
-SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
 F64_BOUND = 1e-10  # float64 CPU vs GPU losses, relative: only summation order differs (~1e-15 per op)
 
 
@@ -138,10 +149,8 @@ def speed(args):
     )
     opt = mpifsdp.AdamW(model, lr=1e-4)
     scaler = mpifsdp.LossScaler() if dtype is not None else None
-    x, y = (
-        xp.asarray(rank_slice(a, comm.rank, comm.size))
-        for a in random_batch(cfg, cfg["batch_size"] * comm.size)
-    )
+    # the batch on the host, as a loader gives it: its checks read nothing back from the device
+    x, y = (rank_slice(a, comm.rank, comm.size) for a in random_batch(cfg, cfg["batch_size"] * comm.size))
     synchronize = synchronizer(xp)
 
     def step():
@@ -172,6 +181,8 @@ def speed(args):
     sharded = sharded_model(model)
     plan = sharded.plan()
     formula = plan["persistent"] + 2 * plan["largest_unit"] + plan["root_unit"]
+    itemsize = np.dtype(dtype or np.float32).itemsize
+    activations = gpt_activation_bytes(gpt_config(cfg), cfg["batch_size"], itemsize, device=comm.device)
     result = {
         "check": "speed",
         "config": args.config,
@@ -189,6 +200,7 @@ def speed(args):
         # CuPy's pool keeps what it once held: its size is the step's high-water mark
         "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),
         "formula_mib_without_activations": round(formula / 2**20, 1),
+        "plan_mib_with_activations": round((formula + activations) / 2**20, 1),  # the pool's yardstick
     }
     if comm.rank == 0:
         print(json.dumps(result))
@@ -268,6 +280,29 @@ def attention(args):
     print(json.dumps(row))
 
 
+def roofline(args):
+    """What the config's step stands on: TFLOP/s of each distinct GEMM of its step (the block's and
+    the head's, float16; attention's are cuDNN's) and the device's copy bandwidth (TB/s), against
+    which the step's time is read."""
+    xp = mpifsdp.array_module(args.device)
+    synchronize = synchronizer(xp)
+    rng = np.random.default_rng(0)
+    shapes = [s for s in dict.fromkeys(step_gemm_shapes(CONFIGS[args.config])) if s[0] == 1]
+    rows = []
+    for _, m, k, n in shapes:
+        a = xp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype=np.float16)
+        w = xp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype=np.float16)
+        seconds = median_time(lambda a=a, w=w: (a @ w, synchronize()), 5)
+        rows.append({"shape": [m, k, n], "tflops": round(2 * m * k * n / seconds / 1e12, 1)})
+    block = xp.empty(1 << 28, dtype=np.float16)  # 512 MiB
+    into = xp.empty_like(block)
+    seconds = median_time(lambda: (xp.copyto(into, block), synchronize()), 5)
+    copy_tbs = round(2 * block.nbytes / seconds / 1e12, 2)  # read + write
+    print(
+        json.dumps({"check": "roofline", "config": args.config, "gemms_float16": rows, "copy_tb_s": copy_tbs})
+    )
+
+
 def _torch_gemm_tflops(device, dtype, M, K, N):
     try:
         import torch
@@ -287,7 +322,7 @@ def _torch_gemm_tflops(device, dtype, M, K, N):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm", "attention"])
+    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm", "attention", "roofline"])
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
@@ -298,6 +333,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
     args = ap.parse_args()
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
+    checks["roofline"] = roofline
     checks[args.check](args)
 
 

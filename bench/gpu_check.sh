@@ -58,7 +58,8 @@ if [ "$DEVICE" != cpu ]; then
     echo "== probe exit ${PIPESTATUS[0]} (not counted)" | tee -a "$LOG"
   fi
 fi
-# cuDNN's fused attention (where it loads) against the batched passes, at the ~350M model's shape
+# the ~350M model's GEMMs and the copy bandwidth; cuDNN's fused attention against the batched passes
+[ "$DEVICE" != cpu ] && run 45 $CHECK roofline --config gpu350m
 [ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
 # the ~350M model in float16: tokens/s, TFLOP/s and MFU against the GPU's dense peak
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3

@@ -113,11 +113,11 @@ def error_bound(dtype, terms: int, scale: float) -> float:
 # -- a flag for NaN and Inf: mixed precision's overflow check of each gather, one launch ----------
 FLAG_THREADS, FLAG_BLOCKS = 256, 1024
 FLAG_SOURCE = r"""
-extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long long n) {
-    /* flag[0] = 1 where x holds a NaN or an Inf (a plain store: any thread that finds one may) */
+extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long long n, const int token) {
+    /* flag[0] = token where x holds a NaN or an Inf (a plain store: any thread that finds one may) */
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        if (!isfinite((ACC)x[i])) { flag[0] = 1; return; }
+        if (!isfinite((ACC)x[i])) { flag[0] = token; return; }
 }
 """
 
@@ -127,19 +127,20 @@ def flag_source(dtype) -> str:
 
 
 def _flag_twin(grid, block, args, shared_mem=0):
-    x, flag, n = args
+    x, flag, n, token = args
     if not np.isfinite(x.reshape(-1)[: int(n)].astype(np.float64)).all():
-        flag[0] = 1
+        flag[0] = int(token)
 
 
 TWINS["flag_nonfinite"] = _flag_twin
 RAW_FAMILIES["non-finite flag"] = (flag_source, ("flag_nonfinite",))
 
 
-def flag_nonfinite(x, flag) -> bool:
-    """flag[0] = 1 where the contiguous device array x holds a NaN or an Inf, left as it is otherwise
-    (flag: a one-element int32 device array, so one flag gathers the verdicts of several arrays);
-    False where the kernel cannot run (the caller then checks with array passes)."""
+def flag_nonfinite(x, flag, token: int = 1) -> bool:
+    """flag[0] = token where the contiguous device array x holds a NaN or an Inf, left as it is
+    otherwise (flag: a one-element int32 device array, so one flag gathers the verdicts of several
+    arrays; a new token a step spares zeroing it); False where the kernel cannot run (the caller
+    then checks with array passes)."""
     dtype = x.dtype.type
     if dtype not in ELEMENT_TYPES or not x.flags.c_contiguous:
         return False
@@ -149,7 +150,7 @@ def flag_nonfinite(x, flag) -> bool:
         return False
     checked_once(("flag_nonfinite", dtype), lambda: _flag_probe(xp, dtype, kernel[0]))
     blocks = max(1, min(FLAG_BLOCKS, -(-x.size // FLAG_THREADS)))
-    kernel[0]((blocks,), (FLAG_THREADS,), (x, flag, np.int64(x.size)))
+    kernel[0]((blocks,), (FLAG_THREADS,), (x, flag, np.int64(x.size), np.int32(token)))
     return True
 
 
@@ -162,8 +163,8 @@ def _flag_probe(xp, dtype, kernel):
         if bad is not None:
             host[bad] = np.inf
         flag, expected = xp.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32)
-        kernel((4,), (FLAG_THREADS,), (xp.asarray(host), flag, np.int64(host.size)))
-        _flag_twin(None, None, (host, expected, host.size))
+        kernel((4,), (FLAG_THREADS,), (xp.asarray(host), flag, np.int64(host.size), np.int32(7)))
+        _flag_twin(None, None, (host, expected, host.size, 7))
         got.append(int(to_numpy(flag)[0]))
         want.append(int(expected[0]))
     return [("the flag", np.array(got), np.array(want), 0.0)]

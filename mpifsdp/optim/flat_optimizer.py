@@ -17,6 +17,7 @@ import numpy as np
 from ..autodiff.tensor import Param
 from ..base.backend import array_module_of, host_values
 from ..shard.exact import exact_squared_norm
+from . import gpu_norm
 
 log = logging.getLogger(__name__)
 
@@ -217,22 +218,21 @@ class FlatOptimizer:
             self.comm.settle()
         flags = self._overflow_flags()
         if flags:
-            (read,) = self._read(
-                [array_module_of(flags[0][1]).stack([f for _, f in flags])], "the step's verdict"
-            )
+            (read,) = self._read([_stacked(flags)], "the step's verdict")
             self._note_overflow(flags, read)
         overflowed, self._overflowed = self._overflowed, None
         if overflowed is not None:
             overflowed.raise_unrepresentable()
 
     def _overflow_flags(self) -> list:
-        """(group, device flag) of each group whose gathers were checked on a device, taken: each flag
-        is read once."""
+        """(group, (device flag, token)) of each group whose gathers were checked on a device, taken:
+        each is read once."""
         flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
-        return [(group, flag) for group, flag in flags if flag is not None]
+        return [(group, taken) for group, taken in flags if taken is not None]
 
     def _note_overflow(self, flags: list, values):
-        hit = [group for (group, _), value in zip(flags, values) if value.any()]
+        """The first group whose flag holds its token (its gathers overflowed) is raised at _settle."""
+        hit = [group for (group, (_, token)), value in zip(flags, values) if int(np.ravel(value)[0]) == token]
         if hit and self._overflowed is None:
             self._overflowed = hit[0]
 
@@ -269,16 +269,18 @@ class FlatOptimizer:
         return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))
 
     def _sum_of_squares(self, grads) -> float:
-        """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU the
-        per-group dots are stacked and read at once with the gathers' overflow flags, then summed on
-        the host: one host sync, the step's verdict (and one launch a group, not three)."""
+        """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU every
+        group's sum of squares comes from one kernel (gpu_norm.py, else a dot a group), read at once
+        with the gathers' overflow flags and summed on the host: one host sync, the step's verdict."""
         if not grads:
             return 0.0
         xp = array_module_of(grads[0])
         if xp is np:
             return float(sum((g @ g).astype(np.float64) for g in grads))
         flags = self._overflow_flags()
-        arrays = [xp.stack([g @ g for g in grads])] + ([xp.stack([f for _, f in flags])] if flags else [])
+        dots = gpu_norm.sums_of_squares(grads)  # two launches for every group
+        dots = xp.stack([g @ g for g in grads]) if dots is None else dots
+        arrays = [dots] + ([_stacked(flags)] if flags else [])
         read = self._read(arrays, "the step's verdict")
         if flags:
             self._note_overflow(flags, read[1])
@@ -314,6 +316,11 @@ class FlatOptimizer:
         if self.weight_decay:
             for start, stop in self.decay_segments[i]:
                 g[start:stop] += self.weight_decay * p[start:stop]
+
+
+def _stacked(flags: list):
+    """The groups' device flags side by side: one copy, read with the step's verdict."""
+    return array_module_of(flags[0][1][0]).stack([flag for _, (flag, _) in flags])
 
 
 def clip_scale(max_norm: float, norm: float) -> float:

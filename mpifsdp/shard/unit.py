@@ -108,7 +108,10 @@ class Unit:
         self._reducing: _Reduction | None = None  # a reduction in flight
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
         self._pending_sum: PendingSum | None = None  # their reduction in flight
-        self._overflow = None  # on a GPU: whether a gather overflowed param_dtype (a device bool)
+        # on a GPU: a device int32 that a gather overflowing param_dtype sets to the current token
+        # (no zeroing launch each step: a flag holding an older token is clear), and whether a
+        # gather was checked since the verdict last took it
+        self._overflow, self._token, self._checked = None, 1, False
         self._kept_cast = None  # on a GPU: the checked param_dtype shard a forward's gather kept
 
     def _from_rank_0(self, array, comm):
@@ -205,20 +208,26 @@ class Unit:
         the same gathered values, so every rank raises here alike (no collective needed). On a GPU
         the verdict stays on the device until the step's (take_overflow_flag): a host sync per
         gather would stall the host's queue 49 times a step."""
-        if self.xp is not np:  # one int32 flag a step, set by one kernel per gather
+        if self.xp is not np:  # one int32 flag, set by one kernel per gather
             if self._overflow is None:
                 self._overflow = self.xp.zeros(1, dtype=np.int32)
-            if not kernels.flag_nonfinite(full, self._overflow):
-                self._overflow |= ~self.xp.isfinite(full).all()
+            if not kernels.flag_nonfinite(full, self._overflow, self._token):
+                bad = ~self.xp.isfinite(full).all()
+                self._overflow[...] = self.xp.where(bad, self._token, self._overflow)
+            self._checked = True
             return
         if not bool(self.xp.isfinite(full).all()):
             self.raise_unrepresentable()
 
     def take_overflow_flag(self):
-        """The device flag of gathers whose values overflowed param_dtype since the last call (None:
-        none checked on a device), reset; the optimizer reads every unit's at once."""
-        flag, self._overflow = self._overflow, None
-        return flag
+        """(device flag, token) of the gathers checked since the last call, or None (none checked on a
+        device): they overflowed param_dtype if the flag holds the token. The next gathers check with
+        a new token; the optimizer reads every unit's flag at once."""
+        if not self._checked:
+            return None
+        token, self._checked = self._token, False
+        self._token = token % (2**31 - 2) + 1
+        return self._overflow, token
 
     def raise_unrepresentable(self):
         raise FloatingPointError(

@@ -35,8 +35,9 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # attention (one launch each way): 50.7; the host batch's positions copied, not made: 49.8; the
     # residual stream's gradient added inside LayerNorm's backward kernel: 47.8; the projections' bias
     # and residual added in one pass (linear_add): 45.8; the backward's gathers send the float16 cast
-    # their forward kept, checked then: 43.8 (budget: 25)
-    assert budget["launches_per_layer"] <= 44, budget
+    # their forward kept, checked then: 43.8; every group's sum of squares in two launches: 42.8; the
+    # overflow flags never zeroed (a new token a step): 41.8 (budget: 25)
+    assert budget["launches_per_layer"] <= 42, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
@@ -88,3 +89,15 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["cudnn"] == (not cudnn), result
+
+
+@pytest.mark.parametrize("check", ["attention", "roofline"])
+def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
+    """make gpu-check's attention and roofline checks run to their JSON line with the stand-in (a
+    crash would cost a lent device's minutes; their figures mean something on a device only)."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    command = [sys.executable, str(ROOT / "bench" / "standin_run.py"), str(ROOT / "bench" / "gpu_check.py")]
+    done = subprocess.run([*command, check, "--config", "tiny"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["check"] == check

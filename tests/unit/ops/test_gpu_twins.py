@@ -196,3 +196,16 @@ def test_the_adamw_probe_passes_with_the_twin_as_kernel():
     from mpifsdp.optim import gpu_adamw
 
     _probe_passes(lambda dtype: gpu_adamw._probe(np, dtype, _as_kernel("adamw_step")))
+
+
+def test_the_sum_of_squares_twins_compute_every_vectors_sum_of_squares():
+    """optim/gpu_norm.py's two twins (pieces of each vector, then each vector's pieces added) on
+    vectors of unequal lengths, one spanning several pieces, against float64 dots; and its probe."""
+    from mpifsdp.optim import gpu_norm
+
+    rng = np.random.default_rng(12)
+    vectors = [rng.normal(0, 1, n) for n in (2 * gpu_norm.PIECE + 3, 1, gpu_norm.PIECE - 1)]
+    got = gpu_norm._launch(tuple(_as_kernel(name) for name in gpu_norm.KERNELS), np, vectors)
+    for total, v in zip(got, vectors):
+        _close(total, v @ v, v.size)
+    _probe_passes(lambda dtype: gpu_norm._probe(np, dtype, tuple(_as_kernel(n) for n in gpu_norm.KERNELS)))

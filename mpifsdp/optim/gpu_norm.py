@@ -1,0 +1,151 @@
+"""The sum of squares of every group's gradient, for the step's norm, in two GPU launches.
+
+A dot product a group is a launch a group (25 a step for the 24-layer GPT), each a small reduction
+over a sharded gradient. Here one kernel takes them all through a table of addresses and lengths on
+the device: every thread block sums the squares of one piece of one vector into a partial, and a
+second kernel adds each vector's partials in order. Float32 arithmetic for float16 and float32
+gradients (double for float64), no atomics: the same sums on every run. Its NumPy twins take the
+same arguments (base/kernels.py TWINS); it checks itself once against float64 before first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..base import kernels
+from ..base.backend import array_module_of, to_numpy
+
+THREADS, PIECE = 256, 256 * 16  # elements a block sums
+
+SOURCE = r"""
+extern "C" __global__ void squares_by_piece(const long long* table, const int vectors, ACC* partial) {
+    /* table: the vectors' addresses, their lengths, their first pieces (vectors + 1 of them), then
+       their element size (for the twin); block b sums the squares of piece b - first[v] of vector
+       v, first[v] <= b < first[v + 1] */
+    const long long* lengths = table + vectors;
+    const long long* first = table + 2 * vectors;
+    int v = 0;
+    while (blockIdx.x >= first[v + 1]) ++v;
+    const ELEM* x = (const ELEM*)table[v];
+    const long long start = (blockIdx.x - first[v]) * (long long)PIECE;
+    const long long stop = min(start + (long long)PIECE, lengths[v]);
+    ACC s = 0;
+    for (long long i = start + threadIdx.x; i < stop; i += blockDim.x) { ACC e = (ACC)x[i]; s += e * e; }
+    s = block_reduce(s, false);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+extern "C" __global__ void sum_pieces(const ACC* partial, const long long* table, const int vectors,
+                                      ACC* sums) {
+    /* sums[v]: vector v's partials added in order */
+    const int v = blockIdx.x * blockDim.x + threadIdx.x;
+    if (v >= vectors) return;
+    const long long* first = table + 2 * vectors;
+    ACC s = 0;
+    for (long long b = first[v]; b < first[v + 1]; ++b) s += partial[b];
+    sums[v] = s;
+}
+"""
+KERNELS = ("squares_by_piece", "sum_pieces")
+
+
+def source(dtype) -> str:
+    return f"#define PIECE {PIECE}\n" + kernels.typed_source(dtype, SOURCE)
+
+
+_BY_ITEMSIZE = {2: np.float16, 4: np.float32, 8: np.float64}
+
+
+def _table_parts(table, vectors: int):
+    """(addresses, lengths, first pieces, element dtype) of a table."""
+    t = np.asarray(table, dtype=np.int64)
+    return t[:vectors], t[vectors : 2 * vectors], t[2 * vectors : 3 * vectors + 1], _BY_ITEMSIZE[int(t[-1])]
+
+
+def _squares_twin(grid, block, args, shared_mem=0):
+    """Reads the vectors where the table's addresses say (host memory on a CPU)."""
+    table, vectors, partial = args
+    addresses, lengths, first, dtype = _table_parts(table, int(vectors))
+    dtype = np.dtype(dtype)
+    for v in range(int(vectors)):
+        n = int(lengths[v])
+        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(int(addresses[v])) if n else b""
+        x = np.frombuffer(raw, dtype=dtype, count=n).astype(np.float64)
+        for b in range(int(first[v]), int(first[v + 1])):
+            piece = x[(b - int(first[v])) * PIECE : (b - int(first[v]) + 1) * PIECE]
+            partial[b] = piece @ piece
+
+
+def _sum_pieces_twin(grid, block, args, shared_mem=0):
+    partial, table, vectors, sums = args
+    first = _table_parts(table, int(vectors))[2]
+    for v in range(int(vectors)):
+        sums[v] = np.asarray(partial[int(first[v]) : int(first[v + 1])], dtype=np.float64).sum()
+
+
+kernels.TWINS.update(squares_by_piece=_squares_twin, sum_pieces=_sum_pieces_twin)
+kernels.RAW_FAMILIES["sum of squares"] = (source, KERNELS)
+
+_tables: dict = {}  # (address, length, element size) of each vector -> the table on the device
+
+
+def _address(v) -> int:
+    """A vector's device address (a NumPy array's host address: the twins run on host memory)."""
+    return v.ctypes.data if type(v) is np.ndarray else v.data.ptr
+
+
+def _table(xp, vectors: list):
+    key = tuple((_address(v), v.size, v.dtype.itemsize) for v in vectors)
+    if key not in _tables:
+        pieces = np.array([-(-v.size // PIECE) for v in vectors], dtype=np.int64)
+        first = np.concatenate([[0], np.cumsum(pieces)])
+        columns = (
+            [_address(v) for v in vectors],
+            [v.size for v in vectors],
+            first,
+            [vectors[0].dtype.itemsize],
+        )
+        host = np.concatenate(columns)
+        if len(_tables) > 64:  # buffers moved (a pool reshuffled): forget old layouts
+            _tables.clear()
+        _tables[key] = (xp.asarray(host.astype(np.int64)), int(first[-1]))
+    return _tables[key]
+
+
+def sums_of_squares(vectors: list):
+    """sum(v * v) of each vector, as one device array in the arithmetic's dtype (float32; float64 for
+    float64 vectors), in two launches; None where the kernels cannot run (not one dtype with a
+    kernel, not contiguous, empty, no NVRTC): the caller then runs a dot a vector."""
+    dtype = vectors[0].dtype.type if vectors else None
+    if (
+        not vectors
+        or dtype not in kernels.ELEMENT_TYPES
+        or not all(v.dtype == vectors[0].dtype and v.flags.c_contiguous and v.size for v in vectors)
+    ):
+        return None
+    xp = array_module_of(vectors[0])
+    compiled = kernels.compiled(xp, source(dtype), KERNELS, "the gradient norm's sums of squares")
+    if compiled is None:
+        return None
+    kernels.checked_once(("sum_of_squares", dtype), lambda: _probe(xp, dtype, compiled))
+    return _launch(compiled, xp, vectors)
+
+
+def _launch(compiled, xp, vectors: list):
+    table, pieces = _table(xp, vectors)
+    acc = kernels.accumulator(vectors[0].dtype.type)
+    partial, sums = xp.empty(pieces, dtype=acc), xp.empty(len(vectors), dtype=acc)
+    n = np.int32(len(vectors))
+    compiled[0]((pieces,), (THREADS,), (table, n, partial))
+    compiled[1]((-(-len(vectors) // THREADS),), (THREADS,), (partial, table, n, sums))
+    return sums
+
+
+def _probe(xp, dtype, compiled):
+    """Three vectors of unequal lengths (one of several pieces, one shorter than a piece) against float64."""
+    rng = np.random.default_rng(11)
+    host = [rng.normal(0, 1, n).astype(dtype) for n in (3 * PIECE + 17, 5, PIECE)]
+    got = to_numpy(_launch(compiled, xp, [xp.asarray(h) for h in host]))
+    want = np.array([h.astype(np.float64) @ h.astype(np.float64) for h in host])
+    return [("sums", got, want, kernels.error_bound(dtype, 2 * PIECE, float(want.max())))]
