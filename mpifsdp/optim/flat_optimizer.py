@@ -253,7 +253,7 @@ class FlatOptimizer:
         return False
 
     def zero_grad(self):
-        self._norm = None
+        self._norm = self._overflowed = None  # this step's verdict goes with its gradients
         for group in self.groups:
             group.zero_grad()
 
