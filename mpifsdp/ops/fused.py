@@ -452,11 +452,12 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     copied = None
     if xp is not np and array_module_of(t) is np:  # host targets: checked above with no device read
         t = copied = xp.asarray(t)
-        valid = t != ignore_index
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
         return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count, copied)
+    if copied is not None:  # the passes below need the mask on the device
+        valid = t != ignore_index
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)
 
     def work(i, lo, hi):  # log-sum-exp per row, in slices: the (rows, vocab) temporary stays small
