@@ -11,10 +11,11 @@ BROKEN = {"causal": True} plants a fault (the twin then ignores the causal mask)
 
 from __future__ import annotations
 
-import ctypes
 import types
 
 import numpy as np
+
+from mpifsdp.base.kernels import host_array
 
 BROKEN: dict = {}
 _TYPES = {"HALF": np.float16, "FLOAT": np.float32}
@@ -43,9 +44,7 @@ class _Tensor:
 def _view(address: int, t: _Tensor) -> np.ndarray:
     """The strided array `t` describes at `address`."""
     dtype = np.dtype(_TYPES[t.data_type])
-    extent = 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride))
-    buffer = (ctypes.c_char * (extent * dtype.itemsize)).from_address(address)
-    flat = np.frombuffer(buffer, dtype=dtype, count=extent)
+    flat = host_array(address, dtype, 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride)))
     return np.lib.stride_tricks.as_strided(flat, t.dim, [s * dtype.itemsize for s in t.stride])
 
 

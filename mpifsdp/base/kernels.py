@@ -11,6 +11,7 @@ trained with. tests/project/test_kernels_compile.py compiles every source with N
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -48,6 +49,16 @@ ELEMENT_TYPES = {
 TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
 # what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
 RAW_FAMILIES: dict = {}
+
+
+def host_array(address: int, dtype, count: int) -> np.ndarray:
+    """The `count` elements of `dtype` at a host address (writable, not a copy): what a twin reads
+    and writes where its kernel takes raw device addresses, since the twins run on host memory."""
+    dtype = np.dtype(dtype)
+    if not count:
+        return np.empty(0, dtype=dtype)
+    buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
+    return np.frombuffer(buffer, dtype=dtype, count=count)
 
 
 def typed_source(dtype, body: str) -> str:

@@ -10,8 +10,6 @@ same arguments (base/kernels.py TWINS); it checks itself once against float64 be
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from ..base import kernels
@@ -67,11 +65,8 @@ def _squares_twin(grid, block, args, shared_mem=0):
     """Reads the vectors where the table's addresses say (host memory on a CPU)."""
     table, vectors, partial = args
     addresses, lengths, first, dtype = _table_parts(table, int(vectors))
-    dtype = np.dtype(dtype)
     for v in range(int(vectors)):
-        n = int(lengths[v])
-        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(int(addresses[v])) if n else b""
-        x = np.frombuffer(raw, dtype=dtype, count=n).astype(np.float64)
+        x = kernels.host_array(int(addresses[v]), dtype, int(lengths[v])).astype(np.float64)
         for b in range(int(first[v]), int(first[v + 1])):
             piece = x[(b - int(first[v])) * PIECE : (b - int(first[v]) + 1) * PIECE]
             partial[b] = piece @ piece
