@@ -5,6 +5,7 @@ sub-communicators, a tiny GPT with its batches and training loop. Import it as `
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -55,6 +56,15 @@ def gpu_tools_python() -> str:
             pytest.fail(".venv-gpu-tools is missing: `make test` installs it, and CI runs make test")
         pytest.skip("no .venv-gpu-tools: `make test` installs the GPU toolchain's checks (NVRTC, cuDNN)")
     return str(python)
+
+
+def run_gpu_tool(*args, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list]:
+    """`.venv-gpu-tools/bin/python *args` from the repository root: (the finished process, its stdout's
+    JSON lines, parsed)."""
+    done = subprocess.run(
+        [gpu_tools_python(), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    return done, [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def run_launched(command, **kwargs) -> subprocess.CompletedProcess:

@@ -147,9 +147,8 @@ class ExactSum:
             )
         nonfinite, weight = any(bad for _, bad, *_ in everyone), sum(w for _, _, w, _ in everyone)
         pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp, self.give)
-        levels = sorted(
-            {level for used, *_ in everyone for level in used}
-        )  # every chunk's: the same at any N
+        # every chunk's level, whichever rank holds it: the same at any N
+        levels = sorted({level for used, *_ in everyone for level in used})
         merged = merged_level(levels, chunks)
         if merged is not None:  # one vector (per limb) to reduce: bytes as with a single level
             self._shift_into(merged)

@@ -3,12 +3,9 @@ GPU (bench/cudnn_check.py, run with the tools `make test` installs in .venv-gpu-
 attention's forward and backward, float16 and bfloat16, at the 370M GPT's shape and a test model's.
 A graph cuDNN refuses fails here, not at a user's first step on a device."""
 
-import json
-import subprocess
-
 import pytest
 
-from support import ROOT, gpu_tools_python
+from support import ROOT, run_gpu_tool
 
 CHECK = ROOT / "bench" / "cudnn_check.py"
 
@@ -16,8 +13,7 @@ CHECK = ROOT / "bench" / "cudnn_check.py"
 def test_every_cudnn_attention_graph_validates_and_lowers(comm):
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    done = subprocess.run([gpu_tools_python(), str(CHECK)], capture_output=True, text=True, timeout=300)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    done, lines = run_gpu_tool(CHECK)
     assert done.returncode == 0, lines or done.stderr[-2000:]
     built = {r["graph"] for r in lines if r.get("ok")}
     for shape in ("gpt370m", "test gpt"):
@@ -34,9 +30,7 @@ def test_a_graph_cudnn_refuses_is_reported(comm):
         "props = cudnn.create_device_properties(-1); "
         "print(json.dumps(cudnn_check.check('odd', (1, 2, 64, 12), 'float16', props)))"
     )
-    done = subprocess.run(
-        [gpu_tools_python(), "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    done, lines = run_gpu_tool("-c", probe)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = lines[-1]
     assert not result["ok"] and "multiple of 8" in result["error"], result

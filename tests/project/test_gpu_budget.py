@@ -11,15 +11,21 @@ import pytest
 
 from support import ROOT
 
+STANDIN = ROOT / "bench" / "standin_run.py"  # runs a bench script with CuPy (and cuDNN) stood in for
+BENCH = ROOT / "bench"
+
+
+def _last_json_line(*command) -> dict:
+    """The last JSON line of `python *command`, once it exited 0."""
+    done = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 
 def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_budget.py")], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    budget = json.loads(done.stdout.strip().splitlines()[-1])
+    budget = _last_json_line(BENCH / "gpu_budget.py")
     syncs = budget["syncs"]
     # backward: no wait for its collectives (was 49 + 24, then one Comm.settle): the step's read waits
     assert "backward" not in syncs, syncs
@@ -46,10 +52,7 @@ def test_the_gpu_path_computes_what_the_cpu_path_does(comm, sharded):
     the stand-in: the GPU branches and every raw kernel's twin, wired as on a device."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    command = [sys.executable, str(ROOT / "bench" / "standin_run.py"), str(ROOT / "bench" / "gpu_check.py")]
-    done = subprocess.run([*command, "parity", *sharded], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["ok"]
+    assert _last_json_line(STANDIN, BENCH / "gpu_check.py", "parity", *sharded)["ok"]
 
 
 def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
@@ -61,14 +64,7 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     casts."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    command = [
-        sys.executable,
-        str(ROOT / "bench" / "standin_run.py"),
-        str(ROOT / "bench" / "standin_checks.py"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["ok"]
+    assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
 
 
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
@@ -79,15 +75,7 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     the batched passes compute the same."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    command = [
-        sys.executable,
-        str(ROOT / "bench" / "standin_run.py"),
-        *cudnn,
-        str(ROOT / "bench" / "standin_attention.py"),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _last_json_line(STANDIN, *cudnn, BENCH / "standin_attention.py")
     assert result["ok"] and result["cudnn"] == (not cudnn), result
 
 
@@ -97,7 +85,4 @@ def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
     crash would cost a lent device's minutes; their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    command = [sys.executable, str(ROOT / "bench" / "standin_run.py"), str(ROOT / "bench" / "gpu_check.py")]
-    done = subprocess.run([*command, check, "--config", "tiny"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["check"] == check
+    assert _last_json_line(STANDIN, BENCH / "gpu_check.py", check, "--config", "tiny")["check"] == check

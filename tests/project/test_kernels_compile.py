@@ -2,16 +2,13 @@
 (bench/nvrtc_check.py, run with the tools `make test` installs in .venv-gpu-tools): a kernel that does
 not compile fails here, not at a user's first step on a device."""
 
-import json
-import subprocess
-
 import numpy as np
 import pytest
 
 from mpifsdp.base import kernels
 from mpifsdp.ops import gpu_kernels
 
-from support import ROOT, gpu_tools_python
+from support import ROOT, run_gpu_tool
 
 CHECK = ROOT / "bench" / "nvrtc_check.py"
 
@@ -19,8 +16,7 @@ CHECK = ROOT / "bench" / "nvrtc_check.py"
 def test_every_gpu_kernel_compiles_for_sm80_and_sm90_without_spills(comm):
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    done = subprocess.run([gpu_tools_python(), str(CHECK)], capture_output=True, text=True, timeout=600)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    done, lines = run_gpu_tool(CHECK, timeout=600)
     assert done.returncode == 0, [
         r for r in lines if not r.get("ok", True) or r.get("spill_bytes")
     ] or done.stderr
@@ -41,11 +37,10 @@ def test_a_kernel_that_does_not_compile_is_reported(comm):
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     probe = (
-        "import sys; sys.argv = ['x']; sys.path.insert(0, 'bench'); import nvrtc_check; "
-        "print(nvrtc_check.build('broken', 'extern \"C\" __global__ void k() { undeclared = 1; }', 'sm_90'))"
+        "import sys, json; sys.argv = ['x']; sys.path.insert(0, 'bench'); import nvrtc_check; "
+        "broken = 'extern \"C\" __global__ void k() { undeclared = 1; }'; "
+        "print(json.dumps(nvrtc_check.build('broken', broken, 'sm_90')))"
     )
-    done = subprocess.run(
-        [gpu_tools_python(), "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    done, lines = run_gpu_tool("-c", probe)
     assert done.returncode == 0, done.stderr
-    assert "'ok': False" in done.stdout and "undeclared" in done.stdout, done.stdout
+    assert lines[-1]["ok"] is False and "undeclared" in lines[-1]["log"], done.stdout
