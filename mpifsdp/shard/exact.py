@@ -31,6 +31,9 @@ LEVEL_STEP = 4  # levels are multiples of this many bits
 TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TOP_BITS
 BLOCK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64 scratch, in cache
 LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
+# chunks a level adds as float64 integers before it turns int64: 8 of |q| <= 2**TOP_BITS stay <= 2**53,
+# where every integer, and so every partial sum, is exact in float64
+FLOAT_CHUNKS = 2 ** (53 - TOP_BITS)
 
 
 _scratch: dict = {}  # (array module, dtype) -> the largest scratch vector asked for so far
@@ -46,13 +49,14 @@ def scratch(xp, numel: int, dtype, which: int = 0):
     return buffer[:numel]
 
 
-def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, fresh: bool) -> list:
-    """Add the int64 fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (fresh: write
-    it there, their contents are garbage): rint of it, and with two=True the remainder (|r| <= 1/2,
-    exact in float64) at LOW_BITS more bits, so a float64 chunk keeps its precision relative to its
-    smaller elements too (2**-96 of its largest, not 2**-46). One product (exact for float32 and
-    float16 chunks: 24 bits times an integer weight times a power of two), then in place, a
-    cache-sized block at a time on the CPU (elementwise: the blocks change no bit)."""
+def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, floats: int | None) -> list:
+    """Add the fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs`: rint of it, and with
+    two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS more bits, so a float64 chunk
+    keeps its precision relative to its smaller elements too (2**-96 of its largest, not 2**-46).
+    floats: how many chunks the limbs hold as float64 integers (0: none yet, write them), None:
+    they are int64. One product (exact for float32 and float16 chunks: 24 bits times an integer
+    weight times a power of two), then in place, a cache-sized block at a time on the CPU
+    (elementwise: the blocks change no bit)."""
     for start, stop in blocks(xp, chunk.size):
         n = stop - start
         scaled = xp.multiply(chunk[start:stop], factor, out=scratch(xp, n, np.float64), dtype=np.float64)
@@ -62,14 +66,31 @@ def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, fresh: bool) ->
             scaled -= high
             scaled *= 2.0**LOW_BITS
             parts.append(xp.rint(scaled, out=scaled))
-        whole = scratch(xp, n, np.int64)
         for total, part in zip(limbs, parts):
-            if fresh:  # integral values: exact
-                xp.copyto(total[start:stop], part, casting="unsafe")
-            else:
-                xp.copyto(whole, part, casting="unsafe")
-                total[start:stop] += whole
+            _accumulate(xp, total[start:stop], part, floats)
     return limbs
+
+
+def _accumulate(xp, total, integral, floats: int | None):
+    """total (an int64 slice) += integral (float64 integers), where total holds int64 (floats None)
+    or, viewed as float64, `floats` chunks' float64 integers (0: written, not added): no float64 to
+    int64 conversion per chunk, the slowest pass of the add."""
+    if floats is None:
+        whole = scratch(xp, integral.size, np.int64)
+        xp.copyto(whole, integral, casting="unsafe")  # integral values: exact
+        total += whole
+    elif floats == 0:
+        xp.copyto(total.view(np.float64), integral)
+    else:
+        xp.add(total.view(np.float64), integral, out=total.view(np.float64))
+
+
+def _to_int64(xp, vector):
+    """A vector of float64 integers (viewed as int64) made int64 in place, a block at a time."""
+    for start, stop in blocks(xp, vector.size):
+        whole = scratch(xp, stop - start, np.int64)
+        xp.copyto(whole, vector[start:stop].view(np.float64), casting="unsafe")
+        vector[start:stop] = whole
 
 
 def blocks(xp, numel: int):
@@ -101,6 +122,7 @@ class ExactSum:
         self.take, self.give = buffers or ((lambda n: xp.empty(n, dtype=np.int64)), (lambda vector: None))
         self.limbs = 2 if np.dtype(dtype) == np.float64 else 1
         self.levels: dict[int, list] = {}  # level -> its limbs, int64 buffers of numel
+        self.floats: dict[int, int] = {}  # level -> chunks its limbs hold as float64 integers, until int64
         self.nonfinite = False
         self.weight = self.chunks = 0  # the weights given with the chunks, summed (integers: exact)
 
@@ -116,16 +138,27 @@ class ExactSum:
         if largest == 0.0 or weight == 0:
             return
         level = level_of(largest * weight)
-        factor, two = math.ldexp(weight, level), self.limbs == 2
-        limbs = self.levels.get(level) or [self.take(self.numel) for _ in range(self.limbs)]
-        self.levels[level] = _add_limbs(self.xp, chunk, factor, limbs, two, fresh=level not in self.levels)
+        if level not in self.levels:
+            self.levels[level], self.floats[level] = [self.take(self.numel) for _ in range(self.limbs)], 0
+        elif self.floats.get(level) == FLOAT_CHUNKS:
+            self._to_int64(level)
+        factor, floats = math.ldexp(weight, level), self.floats.get(level)
+        _add_limbs(self.xp, chunk, factor, self.levels[level], self.limbs == 2, floats)
+        if floats is not None:
+            self.floats[level] = floats + 1
+
+    def _to_int64(self, level: int):
+        """The level's limbs, held as float64 integers, made int64 (for more chunks, or the reduction)."""
+        if self.floats.pop(level, None) is not None:
+            for vector in self.levels[level]:
+                _to_int64(self.xp, vector)
 
     def release(self):
         """Give back the vectors of chunks added and not reduced (the sum is forgotten)."""
         for limbs in self.levels.values():
             for vector in limbs:
                 self.give(vector)
-        self.levels = {}
+        self.levels, self.floats = {}, {}
 
     def reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
         """Collective: (this rank's float64 slice of the total over every rank's chunks, and over
@@ -149,6 +182,8 @@ class ExactSum:
         pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp, self.give)
         # every chunk's level, whichever rank holds it: the same at any N
         levels = sorted({level for used, *_ in everyone for level in used})
+        for level in list(self.floats):
+            self._to_int64(level)
         merged = merged_level(levels, chunks)
         if merged is not None:  # one vector (per limb) to reduce: bytes as with a single level
             self._shift_into(merged)

@@ -91,6 +91,12 @@ def _merge_past_headroom():
     _replace(exact, "merged_level", lambda levels, chunks: levels[-1] if len(levels) > 1 else None)
 
 
+def _float_chunks_past_2_53():
+    from mpifsdp.shard import exact
+
+    _replace(exact, "FLOAT_CHUNKS", 2**10)
+
+
 def _no_step_verdict():
     from mpifsdp.optim.flat_optimizer import FlatOptimizer
 
@@ -570,6 +576,13 @@ MUTANTS = {
         _merge_past_headroom,
         "an exact sum's levels are merged only while the int64 headroom allows the shift",
         ["tests/unit/shard/test_exact.py::test_levels_are_not_merged_past_the_int64_headroom"],
+    ),
+    "float_chunks": Mutant(
+        _float_chunks_past_2_53,
+        "an exact sum's level turns int64 before its float64 integers could pass 2**53",
+        [
+            "tests/unit/shard/test_exact.py::test_chunks_held_as_float64_integers_turn_int64_before_they_could_round"
+        ],
     ),
     "step_verdict": Mutant(
         _no_step_verdict,

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpifsdp import Comm
-from mpifsdp.shard.exact import LEVEL_STEP, MAX_CHUNKS, ExactSum, exact_squared_norm, level_of
+from mpifsdp.shard.exact import FLOAT_CHUNKS, LEVEL_STEP, MAX_CHUNKS, ExactSum, exact_squared_norm, level_of
 
 
 def _alone():
@@ -108,3 +108,23 @@ def test_levels_are_not_merged_past_the_int64_headroom():
     assert len(pending.parts) == 2
     total, _ = pending.finish()
     assert total.tolist() == [600 * float(np.float32(3.9)) + float(np.float32(0.2))] * 8
+
+
+def test_chunks_held_as_float64_integers_turn_int64_before_they_could_round():
+    """A level adds its first FLOAT_CHUNKS chunks as float64 integers (exact up to 2**53) and then
+    turns int64: 40 float64 chunks at the top of one level (odd |q| ~ 2**50, whose float64 sums past
+    2**53 would round, by order) give the exact integer total, in any order."""
+    rng = np.random.default_rng(3)
+    chunks = [rng.uniform(2.0, 3.9, 6) for _ in range(40)]
+    assert len({level_of(float(c.max())) for c in chunks}) == 1 and len(chunks) > FLOAT_CHUNKS
+    truth = [sum(Fraction(float(c[i])) for c in chunks) for i in range(6)]
+    bound = 40 * 3.9 * 2.0**-95 + 2.0**-52 * float(max(truth))  # the limbs' rounding, then float64's
+    totals = set()
+    for order in (range(40), reversed(range(40)), rng.permutation(40)):
+        exact = ExactSum(6, np, np.float64)
+        for i in order:
+            exact.add(chunks[i])
+        total, _ = exact.reduce_scatter(_alone(), 6, unit="u", phase="backward")
+        totals.add(total.tobytes())
+        assert max(abs(Fraction(float(t)) - x) for t, x in zip(total, truth)) <= bound
+    assert len(totals) == 1
