@@ -32,12 +32,12 @@ $(VENV)/.installed: pyproject.toml
 # building does not load: both --no-deps;
 # tests/project/test_cudnn_graphs.py). No GPU or driver is needed. The suite's venv has no CuPy, so
 # its tests meet a machine without a GPU as a user's would. CuPy is pinned: the NVRTC check builds
-# elementwise kernels with CuPy's private code generator.
+# elementwise kernels with CuPy's private code generator; ml_dtypes gives it (and CuPy) bfloat16.
 GPU_TOOLS_VENV = .venv-gpu-tools
 $(GPU_TOOLS_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(GPU_TOOLS_VENV)
 	$(GPU_TOOLS_VENV)/bin/pip install -q numpy cupy-cuda12x==14.2.0 nvidia-cuda-nvrtc-cu12==12.9.86 \
-	  nvidia-cuda-runtime-cu12==12.9.79
+	  nvidia-cuda-runtime-cu12==12.9.79 ml_dtypes==0.7.0
 	$(GPU_TOOLS_VENV)/bin/pip install -q --no-deps nvidia-cudnn-frontend==1.32.0 nvidia-cudnn-cu12==9.27.0.42
 	touch $@
 

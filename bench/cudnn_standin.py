@@ -15,10 +15,11 @@ import types
 
 import numpy as np
 
+from mpifsdp.base.checks import bfloat16
 from mpifsdp.base.kernels import host_array
 
 BROKEN: dict = {}
-_TYPES = {"HALF": np.float16, "FLOAT": np.float32}
+_TYPES = {"HALF": np.float16, "FLOAT": np.float32, "BFLOAT16": bfloat16()}
 
 
 class _Tensor:

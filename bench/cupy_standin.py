@@ -55,10 +55,27 @@ def _device(r):
     return r
 
 
+def _all_bfloat16(inputs) -> bool:
+    return all(getattr(a, "dtype", None) is not None and a.dtype.name == "bfloat16" for a in inputs)
+
+
+def _bfloat16_matmul(a, b, out=None):
+    """CuPy's bfloat16 matmul: float32 products and sums (cuBLAS), the result rounded to bfloat16
+    (ml_dtypes' own matmul returns float32)."""
+    _launch("matmul")
+    product = np.matmul(_host(a).astype(np.float32), _host(b).astype(np.float32))
+    if out is None:
+        return _device(product.astype(a.dtype))
+    np.copyto(out[0], product, casting="unsafe")
+    return _device(out[0])
+
+
 class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
+        if ufunc is np.matmul and _all_bfloat16(inputs):
+            return _bfloat16_matmul(*inputs, **kwargs)
         result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
         _launch("matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method)
         return _device(result)

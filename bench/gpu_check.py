@@ -5,7 +5,7 @@ python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds,
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
-python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16] [--prefetch 0]
+python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16] [--prefetch 0]
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
@@ -33,6 +33,7 @@ from common import (  # noqa: E402
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
+from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.ops import gpu_attention  # noqa: E402
@@ -46,7 +47,7 @@ CONFIGS = {
     "tiny": SMALL_GPT,  # a dry run of a check's code (the stand-in's float16 GEMMs are slow NumPy loops)
 }
 # H200 SXM: dense fp16/bf16 (the datasheet's 1,979 is "with sparsity"; an NVL is 835); fp32 without TF32
-PEAK_TFLOPS = {"float16": 989.4, "float32": 60.0}
+PEAK_TFLOPS = {"float16": 989.4, "bfloat16": 989.4, "float32": 60.0}
 
 
 F64_BOUND = 1e-10  # float64 CPU vs GPU losses, relative: only summation order differs (~1e-15 per op)
@@ -89,6 +90,7 @@ def preflight(args):
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
             nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
             cudnn=gpu_attention.version(),
+            bfloat16=bfloat16() is not None,  # ml_dtypes, which CuPy's bfloat16 is
         )
     print(json.dumps(info))
     if info.get("kernel_ok") is False:
@@ -143,12 +145,12 @@ def speed(args):
     comm = mpifsdp.Comm(device=args.device, transport=args.transport)
     xp = mpifsdp.array_module(comm.device)
     model = GPT(gpt_config(cfg), seed=0, device=comm.device)
-    dtype = None if args.dtype == "float32" else np.dtype(args.dtype)
+    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
     mpifsdp.fully_shard(
         model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32, prefetch=args.prefetch
     )
     opt = mpifsdp.AdamW(model, lr=1e-4)
-    scaler = mpifsdp.LossScaler() if dtype is not None else None
+    scaler = mpifsdp.LossScaler() if args.dtype == "float16" else None  # bfloat16 has float32's range
     # the batch on the host, as a loader gives it: its checks read nothing back from the device
     x, y = (rank_slice(a, comm.rank, comm.size) for a in random_batch(cfg, cfg["batch_size"] * comm.size))
     synchronize = synchronizer(xp)
@@ -160,6 +162,8 @@ def speed(args):
             scaler.step(opt, max_norm=1.0)
         else:
             loss.backward()
+            if dtype is not None:
+                opt.clip_grad_norm(1.0)
             opt.step()
         opt.zero_grad()
         synchronize()

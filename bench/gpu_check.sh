@@ -42,10 +42,11 @@ MPICHECK="$MPIEXEC -n"
 if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config small --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
 run 60 $CHECK preflight --device "$DEVICE"
 # first what a lent device is for (the budget may cut the last steps): cuDNN's fused attention
-# against the batched passes, the ~350M model in float16 (tokens/s, TFLOP/s, MFU against the dense
-# peak, the pool against the plan), and that model's GEMMs and the copy bandwidth
+# against the batched passes, the ~350M model in float16 and in bfloat16 (tokens/s, TFLOP/s, MFU
+# against the dense peak, the pool against the plan), and that model's GEMMs and the copy bandwidth
 [ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3
+[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3
 [ "$DEVICE" != cpu ] && run 45 $CHECK roofline --config gpu350m
 # every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
 run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/

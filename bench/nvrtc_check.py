@@ -1,6 +1,6 @@
 """Compile every GPU kernel of mpifsdp with NVRTC, with no GPU and no driver: the raw kernels
 (base/kernels.py RAW_FAMILIES) and the elementwise ones (through CuPy's own code generator, as CuPy
-would build them), for float16, float32 and float64, for sm_80 (A100) and sm_90 (H100/H200). One
+would build them), for float16, bfloat16, float32 and float64, for sm_80 (A100) and sm_90 (H100/H200). One
 JSON line per kernel and architecture (registers, spill bytes), then a summary; exit 1 on a compile
 error or a spill. Needs CuPy and NVRTC (make test installs them in .venv-gpu-tools: see the Makefile):
 
@@ -33,7 +33,7 @@ from mpifsdp.base import kernels  # noqa: E402
 from mpifsdp.ops import gpu_kernels  # noqa: E402
 
 ARCHES = ("sm_80", "sm_90")
-DTYPES = (np.float16, np.float32, np.float64)
+DTYPES = tuple(kernels.ELEMENT_TYPES)  # bfloat16 among them where ml_dtypes is installed
 
 
 def include_dirs() -> list[str]:

@@ -8,7 +8,11 @@
 - float16 gathers whose backward sends the cast its forward kept against ones that cast again: the
   same parameters after 3 steps, bit for bit;
 - a master beyond float16 named at the step through the NaN/Inf flag kernel, and the next step,
-  the master back in range, not (the flag keeps its old token: it is never zeroed).
+  the master back in range, not (the flag keeps its old token: it is never zeroed);
+- float16 and bfloat16 gathers (raw kernels in that type) against float32: the gradient shards
+  after one backward within the 16-bit type's rounding along the model's path;
+- bfloat16 over host-staged MPI: gathered as 16-bit words, bit for bit the masters' cast, and a
+  bfloat16 reduction refused by name (MPI has no bfloat16 sum).
 Prints one JSON line; exits 1 beyond the bound.
 
     python bench/standin_run.py bench/standin_checks.py
@@ -25,6 +29,7 @@ from common import random_batch
 import mpifsdp
 from mpifsdp import sharded_model
 from mpifsdp.base.backend import to_numpy
+from mpifsdp.base.checks import bfloat16
 from mpifsdp.models import GPT, GPTConfig
 
 CONFIG = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
@@ -112,6 +117,44 @@ def overflow_named_once() -> bool:
     return outcomes == ["named", "stepped"]
 
 
+def mixed_precision_grads(dtype) -> list[np.ndarray]:
+    """Every unit's gradient shard after one backward of a float32 GPT gathering in `dtype` (float32:
+    no mixed precision), reducing in float32."""
+    comm = mpifsdp.Comm(device="cuda", transport="nccl")
+    keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
+    model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, device="cuda")
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32)
+    x, y = random_batch(CONFIG, 4, seed=0)
+    model(x, y).backward()
+    return [to_numpy(unit.flat_grad()) for unit in sharded_model(model).trainable_units]
+
+
+def mixed_precision_bound(dtype) -> float:
+    """Relative to the largest gradient: each of the ~10 operations a block (and 4 more: embeddings,
+    final LayerNorm, head, loss) rounds its result to `dtype` once forward and once backward, u =
+    eps/2 each; were every rounding to add at the largest gradient's scale, (10 n_layer + 4) eps."""
+    return (10 * CONFIG["n_layer"] + 4) * float(np.finfo(dtype).eps)
+
+
+def bfloat16_over_host_staging() -> bool:
+    """A bfloat16 gather over MPI with host staging (as 16-bit words) gives the masters' cast bit for
+    bit and a float32 reduction runs; a bfloat16 reduce_dtype there is refused, naming it."""
+    from mpifsdp import Unit
+
+    comm = mpifsdp.Comm(device="cuda", transport="host")
+    xp, rng = mpifsdp.array_module("cuda"), np.random.default_rng(5)
+    masters = rng.normal(0, 1, 10).astype(np.float32)
+    unit = Unit("u", {"w": xp.asarray(masters)}, comm, param_dtype=bfloat16(), reduce_dtype=np.float32)
+    with unit.unsharded() as full:
+        gathered = to_numpy(full["w"]).tobytes() == masters.astype(bfloat16()).tobytes()
+    unit.reduce_grad({"w": xp.ones(10, dtype=np.float32)})
+    try:
+        Unit("v", {"w": xp.asarray(masters)}, comm, param_dtype=bfloat16())  # reduce_dtype: bfloat16 too
+        return False
+    except ValueError as exc:
+        return gathered and "reduce_dtype=bfloat16 over the 'host' transport" in str(exc)
+
+
 def _relative_error(gpu, cpu) -> float:
     return max(float(np.abs(g - c).max()) for g, c in zip(gpu, cpu)) / max(
         float(np.abs(c).max()) for c in cpu
@@ -130,8 +173,16 @@ def main() -> int:
     err = _relative_error(scaled_steps("cuda"), scaled_steps("cpu"))
     result["params_after_3_scaled_clipped_steps"] = {"max_rel_err": err, "bound": BOUND}
     result["overflow_named_then_cleared"] = overflow_named_once()
+    full = mixed_precision_grads(np.float32)
+    for dtype in (np.float16, bfloat16()):
+        err = _relative_error(mixed_precision_grads(dtype), full)
+        result[f"{np.dtype(dtype).name}_grads_against_float32"] = {
+            "max_rel_err": err,
+            "bound": mixed_precision_bound(dtype),
+        }
+    result["bfloat16_over_host_staging"] = bfloat16_over_host_staging()
     ok = all(r["max_rel_err"] <= r["bound"] for r in result.values() if isinstance(r, dict))
-    ok = ok and result["overflow_named_then_cleared"]
+    ok = ok and result["overflow_named_then_cleared"] and result["bfloat16_over_host_staging"]
     print(json.dumps({**result, "ok": ok}))
     return 0 if ok else 1
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base.backend import array_module_of, to_numpy
+from ..base.checks import is_floating
 from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order, timed
 
 
@@ -305,7 +306,7 @@ def apply(name: str, *args, **settings) -> Tensor:
     prim = PRIMITIVES[name]
     like = next((a for a in args if isinstance(a, Tensor)), None)
     inputs = tuple(as_tensor(a, like) for a in args)
-    float_dtypes = {t.dtype for t in inputs if t.dtype.kind == "f"}
+    float_dtypes = {t.dtype for t in inputs if is_floating(t.dtype)}
     if len(float_dtypes) > 1:  # numpy would silently promote, and gradients would change dtype
         raise TypeError(
             f"{name}: inputs of different dtypes ({', '.join(map(_describe, inputs))}); "

@@ -80,13 +80,47 @@ def is_finite_at_least(value, least: float) -> bool:
     return number and math.isfinite(value) and value >= least
 
 
+def bfloat16():
+    """The bfloat16 dtype CuPy computes in (ml_dtypes'), or None where ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_floating(dtype) -> bool:
+    """A float dtype: NumPy's (kind "f") or bfloat16 (ml_dtypes': kind "V", as NumPy has none)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or (dtype.name == "bfloat16" and dtype == bfloat16())
+
+
 def float_dtype(name: str, value) -> np.dtype:
-    """np.dtype(value) where it is a floating type, else a ValueError naming the option `name`
-    (a mixed-precision setting: "bogus" or an int type would fail later, far from its cause)."""
+    """np.dtype(value) where it is a floating type (bfloat16 included: "bfloat16" or
+    ml_dtypes.bfloat16), else a ValueError naming the option `name` (a mixed-precision setting:
+    "bogus" or an int type would fail later, far from its cause)."""
+    if isinstance(value, str) and value == "bfloat16":
+        value = bfloat16()
+        if value is None:
+            raise ValueError(
+                f"{name}='bfloat16' needs ml_dtypes, the bfloat16 type CuPy uses: pip install ml_dtypes"
+            )
     try:
         dtype = np.dtype(value)
     except TypeError:
         dtype = None
-    if dtype is None or dtype.kind != "f":
-        raise ValueError(f"{name}={value!r}: give a floating dtype (float16, float32 or float64), or None")
+    if dtype is None or not is_floating(dtype):
+        raise ValueError(
+            f"{name}={value!r}: give a floating dtype (float16, bfloat16, float32 or float64), or None"
+        )
     return dtype
+
+
+def check_summable(transport: str, dtype, what: str):
+    """MPI's sums know no bfloat16: a bfloat16 reduction over an MPI transport (named `transport`)
+    fails here, by name, before any collective (NCCL sums it; with MPI, reduce in float32)."""
+    if np.dtype(dtype).name == "bfloat16" and transport != "nccl":
+        raise ValueError(
+            f"{what}=bfloat16 over the {transport!r} transport: MPI has no bfloat16 sum; give "
+            f"{what}=np.float32 (gathers still move bfloat16), or use transport='nccl'"
+        )

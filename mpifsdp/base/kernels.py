@@ -19,13 +19,14 @@ import os
 import numpy as np
 
 from .backend import array_module_of, to_numpy
-from .checks import yes_or_no
+from .checks import bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
 # BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it.
 BLOCK_REDUCE = r"""
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __shared__ ACC part[32];
     for (int o = 16; o > 0; o >>= 1) {
@@ -46,6 +47,8 @@ ELEMENT_TYPES = {
     np.float32: ("float", "float"),
     np.float64: ("double", "double"),
 }
+if bfloat16() is not None:  # CuPy's bfloat16 is ml_dtypes'
+    ELEMENT_TYPES[bfloat16().type] = ("__nv_bfloat16", "float")
 TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
 # what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
 RAW_FAMILIES: dict = {}

@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from ..base import backend
+from ..base.checks import check_summable
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ class CopyBack:
         self.Test()
 
 
+def words(array):
+    """A bfloat16 array as its 16-bit words (MPI has no bfloat16 type; a gather only copies bits);
+    any other array as it is."""
+    return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+
+
 class MPITransport:
     name = "mpi"
 
@@ -48,11 +55,12 @@ class MPITransport:
         self.mpi = mpi
 
     def iall_gather(self, send, recv):
-        return self.mpi.Iallgather(self._ready(send), self._ready(recv))
+        return self.mpi.Iallgather(words(self._ready(send)), words(self._ready(recv)))
 
     def ireduce_scatter(self, send, recv):
         from mpi4py import MPI
 
+        check_summable(self.name, send.dtype, "reduce_dtype")
         return self.mpi.Ireduce_scatter_block(self._ready(send), self._ready(recv), op=MPI.SUM)
 
     def _ready(self, array):
@@ -73,11 +81,12 @@ class HostStagingTransport(MPITransport):
     def iall_gather(self, send, recv):
         backend.synchronize(send)
         host = np.empty(recv.shape, dtype=recv.dtype)
-        return CopyBack(self.mpi.Iallgather(backend.to_numpy(send), host), host, recv)
+        return CopyBack(self.mpi.Iallgather(words(backend.to_numpy(send)), words(host)), host, recv)
 
     def ireduce_scatter(self, send, recv):
         from mpi4py import MPI
 
+        check_summable(self.name, send.dtype, "reduce_dtype")
         backend.synchronize(send)
         host = np.empty(recv.shape, dtype=recv.dtype)
         return CopyBack(self.mpi.Ireduce_scatter_block(backend.to_numpy(send), host, op=MPI.SUM), host, recv)

@@ -46,7 +46,8 @@ def fully_shard(
     it, as its parameters are the first needed by backward).
     param_dtype / reduce_dtype: mixed precision. Shards, gradient shards and AdamW state stay in the
     model's dtype (fp32 masters); parameters are gathered and computed in param_dtype (e.g. float16)
-    and gradients reduce-scattered in reduce_dtype (default param_dtype). Use LossScaler with float16.
+    and gradients reduce-scattered in reduce_dtype (default param_dtype). Use LossScaler with float16
+    (bfloat16, on a GPU, has float32's range: no scaler needed).
     sync_params: take rank 0's initial values for every rank. By default every rank must build the
     same values (same seed), and the model's configuration must match across ranks: both checked,
     so that no rank trains a different model silently.

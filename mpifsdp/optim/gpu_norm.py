@@ -20,8 +20,8 @@ THREADS, PIECE = 256, 256 * 16  # elements a block sums
 SOURCE = r"""
 extern "C" __global__ void squares_by_piece(const long long* table, const int vectors, ACC* partial) {
     /* table: the vectors' addresses, their lengths, their first pieces (vectors + 1 of them), then
-       their element size (for the twin); block b sums the squares of piece b - first[v] of vector
-       v, first[v] <= b < first[v + 1] */
+       their dtype (for the twin: its position in _DTYPES); block b sums the squares of piece
+       b - first[v] of vector v, first[v] <= b < first[v + 1] */
     const long long* lengths = table + vectors;
     const long long* first = table + 2 * vectors;
     int v = 0;
@@ -52,13 +52,13 @@ def source(dtype) -> str:
     return f"#define PIECE {PIECE}\n" + kernels.typed_source(dtype, SOURCE)
 
 
-_BY_ITEMSIZE = {2: np.float16, 4: np.float32, 8: np.float64}
+_DTYPES = tuple(kernels.ELEMENT_TYPES)  # a table's last entry: its vectors' dtype, by position here
 
 
 def _table_parts(table, vectors: int):
     """(addresses, lengths, first pieces, element dtype) of a table."""
     t = np.asarray(table, dtype=np.int64)
-    return t[:vectors], t[vectors : 2 * vectors], t[2 * vectors : 3 * vectors + 1], _BY_ITEMSIZE[int(t[-1])]
+    return t[:vectors], t[vectors : 2 * vectors], t[2 * vectors : 3 * vectors + 1], _DTYPES[int(t[-1])]
 
 
 def _squares_twin(grid, block, args, shared_mem=0):
@@ -82,7 +82,7 @@ def _sum_pieces_twin(grid, block, args, shared_mem=0):
 kernels.TWINS.update(squares_by_piece=_squares_twin, sum_pieces=_sum_pieces_twin)
 kernels.RAW_FAMILIES["sum of squares"] = (source, KERNELS)
 
-_tables: dict = {}  # (address, length, element size) of each vector -> the table on the device
+_tables: dict = {}  # (address, length, dtype) of each vector -> the table on the device
 
 
 def _address(v) -> int:
@@ -91,7 +91,7 @@ def _address(v) -> int:
 
 
 def _table(xp, vectors: list):
-    key = tuple((_address(v), v.size, v.dtype.itemsize) for v in vectors)
+    key = tuple((_address(v), v.size, v.dtype.str) for v in vectors)
     if key not in _tables:
         pieces = np.array([-(-v.size // PIECE) for v in vectors], dtype=np.int64)
         first = np.concatenate([[0], np.cumsum(pieces)])
@@ -99,7 +99,7 @@ def _table(xp, vectors: list):
             [_address(v) for v in vectors],
             [v.size for v in vectors],
             first,
-            [vectors[0].dtype.itemsize],
+            [_DTYPES.index(vectors[0].dtype.type)],
         )
         host = np.concatenate(columns)
         if len(_tables) > 64:  # buffers moved (a pool reshuffled): forget old layouts

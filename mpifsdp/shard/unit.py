@@ -26,7 +26,7 @@ import numpy as np
 from ..base import kernels
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import float_dtype
+from ..base.checks import check_summable, float_dtype
 from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
@@ -86,9 +86,8 @@ class Unit:
             for level in (replicas, comm) if replicas is not None else (comm,):
                 named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
-        self.param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
-        self.reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or self.param_dtype)
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
+        self.param_dtype, self.reduce_dtype = self._precisions(param_dtype, reduce_dtype, trainable)
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
         # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
@@ -135,6 +134,21 @@ class Unit:
         if self.full is None:
             return "sharded"
         return "gathering" if self._gathering is not None else "unsharded"
+
+    def _precisions(self, param_dtype, reduce_dtype, trainable: bool):
+        """(param_dtype, reduce_dtype), checked: floating; bfloat16 only on a GPU, and reduced there
+        only over NCCL (the same refusal on every rank, before any collective)."""
+        param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
+        reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or param_dtype)
+        if self.xp is np and "bfloat16" in (param_dtype.name, reduce_dtype.name):
+            raise ValueError(
+                f"unit {self.name!r}: bfloat16 computes on a GPU only (NumPy has no bfloat16 arithmetic "
+                "of its own: ml_dtypes' matmul returns float32); on the CPU give float16 or float32"
+            )
+        if trainable:
+            for level in (self.comm, self.replicas) if self.replicas is not None else (self.comm,):
+                check_summable(level.transport.name, reduce_dtype, "reduce_dtype")
+        return param_dtype, reduce_dtype
 
     def _take(self, category: str, dtype, numel: int | None = None, zero: bool = False):
         buf = self.pool.take(numel or self.layout.padded_numel, dtype, self.xp, zero=zero)

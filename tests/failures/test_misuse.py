@@ -118,6 +118,11 @@ def test_an_mlp_of_sizes_below_one_is_refused_by_name(sizes):
         ({"param_dtype": "bogus"}, r"param_dtype='bogus': give a floating dtype"),  # was NumPy's TypeError
         ({"param_dtype": np.int32}, r"param_dtype=<class 'numpy.int32'>: give a floating dtype"),  # a ufunc's
         ({"reduce_dtype": "float8"}, r"reduce_dtype='float8': give a floating dtype"),
+        # bfloat16 is a GPU's type: NumPy has no bfloat16 arithmetic (ml_dtypes' matmul gives float32)
+        (
+            {"param_dtype": "bfloat16"},
+            r"bfloat16 computes on a GPU only .* on the CPU give float16 or float32",
+        ),
     ],
 )
 def test_an_option_fully_shard_cannot_use_is_refused_by_name(comm, option, message):

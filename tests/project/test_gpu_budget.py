@@ -61,7 +61,8 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     no_sync micro-batches (the later ones must add, not write), and its parameters after three
     LossScaler steps that clip (a GPU folds the unscale and the clip into AdamW's kernel); a host batch
     and float16 gathers reusing their forward's casts give the same bits as a device batch and fresh
-    casts."""
+    casts; float16 and bfloat16 gathers (the raw kernels in that type) give float32's gradients within
+    the 16-bit type's rounding; bfloat16 over host-staged MPI gathers as 16-bit words."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
@@ -79,10 +80,14 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     assert result["ok"] and result["cudnn"] == (not cudnn), result
 
 
-@pytest.mark.parametrize("check", ["attention", "roofline"])
+@pytest.mark.parametrize(
+    "check", [["attention"], ["roofline"], ["speed", "--dtype", "bfloat16", "--steps", "1"]], ids=" ".join
+)
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
-    """make gpu-check's attention and roofline checks run to their JSON line with the stand-in (a
-    crash would cost a lent device's minutes; their figures mean something on a device only)."""
+    """make gpu-check's attention, roofline and bfloat16 speed checks run to their JSON line with the
+    stand-in (a crash would cost a lent device's minutes; their figures mean something on a device
+    only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    assert _last_json_line(STANDIN, BENCH / "gpu_check.py", check, "--config", "tiny")["check"] == check
+    result = _last_json_line(STANDIN, BENCH / "gpu_check.py", *check, "--config", "tiny")
+    assert result["check"] == check[0]

@@ -1,8 +1,10 @@
 """base/checks.py: the package's one way to read a yes or a no, and to refuse settings."""
 
+import ml_dtypes
+import numpy as np
 import pytest
 
-from mpifsdp.base.checks import refuse_below, refuse_invalid, yes_or_no
+from mpifsdp.base.checks import check_summable, float_dtype, refuse_below, refuse_invalid, yes_or_no
 
 
 def test_yes_or_no_reads_the_usual_words_and_refuses_the_others():
@@ -21,3 +23,18 @@ def test_refusals_name_every_bad_value_at_once():
         refuse_below("plan", world_size=(0, 1), flops=(float("nan"), 0))
     with pytest.raises(ValueError, match=r"invalid batch=2.5 \(must be an integer >= 1\)"):
         refuse_below("data", integers=True, batch=(2.5, 1))
+
+
+def test_bfloat16_is_a_floating_dtype_that_only_nccl_sums():
+    """ "bfloat16" and ml_dtypes.bfloat16 are read as CuPy's bfloat16 (NumPy calls its kind "V", not
+    "f"); an MPI transport cannot sum it, so a bfloat16 reduction there is refused by name."""
+    assert float_dtype("param_dtype", "bfloat16") == float_dtype("param_dtype", ml_dtypes.bfloat16)
+    assert float_dtype("param_dtype", "bfloat16").name == "bfloat16"
+    with pytest.raises(ValueError, match=r"give a floating dtype \(float16, bfloat16, float32 or float64\)"):
+        float_dtype("param_dtype", np.uint16)  # bfloat16's width, not a float
+    check_summable("nccl", "bfloat16", "reduce_dtype")
+    check_summable("mpi", np.float32, "reduce_dtype")
+    with pytest.raises(
+        ValueError, match=r"reduce_dtype=bfloat16 over the 'host' transport: MPI has no bfloat16 sum"
+    ):
+        check_summable("host", ml_dtypes.bfloat16, "reduce_dtype")

@@ -3,6 +3,7 @@ causal_attention.py), in float64: the twins are what the kernels are checked aga
 (at first use, and in tests/unit/ops/test_gpu_kernels.py), so they must compute the same function.
 On a GPU the kernels themselves are compared with the twins."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from mpifsdp.ops import fused, gpu_cross_entropy, gpu_layer_norm
 
 # float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
 F64 = float(np.finfo(np.float64).eps)
+KERNEL_DTYPES = (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)  # every ELEMENT_TYPES entry
 
 
 def _close(got, want, terms):
@@ -105,7 +107,7 @@ def _as_kernel(name: str):
 
 
 def _probe_passes(probe):
-    for dtype in (np.float16, np.float32, np.float64):
+    for dtype in KERNEL_DTYPES:
         for what, got, want, bound in probe(np.dtype(dtype)):
             assert np.max(np.abs(to_numpy(got) - want)) <= bound, (dtype, what)
 
@@ -161,7 +163,7 @@ def test_the_nonfinite_flag_is_set_by_an_inf_and_only_by_one(monkeypatch):
     monkeypatch.setattr(kernels, "compiled", lambda *a: (_as_kernel("flag_nonfinite"),))
     monkeypatch.setattr(kernels, "_checked", set())
     flag = np.zeros(1, dtype=np.int32)
-    for dtype in (np.float16, np.float32, np.float64):
+    for dtype in KERNEL_DTYPES:
         assert kernels.flag_nonfinite(np.ones(1000, dtype), flag) and flag[0] == 0
     bad = np.ones(3000, np.float16)
     bad[2999] = np.inf  # what a master beyond float16 becomes in the gather
