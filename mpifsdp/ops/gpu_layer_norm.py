@@ -1,11 +1,12 @@
-"""LayerNorm as raw GPU kernels: the forward (and its recompute) in one launch, the backward in two.
+"""LayerNorm as raw GPU kernels: the forward (and its recompute) in one launch, the backward in one.
 
 fused.py's LayerNorm is eight array passes forward and about fourteen backward, each a launch and a
 trip through device memory on a GPU. Here the forward reads a row twice (its mean, then the
 variance about it: the CPU's two-pass formula) and writes the output once; the recompute in backward
 is the same kernel, so it gives the forward's bits. The backward kernel gives each thread block a run
 of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
-g*xhat and g in shared memory, and one small kernel adds the blocks' partials into dw and db.
+g*xhat and g in shared memory, and the last block to finish adds every block's partials, in block
+order, into dw and db (a counter of finished blocks, after a memory fence: no second launch).
 Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type.
 Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 """
@@ -42,11 +43,13 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
-                                               const ELEM* add, ACC* partial, const int n,
-                                               const int C, const int rows_per_block,
-                                               const int has_add) {
+                                               const ELEM* add, ACC* partial, ELEM* dw, ELEM* db,
+                                               unsigned int* done, const int n, const int C,
+                                               const int rows_per_block, const int flags) {
     /* partial: (2, gridDim.x, C): this block's column sums of g * xhat (for dw) and of g (for db);
-       has_add: gx = dx + add, the input's gradient from its other uses (the residual path) */
+       the last block to finish adds every block's partials, in block order, into dw and db.
+       flags: 1 = gx = dx + add, the input's gradient from its other uses (the residual path);
+       2 = has a bias (db written). done: a counter of finished blocks, back at 0 after each launch */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
@@ -70,7 +73,7 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
             const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
             const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
-            out[j] = (ELEM)(has_add ? dx + (ACC)add[(size_t)r * C + j] : dx);
+            out[j] = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
         }
     }
     ACC* mine = partial + (size_t)blockIdx.x * C;
@@ -78,22 +81,24 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         mine[j] = gw[j];
         mine[(size_t)gridDim.x * C + j] = gb[j];
     }
-}
-extern "C" __global__ void sum_partials(const ACC* partial, ELEM* gw, ELEM* gb, const int blocks,
-                                        const int C, const int has_bias) {
-    /* dw[j] and db[j]: the blocks' partial sums of column j, added in block order */
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= C) return;
-    ACC w = 0, b = 0;
-    for (int k = 0; k < blocks; ++k) {
-        w += partial[(size_t)k * C + j];
-        b += partial[(size_t)(blocks + k) * C + j];
+    __threadfence();  /* this block's partials visible to every block before it counts itself done */
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;  /* wraps to 0 */
+    __syncthreads();
+    if (!is_last) return;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        ACC sw = 0, sb = 0;
+        for (int k = 0; k < (int)gridDim.x; ++k) {  /* past L1: other blocks wrote these */
+            sw += __ldcg(partial + (size_t)k * C + j);
+            sb += __ldcg(partial + (size_t)(gridDim.x + k) * C + j);
+        }
+        dw[j] = (ELEM)sw;
+        if (flags & 2) db[j] = (ELEM)sb;
     }
-    gw[j] = (ELEM)w;
-    if (has_bias) gb[j] = (ELEM)b;
 }
 """
-KERNELS = ("layer_norm_forward", "layer_norm_backward", "sum_partials")
+KERNELS = ("layer_norm_forward", "layer_norm_backward")
 
 
 def source(dtype) -> str:
@@ -115,7 +120,7 @@ def _forward_twin(grid, block, args, shared_mem=0):
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
-    g, x, w, mean, rstd, gx, add, partial, n, C, rows_per_block, has_add = args
+    g, x, w, mean, rstd, gx, add, partial, dw, db, done, n, C, rows_per_block, flags = args
     n, C, per = int(n), int(C), int(rows_per_block)
     g64, x64 = g.reshape(n, C).astype(np.float64), x.reshape(n, C).astype(np.float64)
     rs = rstd.reshape(n, 1).astype(np.float64)
@@ -123,25 +128,19 @@ def _backward_twin(grid, block, args, shared_mem=0):
     gh = g64 * w.astype(np.float64)
     mean_gh, mean_ghx = gh.mean(axis=1, keepdims=True), (gh * xh).mean(axis=1, keepdims=True)
     dx = (gh - mean_gh - xh * mean_ghx) * rs
-    gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if int(has_add) else dx
+    gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if int(flags) & 1 else dx
     blocks = partial.reshape(2, -1, C).shape[1]
     parts = partial.reshape(2, blocks, C)
     for k in range(blocks):
         rows = slice(k * per, min(n, (k + 1) * per))
         parts[0, k], parts[1, k] = (g64[rows] * xh[rows]).sum(axis=0), g64[rows].sum(axis=0)
+    sums = parts.astype(np.float64).sum(axis=1)  # the last block's: every block's partials, in order
+    dw[...] = sums[0]
+    if int(flags) & 2:
+        db[...] = sums[1]
 
 
-def _sum_partials_twin(grid, block, args, shared_mem=0):
-    partial, gw, gb, blocks, C, has_bias = args
-    sums = partial.reshape(2, int(blocks), int(C)).astype(np.float64).sum(axis=1)
-    gw[...] = sums[0]
-    if int(has_bias):
-        gb[...] = sums[1]
-
-
-gk.TWINS.update(
-    layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin, sum_partials=_sum_partials_twin
-)
+gk.TWINS.update(layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin)
 gk.RAW_FAMILIES["layer norm"] = (source, KERNELS)
 
 
@@ -191,6 +190,9 @@ def again(x2, w, b, eps: float, out, mean, rstd) -> bool:
     return True
 
 
+_done: dict = {}  # device id -> the backward's counter of finished blocks (it resets itself)
+
+
 def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, max_blocks: int = MAX_BLOCKS):
     n, C = x2.shape
     blocks = min(n, max_blocks)
@@ -198,12 +200,14 @@ def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, max_blocks:
     blocks = -(-n // per)
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((2, blocks, C), dtype=acc)
-    has_add = np.int32(add2 is not None)
-    add2 = gx2 if add2 is None else add2  # not read without has_add
-    args = (g2, x2, w, mean, rstd, gx2, add2, partial, np.int32(n), np.int32(C), np.int32(per), has_add)
-    kernels[1]((blocks,), (THREADS,), args, shared_mem=2 * C * np.dtype(acc).itemsize)
-    sums = (partial, gw, gw if gb is None else gb, np.int32(blocks), np.int32(C), np.int32(gb is not None))
-    kernels[2]((-(-C // THREADS),), (THREADS,), sums)
+    device = getattr(getattr(x2, "device", None), "id", None)
+    if device not in _done:
+        _done[device] = xp.zeros(1, dtype=np.uint32)
+    flags = np.int32((add2 is not None) | (2 if gb is not None else 0))
+    add2 = gx2 if add2 is None else add2  # not read without flag 1
+    args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, _done[device])
+    sizes = (np.int32(n), np.int32(C), np.int32(per), flags)
+    kernels[1]((blocks,), (THREADS,), args + sizes, shared_mem=2 * C * np.dtype(acc).itemsize)
 
 
 def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None) -> bool:
@@ -254,9 +258,8 @@ def _probe(xp, dtype, backward: bool = False):
 
 
 def _backward_reference(g, x, w, mean, rstd, add) -> dict:
-    """gx (+ add), gw, gb in float64 through the twins (one block of partials)."""
+    """gx (+ add), gw, gb in float64 through the twin (one block of partials)."""
     n, C = x.shape
     gx, partial, gw, gb = np.empty((n, C)), np.empty((2, 1, C)), np.empty(C), np.empty(C)
-    _backward_twin(None, None, (g, x, w, mean, rstd, gx, add, partial, n, C, n, 1))
-    _sum_partials_twin(None, None, (partial, gw, gb, 1, C, 1))
+    _backward_twin(None, None, (g, x, w, mean, rstd, gx, add, partial, gw, gb, None, n, C, n, 3))
     return {"gx": gx, "gw": gw, "gb": gb}

@@ -41,13 +41,17 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     per = 16
     blocks = -(-n // per)
     gx, partial, gw, gb = np.empty((n, C)), np.empty((2, blocks, C)), np.empty(C), np.full(C, np.nan)
-    twins["layer_norm_backward"]((blocks,), None, (g, x, w, m, r, gx, gx, partial, n, C, per, 0))
-    twins["sum_partials"](None, None, (partial, gw, gb, blocks, C, int(bias)))
+    flags = 2 * bias  # 2: has a bias
+    twins["layer_norm_backward"](
+        (blocks,), None, (g, x, w, m, r, gx, gx, partial, gw, gb, None, n, C, per, flags)
+    )
     _close(gx, want_grads[0], C)
     residual = rng.normal(0, 1, (n, C))  # the input's gradient from its other uses, added in the kernel
     gx_and_residual = np.empty((n, C))
     twins["layer_norm_backward"](
-        (blocks,), None, (g, x, w, m, r, gx_and_residual, residual, partial, n, C, per, 1)
+        (blocks,),
+        None,
+        (g, x, w, m, r, gx_and_residual, residual, partial, gw, gb, None, n, C, per, flags | 1),
     )
     _close(gx_and_residual, want_grads[0] + residual, C)
     _close(gw, want_grads[1], n)
