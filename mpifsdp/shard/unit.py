@@ -96,11 +96,12 @@ class Unit:
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
             self.shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
         self.trainable = trainable
-        self.grad_shard = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
+        self._grad = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
+        self._grad_zeroed_lazily = False  # zero_grad's fill, left to the first reader (see grad_shard)
         self.has_grad = False
         self.ledger.alloc("param_shard", self.shard.nbytes)
         if trainable:
-            self.ledger.alloc("grad_shard", self.grad_shard.nbytes)
+            self.ledger.alloc("grad_shard", self._grad.nbytes)
         self.full = None  # gathered parameters, while unsharded (or gathering)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
@@ -392,9 +393,11 @@ class Unit:
         self.full_grad = None
         # A zero grad_shard (after zero_grad) of the reduce dtype receives the sum directly; otherwise a
         # temporary does, so gradients accumulate across backward calls until zeroed.
-        receive = self.grad_shard
-        if self.has_grad or self.reduce_dtype != self.grad_shard.dtype:
+        receive = self._grad
+        if self.has_grad or self.reduce_dtype != self._grad.dtype:
             receive = self._take("gathered_grads", self.reduce_dtype, numel=self.layout.shard_numel)
+        else:
+            self._grad_zeroed_lazily = False  # the sum is written over it
         if scale is not None:
             source *= scale
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
@@ -431,8 +434,9 @@ class Unit:
             self._give("gathered_grads", r.source)
         if r.divisor != 1:
             r.receive /= r.divisor
-        if r.receive is not self.grad_shard:
-            self.grad_shard += r.receive
+        if r.receive is not self._grad:
+            grad = self.grad_shard  # zeroed first where zero_grad left that to a reader
+            grad += r.receive
             self._give("gathered_grads", r.receive)
         self.has_grad = True
 
@@ -536,6 +540,16 @@ class Unit:
             )
         return self.grad_shard if self.has_grad else None
 
+    @property
+    def grad_shard(self):
+        """This rank's slice of the gradient (None for a frozen unit). zero_grad leaves the zeroing to
+        the first reader, and a reduce-scatter into a zeroed shard writes over it: a step that
+        reduces, steps and zeroes fills nothing (on a GPU, one launch a unit less)."""
+        if self._grad_zeroed_lazily:
+            self._grad[...] = 0
+            self._grad_zeroed_lazily = False
+        return self._grad
+
     def zero_grad(self):
         """Forget every gradient: the shard's, a full one kept unreduced (no_sync) and chunks added but
         not reduced (deterministic mode)."""
@@ -543,8 +557,7 @@ class Unit:
         if self._exact is not None:
             self._exact.release()
         self._exact = None
-        if self.trainable:
-            self.grad_shard[...] = 0
+        self._grad_zeroed_lazily = self.trainable
         self.has_grad = False
 
     # -- consolidation (tests, export) ------------------------------------------------------------

@@ -43,8 +43,9 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # and residual added in one pass (linear_add): 45.8; the backward's gathers send the float16 cast
     # their forward kept, checked then: 43.8; every group's sum of squares in two launches: 42.8; the
     # overflow flags never zeroed (a new token a step): 41.8; LayerNorm's backward adds the blocks'
-    # partial sums in its last block (no second kernel): 39.7 (budget: 25)
-    assert budget["launches_per_layer"] <= 40, budget
+    # partial sums in its last block (no second kernel): 39.7; zero_grad's fill left to a reader (the
+    # next reduce-scatter writes over the shard): 38.6 (budget: 25)
+    assert budget["launches_per_layer"] <= 38.6, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
