@@ -19,7 +19,12 @@ from mpifsdp.base.checks import bfloat16
 from mpifsdp.base.kernels import host_array
 
 BROKEN: dict = {}
-_TYPES = {"HALF": np.float16, "FLOAT": np.float32, "BFLOAT16": bfloat16()}
+_TYPES = {"HALF": np.float16, "FLOAT": np.float32, "BFLOAT16": "bfloat16"}  # bfloat16: ml_dtypes', when asked
+
+
+def _numpy_type(data_type: str):
+    kind = _TYPES[data_type]
+    return bfloat16() if kind == "bfloat16" else kind
 
 
 class _Tensor:
@@ -44,7 +49,7 @@ class _Tensor:
 
 def _view(address: int, t: _Tensor) -> np.ndarray:
     """The strided array `t` describes at `address`."""
-    dtype = np.dtype(_TYPES[t.data_type])
+    dtype = np.dtype(_numpy_type(t.data_type))
     flat = host_array(address, dtype, 1 + sum((d - 1) * s for d, s in zip(t.dim, t.stride)))
     return np.lib.stride_tricks.as_strided(flat, t.dim, [s * dtype.itemsize for s in t.stride])
 
@@ -120,7 +125,7 @@ class pygraph:  # noqa: N801 - cuDNN's name
         _launch("cudnn sdpa")
         run, scale, tensors = self.node
         by_tensor = {id(t): address for t, address in pointers.items()}
-        run({n: _view(by_tensor[id(t)], t) for n, t in tensors.items()}, scale, _TYPES[self.io])
+        run({n: _view(by_tensor[id(t)], t) for n, t in tensors.items()}, scale, _numpy_type(self.io))
 
 
 def module() -> types.ModuleType:

@@ -41,14 +41,29 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     return v;
 }
 """
-# The C types of a kernel's elements and of its arithmetic, by NumPy dtype.
-ELEMENT_TYPES = {
-    np.float16: ("__half", "float"),
-    np.float32: ("float", "float"),
-    np.float64: ("double", "double"),
-}
-if bfloat16() is not None:  # CuPy's bfloat16 is ml_dtypes'
-    ELEMENT_TYPES[bfloat16().type] = ("__nv_bfloat16", "float")
+
+
+class _ElementTypes(dict):
+    """The C types of a kernel's elements and of its arithmetic, by NumPy scalar type; bfloat16
+    (ml_dtypes', which CuPy computes in) is known by its name: importing ml_dtypes takes most of a
+    second, so only a program that made a bfloat16 array has it loaded."""
+
+    def __contains__(self, dtype) -> bool:
+        return dict.__contains__(self, dtype) or _is_bfloat16(dtype)
+
+    def __missing__(self, dtype):
+        if _is_bfloat16(dtype):
+            return ("__nv_bfloat16", "float")
+        raise KeyError(dtype)
+
+
+def _is_bfloat16(dtype) -> bool:
+    return getattr(dtype, "__name__", None) == "bfloat16" and np.dtype(dtype) == bfloat16()
+
+
+ELEMENT_TYPES = _ElementTypes(
+    {np.float16: ("__half", "float"), np.float32: ("float", "float"), np.float64: ("double", "double")}
+)
 TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
 # what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
 RAW_FAMILIES: dict = {}

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.backend import array_module_of, to_numpy
+from ..base.checks import bfloat16
 
 THREADS, PIECE = 256, 256 * 16  # elements a block sums
 
@@ -52,13 +53,22 @@ def source(dtype) -> str:
     return f"#define PIECE {PIECE}\n" + kernels.typed_source(dtype, SOURCE)
 
 
-_DTYPES = tuple(kernels.ELEMENT_TYPES)  # a table's last entry: its vectors' dtype, by position here
+_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's last entry: its dtype's place here
 
 
 def _table_parts(table, vectors: int):
     """(addresses, lengths, first pieces, element dtype) of a table."""
     t = np.asarray(table, dtype=np.int64)
-    return t[:vectors], t[vectors : 2 * vectors], t[2 * vectors : 3 * vectors + 1], _DTYPES[int(t[-1])]
+    return (
+        t[:vectors],
+        t[vectors : 2 * vectors],
+        t[2 * vectors : 3 * vectors + 1],
+        _numpy_type(_DTYPES[int(t[-1])]),
+    )
+
+
+def _numpy_type(name: str):
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _squares_twin(grid, block, args, shared_mem=0):
@@ -99,7 +109,7 @@ def _table(xp, vectors: list):
             [_address(v) for v in vectors],
             [v.size for v in vectors],
             first,
-            [_DTYPES.index(vectors[0].dtype.type)],
+            [_DTYPES.index(vectors[0].dtype.name)],
         )
         host = np.concatenate(columns)
         if len(_tables) > 64:  # buffers moved (a pool reshuffled): forget old layouts

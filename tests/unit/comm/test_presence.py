@@ -1,6 +1,7 @@
 """A report written just before MPI_Abort reaches the user: the abort waits until the launcher has read it."""
 
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -33,6 +34,8 @@ def test_the_abort_comes_only_after_the_launcher_has_read_the_report(comm):
     child = subprocess.Popen(
         [sys.executable, "-c", REPORTS_THEN_ABORTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    # the report is in the pipe (however long the child took to start): the launcher reads 0.5 s late
+    assert select.select([child.stderr], [], [], 60)[0], "the child wrote no report"
     time.sleep(0.5)
     read_at = time.monotonic()
     report = child.stderr.readline()  # the pipe's whole content: the child wrote one line
