@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+from cupy_standin import _launch, on_device
 
 from mpifsdp.base.checks import bfloat16
 from mpifsdp.base.kernels import host_array
@@ -118,10 +119,9 @@ class pygraph:  # noqa: N801 - cuDNN's name
     def get_workspace_size(self):
         return 1 << 10
 
+    @on_device
     def execute(self, pointers: dict, workspace: int, handle=None):
         assert self.planned and workspace, "executed before its plans were built, or with no workspace"
-        from cupy_standin import _launch
-
         _launch("cudnn sdpa")
         run, scale, tensors = self.node
         by_tensor = {id(t): address for t, address in pointers.items()}

@@ -4,17 +4,21 @@ cupy.cuda.nccl before mpifsdp imports them; its arrays' type lives in a module n
 mpifsdp takes its GPU branches.
 
 Counted, by phase (set `PHASE[0]`): a launch for every ufunc call, reduction, matmul, copy, indexed
-gather or scatter, fill and one of mpifsdp's own kernels (CuPy issues one kernel for each); a host
-sync for every float()/int()/bool()/item()/get(), a boolean-mask index (its size is read back) and
-an eventQuery. NCCL on one rank copies. Our raw kernels run as their NumPy twins, our elementwise
-kernels as NumPy formulas of the same math, cuDNN's attention as bench/cudnn_standin.py's twin.
+gather or scatter, fill (a filled new array, or ndarray.fill) and one of mpifsdp's own kernels
+(CuPy issues one kernel for each); a host sync for every float()/int()/bool()/item()/get(), a
+boolean-mask index (its size is read back) and an eventQuery. NCCL on one rank copies. Our raw
+kernels run as their NumPy twins, our elementwise kernels as NumPy formulas of the same math,
+cuDNN's attention as bench/cudnn_standin.py's twin. The time all that takes is the device's
+(`on_device`, DEVICE_S): the rest of a step's wall time is its host's.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import sys
+import time
 import types
 
 import numpy as np
@@ -22,6 +26,27 @@ import numpy as np
 LAUNCHES: collections.Counter = collections.Counter()  # (phase, kind) -> count
 SYNCS: collections.Counter = collections.Counter()
 PHASE = ["setup"]
+DEVICE_S = [0.0]  # seconds spent doing what a GPU would (the NumPy work of every launch, copy, sync)
+_DEPTH = [0]
+
+
+def on_device(work):
+    """`work` timed as the device's, not the host's: a step's host time is its wall time less this
+    (the Python a GPU step would run on its host: mpifsdp's own, with CuPy's calls taken as free)."""
+
+    @functools.wraps(work)
+    def timed(*args, **kwargs):
+        if _DEPTH[0]:
+            return work(*args, **kwargs)
+        _DEPTH[0] += 1
+        start = time.perf_counter()
+        try:
+            return work(*args, **kwargs)
+        finally:
+            DEVICE_S[0] += time.perf_counter() - start
+            _DEPTH[0] -= 1
+
+    return timed
 
 
 def _launch(kind: str):
@@ -59,6 +84,7 @@ def _all_bfloat16(inputs) -> bool:
     return all(getattr(a, "dtype", None) is not None and a.dtype.name == "bfloat16" for a in inputs)
 
 
+@on_device
 def _bfloat16_matmul(a, b, out=None):
     """CuPy's bfloat16 matmul: float32 products and sums (cuBLAS), the result rounded to bfloat16
     (ml_dtypes' own matmul returns float32)."""
@@ -71,6 +97,7 @@ def _bfloat16_matmul(a, b, out=None):
 
 
 class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
+    @on_device
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         if "out" in kwargs:
             kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
@@ -80,10 +107,12 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         _launch("matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method)
         return _device(result)
 
+    @on_device
     def __array_function__(self, func, types_, args, kwargs):
         _launch(func.__name__)
         return _device(func(*_unwrap(args), **_unwrap(kwargs)))
 
+    @on_device
     def __getitem__(self, index):
         parts = index if isinstance(index, tuple) else (index,)
         if any(isinstance(p, np.ndarray) and p.dtype == bool for p in parts):
@@ -92,10 +121,12 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
             _launch("gather")
         return _device(np.ndarray.__getitem__(self, _unwrap(index)))
 
+    @on_device
     def __setitem__(self, index, value):
         _launch("setitem")
         np.ndarray.__setitem__(_host(self), _unwrap(index), _host(value))
 
+    @on_device
     def reshape(self, *shape, **kwargs):
         result = np.ndarray.reshape(self, *shape, **kwargs)
         if not np.shares_memory(_host(result), _host(self)):
@@ -118,6 +149,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         _sync("item()")
         return _host(self).item()
 
+    @on_device
     def get(self, out=None, blocking=True):
         if blocking:
             _sync("get()")
@@ -127,6 +159,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         return out
 
     @property
+    @on_device  # what a CuPy array knows at once, found here through NumPy's ctypes: not the host's cost
     def data(self):  # .data.ptr: the buffer's address (NCCL copies through it)
         return types.SimpleNamespace(ptr=_host(self).ctypes.data)
 
@@ -136,6 +169,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
 
 
 def _kernel_method(name: str):
+    @on_device
     def method(self, *args, **kwargs):
         _launch("reduction" if name in ("sum", "max", "min", "any", "all", "mean") else name)
         return _device(getattr(_host(self), name)(*_unwrap(args), **_unwrap(kwargs)))
@@ -143,12 +177,13 @@ def _kernel_method(name: str):
     return method
 
 
-for _name in ("sum", "max", "min", "any", "all", "mean", "astype", "copy"):
+for _name in ("sum", "max", "min", "any", "all", "mean", "astype", "copy", "fill"):
     setattr(ndarray, _name, _kernel_method(_name))
 ndarray.__module__ = "cupy"
 
 
 def _fresh(make, fills: bool):
+    @on_device
     def create(*args, **kwargs):
         result = np.asarray(make(*_unwrap(args), **_unwrap(kwargs)))
         out = np.empty(result.shape, result.dtype).view(ndarray)
@@ -160,6 +195,7 @@ def _fresh(make, fills: bool):
     return create
 
 
+@on_device
 def _asarray(a, dtype=None, **_):
     _launch("copy" if isinstance(a, ndarray) else "host-to-device copy")
     return _fresh(np.asarray, False)(_host(a), dtype=dtype)
@@ -196,6 +232,7 @@ class ElementwiseKernel:
     def __init__(self, in_params, out_params, operation, name, preamble=""):
         self.name = name
 
+    @on_device
     def __call__(self, *arrays):
         from mpifsdp.ops.gpu_kernels import _C, _K
 
@@ -229,6 +266,7 @@ class RawModule:
     def get_function(self, name):
         from mpifsdp.base.kernels import TWINS
 
+        @on_device
         def launch(grid, block, args, shared_mem=0):
             _launch(name)
             TWINS[name](grid, block, tuple(_host(a) for a in args), shared_mem)
@@ -242,10 +280,12 @@ class _Nccl:
     def __init__(self, n, uid, rank):
         pass
 
+    @on_device
     def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 - NCCL's names
         _launch("nccl allGather")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
 
+    @on_device
     def reduceScatter(self, send, recv, count, dtype, op, stream):  # noqa: N802
         _launch("nccl reduceScatter")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
@@ -291,6 +331,7 @@ def install(with_cudnn: bool = True):
     nccl.get_unique_id, nccl.get_version = (lambda: b"\0" * 128), (lambda: 22800)
     cupyx = types.ModuleType("cupyx")
 
+    @on_device
     def scatter_add(target, index, values):
         _launch("scatter_add")
         np.add.at(_host(target), _host(index), _host(values))

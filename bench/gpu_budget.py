@@ -8,14 +8,19 @@ by bench/cupy_standin.py. One JSON line:
      "host_syncs_in_step": ..., "syncs": {phase: {kind: n}}, "launches_by_phase": {...}}
 
 host_syncs_in_step: inside forward, backward and the optimizer step (the issue 30 budget: 0);
-host_syncs_per_step adds reading the loss for logging (budget: 2 in all).
+host_syncs_per_step adds reading the loss for logging (budget: 2 in all). host_ms_per_step: the
+step's Python on the host (its wall time less the stand-in's NumPy work, which a GPU would do), on
+this machine: what the host needs to issue one step, whatever the GPU's speed; CuPy's own cost per
+call (a few microseconds, a device's figure) comes on top.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,6 +34,7 @@ import mpifsdp  # noqa: E402
 from mpifsdp.models import GPT, GPTConfig  # noqa: E402
 
 LAYERS = 24
+HOST_STEPS = 5  # steps timed for the host's share (median)
 
 
 def step(model, opt, scaler, x, y) -> float:
@@ -55,9 +61,14 @@ def main():
     x, y = (rng.integers(0, config.vocab_size, (2, 64)) for _ in range(2))
     for _ in range(2):  # steady state: the first step builds and checks kernels, and its loss scale
         step(model, opt, scaler, x, y)  # overflows (skipped), so the second allocates AdamW's moments
-    cupy_standin.LAUNCHES.clear()
-    cupy_standin.SYNCS.clear()
-    step(model, opt, scaler, x, y)
+    host_s = []
+    for _ in range(HOST_STEPS):  # the last one's launches and syncs are counted
+        cupy_standin.LAUNCHES.clear()
+        cupy_standin.SYNCS.clear()
+        cupy_standin.DEVICE_S[0] = 0.0
+        start = time.perf_counter()
+        step(model, opt, scaler, x, y)
+        host_s.append(time.perf_counter() - start - cupy_standin.DEVICE_S[0])
     launches = sum(cupy_standin.LAUNCHES.values())
     syncs: dict = collections.defaultdict(dict)
     for (phase, kind), n in sorted(cupy_standin.SYNCS.items()):
@@ -71,6 +82,7 @@ def main():
         "launches_per_layer": round(launches / LAYERS, 1),
         "host_syncs_per_step": sum(cupy_standin.SYNCS.values()), "host_syncs_in_step": in_step,
         "syncs": syncs, "launches_by_phase": dict(by_phase),
+        "host_ms_per_step": round(1000 * statistics.median(host_s), 1),
     }))  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def bfloat16():
 def is_floating(dtype) -> bool:
     """A float dtype: NumPy's (kind "f") or bfloat16 (ml_dtypes': kind "V", as NumPy has none)."""
     dtype = np.dtype(dtype)
-    return dtype.kind == "f" or (dtype.name == "bfloat16" and dtype == bfloat16())
+    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name == "bfloat16" and dtype == bfloat16())
 
 
 def float_dtype(name: str, value) -> np.dtype:

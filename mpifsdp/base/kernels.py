@@ -79,8 +79,10 @@ def host_array(address: int, dtype, count: int) -> np.ndarray:
     return np.frombuffer(buffer, dtype=dtype, count=count)
 
 
+@functools.cache
 def typed_source(dtype, body: str) -> str:
-    """A raw kernel's CUDA source for `dtype`: its ELEM and ACC types, BLOCK_REDUCE, then `body`."""
+    """A raw kernel's CUDA source for `dtype`: its ELEM and ACC types, BLOCK_REDUCE, then `body`.
+    Made once: every launch looks its compiled kernel up by this string (one object, hashed once)."""
     elem, acc = ELEMENT_TYPES[dtype]
     return f"#define ELEM {elem}\n#define ACC {acc}\n" + BLOCK_REDUCE + body
 

@@ -118,10 +118,11 @@ extern "C" __global__ void softmax_backward(ELEM* d, const ELEM* p, const int T,
 }
 """
 ROW_KERNELS = ("causal_softmax", "softmax_backward")
+_ROW_BODY = f"#define ITEMS {_ROW_ITEMS}\n" + ROW_SOURCE
 
 
 def row_source(dtype) -> str:
-    return typed_source(dtype, f"#define ITEMS {_ROW_ITEMS}\n" + ROW_SOURCE)
+    return typed_source(dtype, _ROW_BODY)
 
 
 def _causal_softmax_twin(grid, block, args, shared_mem=0):

@@ -47,10 +47,11 @@ extern "C" __global__ void sum_pieces(const ACC* partial, const long long* table
 }
 """
 KERNELS = ("squares_by_piece", "sum_pieces")
+_BODY = f"#define PIECE {PIECE}\n" + SOURCE
 
 
 def source(dtype) -> str:
-    return f"#define PIECE {PIECE}\n" + kernels.typed_source(dtype, SOURCE)
+    return kernels.typed_source(dtype, _BODY)
 
 
 _DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's last entry: its dtype's place here

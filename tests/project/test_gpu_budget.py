@@ -44,8 +44,12 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # their forward kept, checked then: 43.8; every group's sum of squares in two launches: 42.8; the
     # overflow flags never zeroed (a new token a step): 41.8; LayerNorm's backward adds the blocks'
     # partial sums in its last block (no second kernel): 39.7; zero_grad's fill left to a reader (the
-    # next reduce-scatter writes over the shard): 38.6 (budget: 25)
-    assert budget["launches_per_layer"] <= 38.6, budget
+    # next reduce-scatter writes over the shard): 38.6; the stand-in counts ndarray.fill too (the
+    # pool's zeroed gradient buffer, one a unit, had gone uncounted): 39.7 (budget: 25)
+    assert budget["launches_per_layer"] <= 39.7, budget
+    # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
+    # but the accounting must leave a positive remainder
+    assert budget["host_ms_per_step"] > 0, budget
 
 
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
