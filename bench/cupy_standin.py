@@ -195,6 +195,19 @@ def _fresh(make, fills: bool):
     return create
 
 
+def _poisoned(make):
+    """np.empty (or empty_like) whose floats are NaN: device memory is not zeroed, and a kernel or
+    pass that reads what nothing wrote must show it (fresh host pages would read as zeros)."""
+
+    def create(*args, **kwargs):
+        result = make(*args, **kwargs)
+        if result.dtype.kind == "f" or result.dtype.name == "bfloat16":
+            result.fill(np.nan)
+        return result
+
+    return create
+
+
 @on_device
 def _asarray(a, dtype=None, **_):
     _launch("copy" if isinstance(a, ndarray) else "host-to-device copy")
@@ -307,7 +320,7 @@ def install(with_cudnn: bool = True):
             setattr(cp, name, getattr(np, name))
     cp.__version__, cp.ndarray = "stand-in", ndarray
     for name in ("empty", "empty_like"):
-        setattr(cp, name, _fresh(getattr(np, name), False))
+        setattr(cp, name, _fresh(_poisoned(getattr(np, name)), False))
     for name in ("zeros", "zeros_like", "ones", "ones_like", "full", "arange"):
         setattr(cp, name, _fresh(getattr(np, name), True))
     cp.asarray = cp.array = _asarray

@@ -234,7 +234,7 @@ def _propagate(node: Node, g, grads: dict):
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
         if gi is WROTE:  # the VJP wrote it into t.grad itself
-            t.grad_is_zero = False
+            t.grad_is_zero = t.grad_unfilled = False
             continue
         if isinstance(gi, Summed):  # the VJP added the pending gradient into its own
             grads[id(t._node)] = gi.array

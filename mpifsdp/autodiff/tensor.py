@@ -132,12 +132,15 @@ class Tensor:
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad})"
 
     def _accumulate_grad(self, g):
-        """Add `g` into .grad in place (a view set by FSDP stays a view); own a copy the first time."""
+        """Add `g` into .grad in place (a view set by FSDP stays a view); own a copy the first time,
+        and write it into a buffer nothing has written yet (grad_unfilled)."""
         if self.grad is None:
             self.grad = g.astype(self.dtype, copy=True)
+        elif getattr(self, "grad_unfilled", False):
+            self.grad[...] = g
         else:
             self.grad += g
-        self.grad_is_zero = False
+        self.grad_is_zero = self.grad_unfilled = False
 
     def zero_grad(self):
         self.grad = None
@@ -235,8 +238,9 @@ class Param(Tensor):
         super().__init__(data, requires_grad=True)
         self.name = name
         # True while .grad is a buffer its binder zeroed and nothing has added to: a VJP may then
-        # write the gradient there instead of adding it (primitive's takes_into)
-        self.grad_is_zero = False
+        # write the gradient there instead of adding it (primitive's takes_into). grad_unfilled: the
+        # binder did not even zero it (FSDP on a GPU): the first gradient must be written, not added
+        self.grad_is_zero = self.grad_unfilled = False
         self._shape = tuple(data.shape) if data is not None else tuple(shape)
         self._dtype = np.dtype(data.dtype if data is not None else dtype)
         self.absent = absent if data is None else None  # why there is no data, while there is none

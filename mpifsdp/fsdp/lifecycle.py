@@ -24,6 +24,8 @@ from __future__ import annotations
 import enum
 import functools
 
+import numpy as np
+
 from ..autodiff.recompute import recompute
 from ..autodiff.tape import grad_enabled, scope
 from ..nn.layers import dropout_replay
@@ -134,10 +136,12 @@ class UnitLifecycle:
         self._gather_and_bind("backward")
         if self.unit.trainable:
             fresh = not self.unit.holds_full_grad()  # else no_sync kept earlier micro-batches' sum
-            grads = self.unit.zero_full_grad()
+            unfilled = fresh and self.unit.xp is not np  # a GPU: the first gradient is written, no fill
+            grads = self.unit.zero_full_grad(unfilled=unfilled)
             for name, p in self.params:
                 p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
                 p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
+                p.grad_unfilled = unfilled
         self._model.prefetch_after(self, "backward")
 
     def _check_frozen_unchanged(self):
@@ -156,8 +160,9 @@ class UnitLifecycle:
         sync is off (no_sync: accumulation over micro-batches), keep the full gradient for the next
         backward to add to; the backward with sync on reduces the sum."""
         self._move(Stage.IDLE)
+        self._zero_unreached_grads()
         for _, p in self.params:
-            p.grad, p.grad_is_zero = None, False
+            p.grad, p.grad_is_zero, p.grad_unfilled = None, False, False
         self.release()
         if self.unit.trainable and self._model.deterministic:  # the chunk added to the exact sum
             self.unit.add_chunk_grad(weight=self._model.chunk_state.weight or 0)
@@ -169,13 +174,20 @@ class UnitLifecycle:
             self._model.reducing(self.unit)
         self._reshard()
 
+    def _zero_unreached_grads(self):
+        """A parameter this backward never reached (a head computed and not used) has a zero
+        gradient; where the buffer was left unfilled, that is written now (a launch for it alone)."""
+        for _, p in self.params:
+            if p.grad_unfilled:
+                p.grad[...] = 0
+
     def abandon(self):
         """Back to IDLE from a pass an exception cut short: parameters released, gathered buffers
         freed (after any gather in flight finished), and a gradient this backward had half-written
         dropped (a full gradient kept by no_sync from earlier micro-batches stays otherwise). The
         ranks' schedules are then compared at the next forward's start, as always."""
         for _, p in self.params:
-            p.grad = None
+            p.grad, p.grad_is_zero, p.grad_unfilled = None, False, False
         self.release()
         if self.stage is Stage.BACKWARD:
             self.unit.drop_full_grad()

@@ -297,11 +297,15 @@ class Unit:
         backwards while gradient sync is off (the sum of earlier micro-batches)."""
         return self.full_grad is not None
 
-    def zero_full_grad(self) -> dict:
-        """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into."""
+    def zero_full_grad(self, unfilled: bool = False) -> dict:
+        """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into.
+        unfilled=True (a fresh buffer only): just the padding zeroed, the caller writes every view
+        before reading it (one launch a unit less on a GPU: FSDP's backward, see lifecycle.py)."""
         self._require_trainable("accumulate")
         if self.full_grad is None:
-            self.full_grad = self._take("gathered_grads", self.param_dtype, zero=True)
+            self.full_grad = self._take("gathered_grads", self.param_dtype, zero=not unfilled)
+            if unfilled and self.layout.padded_numel > self.layout.numel:
+                self.full_grad[self.layout.numel :] = 0  # [Note: padding]: reduced as zeros
         return self.layout.views(self.full_grad)
 
     def drop_full_grad(self):

@@ -367,6 +367,12 @@ def _report_not_waited_for():
     _replace(mpifsdp.comm.presence, "wait_until_read", lambda fd: None)
 
 
+def _unreached_grads_left_unfilled():
+    from mpifsdp.fsdp.lifecycle import UnitLifecycle
+
+    _replace(UnitLifecycle, "_zero_unreached_grads", lambda self: None)
+
+
 def _zeroed_grads_always_fresh():
     from mpifsdp.shard.unit import Unit
 
@@ -404,6 +410,11 @@ MUTANTS = {
     "fresh_zeroed_grads": Mutant(
         _zeroed_grads_always_fresh,
         "a VJP writes into a parameter's gradient only while it is freshly zeroed (fsdp/lifecycle.py)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+    ),
+    "unreached_grads": Mutant(
+        _unreached_grads_left_unfilled,
+        "a parameter backward never reached gets zeros in the unfilled GPU gradient buffer (lifecycle.py)",
         ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
     ),
     "writer_lock": Mutant(

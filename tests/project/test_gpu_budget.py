@@ -45,8 +45,10 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # overflow flags never zeroed (a new token a step): 41.8; LayerNorm's backward adds the blocks'
     # partial sums in its last block (no second kernel): 39.7; zero_grad's fill left to a reader (the
     # next reduce-scatter writes over the shard): 38.6; the stand-in counts ndarray.fill too (the
-    # pool's zeroed gradient buffer, one a unit, had gone uncounted): 39.7 (budget: 25)
-    assert budget["launches_per_layer"] <= 39.7, budget
+    # pool's zeroed gradient buffer, one a unit, had gone uncounted): 39.7; that buffer left unfilled
+    # (the first gradient is written, not added; a parameter backward never reaches gets zeros): 38.6
+    # (budget: 25)
+    assert budget["launches_per_layer"] <= 38.6, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget
@@ -68,7 +70,8 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     LossScaler steps that clip (a GPU folds the unscale and the clip into AdamW's kernel); a host batch
     and float16 gathers reusing their forward's casts give the same bits as a device batch and fresh
     casts; float16 and bfloat16 gathers (the raw kernels in that type) give float32's gradients within
-    the 16-bit type's rounding; bfloat16 over host-staged MPI gathers as 16-bit words."""
+    the 16-bit type's rounding; bfloat16 over host-staged MPI gathers as 16-bit words; a parameter
+    a unit's backward never reaches gets zeros in the unfilled (NaN on the stand-in) gradient buffer."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
