@@ -204,11 +204,19 @@ class FlatOptimizer:
             self.scale_grads(grad_scale)
             grad_scale = 1.0
         self._grad_scale = grad_scale
+        updates = []
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
-                self._update(i, group.flat_param(), g, self._state_at(i, allocate=True), self._steps[i])
+                updates.append((i, group.flat_param(), g, self._state_at(i, allocate=True), self._steps[i]))
+        self._update_all(updates)
         return True
+
+    def _update_all(self, updates: list):
+        """Every (i, p, g, state, step) of this step's groups, in order (one launch for all on a GPU
+        where the optimizer can: AdamW)."""
+        for update in updates:
+            self._update(*update)
 
     def _settle(self):
         """The step's device checks: the collectives waited for on the GPU completed (under the

@@ -1,4 +1,6 @@
-"""AdamW's update of one flat group as one raw GPU kernel: decay, gradient scale and moments at once.
+"""AdamW's update of a flat group as one raw GPU kernel (decay, gradient scale and moments at once),
+and of every group in one launch (adamw_groups: a device table of the groups, their hyperparameters
+copied each step).
 
 On the CPU, optimizers.adamw_update runs the update slice by slice; on a GPU each pass would be a
 launch and a trip through memory. This kernel reads g, p, m, v once and writes them once: the
@@ -17,6 +19,7 @@ import numpy as np
 
 from ..base import kernels
 from ..base.backend import array_module_of, to_numpy
+from ..base.checks import bfloat16
 
 THREADS, MAX_BLOCKS = 256, 4096
 
@@ -41,12 +44,48 @@ extern "C" __global__ void adamw_step(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const 
         v[i] = (ELEM)vi;
     }
 }
+extern "C" __global__ void adamw_groups(const long long* table, const int groups,
+                                        const long long* segments, const ACC* hyper) {
+    /* Every group's AdamW step in one launch. table: the groups' p, g, m, v addresses, their
+       lengths, their first blocks (groups + 1), their first decay segments (groups + 1), then their
+       dtype (for the twin); segments: (start, stop) pairs; hyper: 9 values a group, adamw_step's.
+       Block b updates piece b - first[k] (PIECE elements) of group k, first[k] <= b < first[k + 1]. */
+    const long long* n = table + 4 * groups;
+    const long long* first = table + 5 * groups;
+    const long long* first_segment = table + 6 * groups + 1;
+    int k = 0;
+    while (blockIdx.x >= first[k + 1]) ++k;
+    ELEM* p = (ELEM*)table[k];
+    ELEM* g = (ELEM*)table[groups + k];
+    ELEM* m = (ELEM*)table[2 * groups + k];
+    ELEM* v = (ELEM*)table[3 * groups + k];
+    const ACC* h = hyper + 9 * k;
+    const ACC decay = h[0], grad_scale = h[1], beta1 = h[2], one_minus_beta1 = h[3], beta2 = h[4];
+    const ACC one_minus_beta2 = h[5], lr_over_bias1 = h[6], bias2 = h[7], eps = h[8];
+    const long long start = (blockIdx.x - first[k]) * (long long)PIECE;
+    const long long stop = min(start + (long long)PIECE, n[k]);
+    for (long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
+        ACC gi = (ACC)g[i];
+        if (grad_scale != (ACC)1) { gi = (ACC)(ELEM)(gi * grad_scale); g[i] = (ELEM)gi; }
+        ACC pi = (ACC)p[i];
+        for (long long s = first_segment[k]; s < first_segment[k + 1]; ++s)
+            if (i >= segments[2 * s] && i < segments[2 * s + 1]) pi = pi * decay;
+        const ACC mi = (ACC)m[i] * beta1 + gi * one_minus_beta1;
+        const ACC vi = (ACC)v[i] * beta2 + (gi * gi) * one_minus_beta2;
+        p[i] = (ELEM)(pi - mi / (sqrt(vi) / bias2 + eps) * lr_over_bias1);
+        m[i] = (ELEM)mi;
+        v[i] = (ELEM)vi;
+    }
+}
 """
-KERNELS = ("adamw_step",)
+KERNELS = ("adamw_step", "adamw_groups")
+PIECE = THREADS * 16  # elements a block of adamw_groups updates
+_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's last entry: its dtype's place here
+_BODY = f"#define PIECE {PIECE}\n" + SOURCE
 
 
 def source(dtype) -> str:
-    return kernels.typed_source(dtype, SOURCE)
+    return kernels.typed_source(dtype, _BODY)
 
 
 def _twin(grid, block, args, shared_mem=0):
@@ -63,7 +102,21 @@ def _twin(grid, block, args, shared_mem=0):
     m[...], v[...] = m64, v64
 
 
-kernels.TWINS["adamw_step"] = _twin
+def _groups_twin(grid, block, args, shared_mem=0):
+    """adamw_step's twin on each group the table names (host memory on a CPU)."""
+    table, groups, segments, hyper = args
+    t, k = np.asarray(table, dtype=np.int64), int(groups)
+    dtype = bfloat16() if _DTYPES[int(t[-1])] == "bfloat16" else np.dtype(_DTYPES[int(t[-1])])
+    n, first_segment = t[4 * k : 5 * k], t[6 * k + 1 : 7 * k + 2]
+    pairs = np.asarray(segments, dtype=np.int64).reshape(-1, 2)
+    for j in range(k):
+        p, g, m, v = (kernels.host_array(int(t[a * k + j]), dtype, int(n[j])) for a in range(4))
+        mine = pairs[int(first_segment[j]) : int(first_segment[j + 1])]
+        h = np.asarray(hyper, dtype=np.float64)[9 * j : 9 * j + 9]
+        _twin(None, None, (p, g, m, v, mine[:, 0], mine[:, 1], len(mine), int(n[j]), *h))
+
+
+kernels.TWINS.update(adamw_step=_twin, adamw_groups=_groups_twin)
 kernels.RAW_FAMILIES["adamw"] = (source, KERNELS)
 
 
@@ -99,6 +152,92 @@ def step(p, g, m, v, *, decay, grad_scale, beta1, beta2, lr_over_bias1, bias2, e
     hyper = (decay, grad_scale, beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr_over_bias1, bias2, eps)
     _launch(compiled[0], xp, p, g, m, v, hyper, tuple(decay_segments))
     return True
+
+
+def step_groups(updates: list) -> bool:
+    """Each update (p, g, m, v, hyper, decay_segments), `hyper` as step() takes its keywords (decay,
+    grad_scale, beta1, beta2, lr_over_bias1, bias2, eps), done as step() would, in one launch for
+    all of them and one copy of their hyperparameters; False (nothing done) where the kernel cannot
+    run them all (another dtype, arrays not contiguous, no NVRTC)."""
+    arrays = [a for u in updates for a in u[:4]]
+    dtype = arrays[0].dtype.type if arrays else None
+    xp = array_module_of(arrays[0]) if arrays else np
+    if (
+        xp is np
+        or dtype not in kernels.ELEMENT_TYPES
+        or not all(a.dtype == arrays[0].dtype and a.flags.c_contiguous and a.size for a in arrays)
+    ):
+        return False
+    compiled = kernels.compiled(xp, source(dtype), KERNELS, "the fused AdamW step")
+    if compiled is None:
+        return False
+    kernels.checked_once(("adamw_groups", dtype), lambda: _probe_groups(xp, dtype, compiled[1]))
+    _launch_groups(compiled[1], xp, updates)
+    return True
+
+
+def _hyper_row(h: dict) -> tuple:
+    b1, b2 = h["beta1"], h["beta2"]
+    return (h["decay"], h["grad_scale"], b1, 1.0 - b1, b2, 1.0 - b2, h["lr_over_bias1"], h["bias2"], h["eps"])
+
+
+_group_tables: dict = {}  # (addresses, lengths, segments) of the groups -> (table, segments, blocks)
+
+
+def _address(a) -> int:
+    """An array's device address (a NumPy array's host address: the twins run on host memory)."""
+    return a.ctypes.data if type(a) is np.ndarray else a.data.ptr
+
+
+def _groups_table(xp, updates: list):
+    """The device table adamw_groups reads (cached: the shards and moments stay where they are)."""
+    key = tuple((tuple(_address(a) for a in u[:4]), u[0].size, tuple(u[5])) for u in updates)
+    if key not in _group_tables:
+        sizes = [u[0].size for u in updates]
+        first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
+        first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
+        columns = [[_address(u[a]) for u in updates] for a in range(4)]
+        host = np.concatenate(
+            [*columns, sizes, first, first_segment, [_DTYPES.index(updates[0][0].dtype.name)]]
+        )
+        pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
+        if len(_group_tables) > 64:  # buffers moved: forget old layouts
+            _group_tables.clear()
+        _group_tables[key] = (xp.asarray(host.astype(np.int64)), xp.asarray(pairs), int(first[-1]))
+    return _group_tables[key]
+
+
+def _launch_groups(kernel, xp, updates: list):
+    table, segments, blocks = _groups_table(xp, updates)
+    acc = kernels.accumulator(updates[0][0].dtype.type)
+    hyper = xp.asarray(np.array([_hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
+    kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper))
+
+
+def _probe_groups(xp, dtype, kernel):
+    """Two groups (one of several pieces and decay segments, one shorter than a piece, none) in
+    one launch against adamw_step's twin on each."""
+    rng = np.random.default_rng(17)
+    sizes, segments = (2 * PIECE + 100, 700), (((10, 700), (PIECE + 5, 2 * PIECE)), ())
+    hypers = [
+        dict(decay=0.999, grad_scale=0.25, beta1=0.9, beta2=0.95, lr_over_bias1=1e-3, bias2=0.5, eps=1e-8),
+        dict(decay=1.0, grad_scale=0.25, beta1=0.8, beta2=0.99, lr_over_bias1=2e-3, bias2=0.7, eps=1e-6),
+    ]
+    host = [
+        [rng.normal(0, s, n).astype(dtype) for s in (1, 1, 0.1)] + [rng.uniform(0, 0.1, n).astype(dtype)]
+        for n in sizes
+    ]
+    want = [[a.astype(np.float64) for a in arrays] for arrays in host]
+    device = [[xp.array(a) for a in arrays] for arrays in host]
+    _launch_groups(kernel, xp, [(*d, h, seg) for d, h, seg in zip(device, hypers, segments)])
+    for w, h, seg in zip(want, hypers, segments):
+        pairs = np.array(seg or [(0, 0)], dtype=np.int64).reshape(-1, 2)
+        _twin(None, None, (*w, pairs[:, 0], pairs[:, 1], len(seg), w[0].size, *_hyper_row(h)))
+    return [
+        (f"{k} of group {j}", to_numpy(d), x, kernels.error_bound(dtype, 16, float(np.max(np.abs(x)))))
+        for j, (dev, wan) in enumerate(zip(device, want))
+        for k, d, x in zip(("p", "g", "m", "v"), dev, wan)
+    ]
 
 
 def _probe(xp, dtype, kernel):

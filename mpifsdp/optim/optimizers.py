@@ -35,8 +35,8 @@ def adamw_update(
     segments = list(decay_segments) if weight_decay else []
     bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
     if xp is not np:  # a GPU scales, decays and updates the whole vector in one kernel
-        hyper = dict(beta1=beta1, beta2=beta2, lr_over_bias1=lr / bias1, bias2=bias2, eps=eps)
-        if gpu_adamw.step(p, g, m, v, decay=decay, grad_scale=grad_scale, decay_segments=segments, **hyper):
+        hyper = gpu_hyperparameters(lr, beta1, beta2, eps, step, weight_decay, grad_scale)
+        if gpu_adamw.step(p, g, m, v, decay_segments=segments, **hyper):
             return
     if grad_scale != 1.0:
         g *= grad_scale
@@ -67,6 +67,13 @@ def adamw_update(
             update(start, min(start + SLICE, hi), s)
 
     for_row_blocks(p.size, 1, block)
+
+
+def gpu_hyperparameters(lr, beta1, beta2, eps, step, weight_decay, grad_scale) -> dict:
+    """What gpu_adamw's kernels take for one step: the decay factor and the bias corrections folded."""
+    bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    folded = dict(decay=1.0 - lr * weight_decay, lr_over_bias1=lr / bias1, bias2=bias2)
+    return dict(grad_scale=grad_scale, beta1=beta1, beta2=beta2, eps=eps, **folded)
 
 
 class AdamW(FlatOptimizer):
@@ -111,6 +118,25 @@ class AdamW(FlatOptimizer):
             weight_decay=self.weight_decay,
             grad_scale=self._grad_scale,
         )
+
+    def _update_all(self, updates: list):
+        """On a GPU every group's update in one launch (AdamW's own update only: a subclass that
+        changes it, as Adam does, updates group by group)."""
+        if type(self)._update is AdamW._update and self.folds_grad_scale():
+            batch = [
+                (p, g, state["exp_avg"], state["exp_avg_sq"], self._gpu_hyper(step), self._decayed(i))
+                for i, p, g, state, step in updates
+            ]
+            if gpu_adamw.step_groups(batch):
+                return
+        super()._update_all(updates)
+
+    def _gpu_hyper(self, step: int) -> dict:
+        args = (self.lr, self.beta1, self.beta2, self.eps, step, self.weight_decay, self._grad_scale)
+        return gpu_hyperparameters(*args)
+
+    def _decayed(self, i) -> list:
+        return list(self._decoupled(i)) if self.weight_decay else []
 
     def folds_grad_scale(self) -> bool:
         """On a GPU the update kernel multiplies the gradient by step()'s grad_scale in its own pass."""

@@ -195,13 +195,23 @@ def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
     kernels.TWINS["adamw_step"](None, None, (*got, np.array([5, 3000]), np.array([900, 4100]), 2, n, *hyper))
     for name, a, b in zip("pgmv", got, want):
         _close(a, b, 8), name
-    assert gpu_adamw.KERNELS == ("adamw_step",)
+    assert gpu_adamw.KERNELS == ("adamw_step", "adamw_groups")
 
 
 def test_the_adamw_probe_passes_with_the_twin_as_kernel():
     from mpifsdp.optim import gpu_adamw
 
     _probe_passes(lambda dtype: gpu_adamw._probe(np, dtype, _as_kernel("adamw_step")))
+
+
+def test_every_groups_adamw_step_in_one_launch_is_each_groups_step():
+    """adamw_groups (every group's update in one launch, from a table of addresses, lengths, decay
+    segments and hyperparameters) as its first-use probe sees it, with its twin as the kernel:
+    each group's p, g, m and v as adamw_step's twin leaves them (two groups, one of several pieces
+    and two decay segments, one shorter than a piece and none)."""
+    from mpifsdp.optim import gpu_adamw
+
+    _probe_passes(lambda dtype: gpu_adamw._probe_groups(np, dtype, _as_kernel("adamw_groups")))
 
 
 def test_the_sum_of_squares_twins_compute_every_vectors_sum_of_squares():
