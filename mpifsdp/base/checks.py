@@ -119,7 +119,7 @@ def float_dtype(name: str, value) -> np.dtype:
 def check_summable(transport: str, dtype, what: str):
     """MPI's sums know no bfloat16: a bfloat16 reduction over an MPI transport (named `transport`)
     fails here, by name, before any collective (NCCL sums it; with MPI, reduce in float32)."""
-    if np.dtype(dtype).name == "bfloat16" and transport != "nccl":
+    if transport != "nccl" and np.dtype(dtype).kind == "V" and np.dtype(dtype).name == "bfloat16":
         raise ValueError(
             f"{what}=bfloat16 over the {transport!r} transport: MPI has no bfloat16 sum; give "
             f"{what}=np.float32 (gathers still move bfloat16), or use transport='nccl'"

@@ -45,7 +45,8 @@ class CopyBack:
 def words(array):
     """A bfloat16 array as its 16-bit words (MPI has no bfloat16 type; a gather only copies bits);
     any other array as it is."""
-    return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+    dtype = array.dtype
+    return array.view(np.uint16) if dtype.kind == "V" and dtype.name == "bfloat16" else array
 
 
 class MPITransport:
