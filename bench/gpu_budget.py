@@ -3,7 +3,7 @@ step (NCCL transport, LossScaler, 1 rank) of a narrow 24-layer GPT with the 370M
 (the same heads x T / C and vocab / C; counts depend on structure, not width), with CuPy replaced
 by bench/cupy_standin.py. One JSON line:
 
-    python bench/gpu_budget.py
+    python bench/gpu_budget.py [--host-profile 20]
     {"launches_per_step": ..., "launches_per_layer": ..., "host_syncs_per_step": ...,
      "host_syncs_in_step": ..., "syncs": {phase: {kind: n}}, "launches_by_phase": {...}}
 
@@ -16,6 +16,7 @@ call (a few microseconds, a device's figure) comes on top.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import statistics
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cupy_standin  # noqa: E402
 
 cp = cupy_standin.install()
-
+import host_profile  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mpifsdp  # noqa: E402
@@ -35,6 +36,7 @@ from mpifsdp.models import GPT, GPTConfig  # noqa: E402
 
 LAYERS = 24
 HOST_STEPS = 5  # steps timed for the host's share (median)
+PROFILED_STEPS = 20  # steps sampled by --host-profile
 
 
 def step(model, opt, scaler, x, y) -> float:
@@ -51,6 +53,15 @@ def step(model, opt, scaler, x, y) -> float:
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add the N functions the host spends most of its time in (bench/host_profile.py)",
+    )
+    args = ap.parse_args()  # fmt: skip
     comm = mpifsdp.Comm(device="cuda", transport="nccl", threads=None)
     config = GPTConfig(vocab_size=2048, block_size=64, n_layer=LAYERS, n_head=16, n_embd=64)
     model = GPT(config, seed=0, device=comm.device)
@@ -77,12 +88,16 @@ def main():
     for (phase, _), n in cupy_standin.LAUNCHES.items():
         by_phase[phase] += n
     in_step = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase != "logging")
+    profile = {}
+    if args.host_profile:  # after the counted and timed steps: the sampler's thread slows the host
+        run = lambda: [step(model, opt, scaler, x, y) for _ in range(PROFILED_STEPS)]  # noqa: E731
+        profile = {"host_profile": host_profile.sampled(run, args.host_profile)}
     print(json.dumps({
         "bench": "gpu_budget", "layers": LAYERS, "launches_per_step": launches,
         "launches_per_layer": round(launches / LAYERS, 1),
         "host_syncs_per_step": sum(cupy_standin.SYNCS.values()), "host_syncs_in_step": in_step,
         "syncs": syncs, "launches_by_phase": dict(by_phase),
-        "host_ms_per_step": round(1000 * statistics.median(host_s), 1),
+        "host_ms_per_step": round(1000 * statistics.median(host_s), 1), **profile,
     }))  # fmt: skip
 
 

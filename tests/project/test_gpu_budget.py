@@ -55,6 +55,17 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     assert budget["host_ms_per_step"] > 0, budget
 
 
+def test_the_host_profile_names_the_librarys_functions(comm):
+    """gpu_budget.py --host-profile: where the step's host time goes, by mpifsdp function, sampled
+    while the stand-in does no device work (a share per function, of the host's samples)."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    profile = _last_json_line(BENCH / "gpu_budget.py", "--host-profile", "5")["host_profile"]
+    assert len(profile) == 5 and all(0 < share <= 100 for _, share in profile), profile
+    assert all(name.split(":")[0].endswith(".py") for name, _ in profile), profile
+    assert "tape.py:backward" in dict(profile), profile  # the backward sweep runs most of a step
+
+
 @pytest.mark.parametrize("sharded", [[], ["--sharded", "--transport", "nccl"]], ids=["whole", "sharded-nccl"])
 def test_the_gpu_path_computes_what_the_cpu_path_does(comm, sharded):
     """gpu_check.py's parity check (3 training steps, float64 and float32, CPU against "GPU") run with
