@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from .accounting import HOST_SYNCS
+from .checks import is_bfloat16
 
 CPU = "cpu"
 
@@ -113,7 +114,7 @@ def scatter_add(target, index, values):
     cupyx.scatter_add on the GPU: the one use of cupyx, kept here with every other CuPy import)."""
     if array_module_of(target) is np:
         np.add.at(target, index, values)
-    elif target.dtype.name == "bfloat16":  # cupyx.scatter_add has no bfloat16: add in float32, round once
+    elif is_bfloat16(target.dtype):  # cupyx.scatter_add has no bfloat16: add in float32, round once
         wide = target.astype(np.float32)
         importlib.import_module("cupyx").scatter_add(wide, index, values.astype(np.float32))
         target[...] = wide

@@ -89,10 +89,16 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def is_bfloat16(dtype) -> bool:
+    """Whether `dtype` is ml_dtypes' bfloat16 (kind "V" to NumPy: its name, which NumPy builds anew
+    each time, is read only then; a bfloat16 array means ml_dtypes is loaded already)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "V" and dtype.name == "bfloat16" and dtype == bfloat16()
+
+
 def is_floating(dtype) -> bool:
     """A float dtype: NumPy's (kind "f") or bfloat16 (ml_dtypes': kind "V", as NumPy has none)."""
-    dtype = np.dtype(dtype)
-    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name == "bfloat16" and dtype == bfloat16())
+    return np.dtype(dtype).kind == "f" or is_bfloat16(dtype)
 
 
 def float_dtype(name: str, value) -> np.dtype:
@@ -119,7 +125,7 @@ def float_dtype(name: str, value) -> np.dtype:
 def check_summable(transport: str, dtype, what: str):
     """MPI's sums know no bfloat16: a bfloat16 reduction over an MPI transport (named `transport`)
     fails here, by name, before any collective (NCCL sums it; with MPI, reduce in float32)."""
-    if transport != "nccl" and np.dtype(dtype).kind == "V" and np.dtype(dtype).name == "bfloat16":
+    if transport != "nccl" and is_bfloat16(dtype):
         raise ValueError(
             f"{what}=bfloat16 over the {transport!r} transport: MPI has no bfloat16 sum; give "
             f"{what}=np.float32 (gathers still move bfloat16), or use transport='nccl'"

@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from .backend import array_module_of, to_numpy
-from .checks import bfloat16, yes_or_no
+from .checks import bfloat16, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,12 @@ class _ElementTypes(dict):
     second, so only a program that made a bfloat16 array has it loaded."""
 
     def __contains__(self, dtype) -> bool:
-        return dict.__contains__(self, dtype) or _is_bfloat16(dtype)
+        return dict.__contains__(self, dtype) or is_bfloat16(dtype)
 
     def __missing__(self, dtype):
-        if _is_bfloat16(dtype):
+        if is_bfloat16(dtype):
             return ("__nv_bfloat16", "float")
         raise KeyError(dtype)
-
-
-def _is_bfloat16(dtype) -> bool:
-    return getattr(dtype, "__name__", None) == "bfloat16" and np.dtype(dtype) == bfloat16()
 
 
 ELEMENT_TYPES = _ElementTypes(
@@ -67,6 +63,22 @@ ELEMENT_TYPES = _ElementTypes(
 TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
 # what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
 RAW_FAMILIES: dict = {}
+
+
+def device_address(array) -> int:
+    """An array's device address, as a kernel's table holds it (a NumPy array's host address: the
+    twins run on host memory)."""
+    return array.ctypes.data if type(array) is np.ndarray else array.data.ptr
+
+
+TABLE_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's dtype entry: a place here
+
+
+def table_dtype(code: int) -> np.dtype:
+    """The dtype a kernel's table names by its place in TABLE_DTYPES (for the twins, which read the
+    arrays at the table's addresses)."""
+    name = TABLE_DTYPES[int(code)]
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def host_array(address: int, dtype, count: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import logging
 import numpy as np
 
 from ..base import backend
-from ..base.checks import check_summable
+from ..base.checks import check_summable, is_bfloat16
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ class CopyBack:
 def words(array):
     """A bfloat16 array as its 16-bit words (MPI has no bfloat16 type; a gather only copies bits);
     any other array as it is."""
-    dtype = array.dtype
-    return array.view(np.uint16) if dtype.kind == "V" and dtype.name == "bfloat16" else array
+    return array.view(np.uint16) if is_bfloat16(array.dtype) else array
 
 
 class MPITransport:

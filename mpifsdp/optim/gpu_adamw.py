@@ -19,29 +19,40 @@ import numpy as np
 
 from ..base import kernels
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import bfloat16
 
 THREADS, MAX_BLOCKS = 256, 4096
 
 SOURCE = r"""
+struct Hyper {  /* one group's step: adamw_step's scalars, the 9 of a row of adamw_groups' hyper */
+    ACC decay, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, lr_over_bias1, bias2, eps;
+};
+__device__ __forceinline__ void adamw_at(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const long long i,
+                                         const int decays, const Hyper& h) {
+    /* element i's step: its gradient scaled (and written back), `decays` decoupled decays (one a
+       segment holding it), then the bias-corrected moments */
+    ACC gi = (ACC)g[i];
+    if (h.grad_scale != (ACC)1) { gi = (ACC)(ELEM)(gi * h.grad_scale); g[i] = (ELEM)gi; }
+    ACC pi = (ACC)p[i];
+    for (int d = 0; d < decays; ++d) pi = pi * h.decay;
+    const ACC mi = (ACC)m[i] * h.beta1 + gi * h.one_minus_beta1;
+    const ACC vi = (ACC)v[i] * h.beta2 + (gi * gi) * h.one_minus_beta2;
+    p[i] = (ELEM)(pi - mi / (sqrt(vi) / h.bias2 + h.eps) * h.lr_over_bias1);
+    m[i] = (ELEM)mi;
+    v[i] = (ELEM)vi;
+}
 extern "C" __global__ void adamw_step(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const long long* decay_from,
                                       const long long* decay_to, const int segments, const long long n,
                                       const ACC decay, const ACC grad_scale, const ACC beta1,
                                       const ACC one_minus_beta1, const ACC beta2,
                                       const ACC one_minus_beta2, const ACC lr_over_bias1,
                                       const ACC bias2, const ACC eps) {
+    const Hyper h = {decay, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, lr_over_bias1,
+                     bias2, eps};
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        ACC gi = (ACC)g[i];
-        if (grad_scale != (ACC)1) { gi = (ACC)(ELEM)(gi * grad_scale); g[i] = (ELEM)gi; }
-        ACC pi = (ACC)p[i];
-        for (int k = 0; k < segments; ++k)
-            if (i >= decay_from[k] && i < decay_to[k]) pi = pi * decay;
-        const ACC mi = (ACC)m[i] * beta1 + gi * one_minus_beta1;
-        const ACC vi = (ACC)v[i] * beta2 + (gi * gi) * one_minus_beta2;
-        p[i] = (ELEM)(pi - mi / (sqrt(vi) / bias2 + eps) * lr_over_bias1);
-        m[i] = (ELEM)mi;
-        v[i] = (ELEM)vi;
+        int decays = 0;
+        for (int k = 0; k < segments; ++k) decays += i >= decay_from[k] && i < decay_to[k];
+        adamw_at(p, g, m, v, i, decays, h);
     }
 }
 extern "C" __global__ void adamw_groups(const long long* table, const int groups,
@@ -59,28 +70,20 @@ extern "C" __global__ void adamw_groups(const long long* table, const int groups
     ELEM* g = (ELEM*)table[groups + k];
     ELEM* m = (ELEM*)table[2 * groups + k];
     ELEM* v = (ELEM*)table[3 * groups + k];
-    const ACC* h = hyper + 9 * k;
-    const ACC decay = h[0], grad_scale = h[1], beta1 = h[2], one_minus_beta1 = h[3], beta2 = h[4];
-    const ACC one_minus_beta2 = h[5], lr_over_bias1 = h[6], bias2 = h[7], eps = h[8];
+    const ACC* x = hyper + 9 * k;
+    const Hyper h = {x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8]};
     const long long start = (blockIdx.x - first[k]) * (long long)PIECE;
     const long long stop = min(start + (long long)PIECE, n[k]);
     for (long long i = start + threadIdx.x; i < stop; i += blockDim.x) {
-        ACC gi = (ACC)g[i];
-        if (grad_scale != (ACC)1) { gi = (ACC)(ELEM)(gi * grad_scale); g[i] = (ELEM)gi; }
-        ACC pi = (ACC)p[i];
+        int decays = 0;
         for (long long s = first_segment[k]; s < first_segment[k + 1]; ++s)
-            if (i >= segments[2 * s] && i < segments[2 * s + 1]) pi = pi * decay;
-        const ACC mi = (ACC)m[i] * beta1 + gi * one_minus_beta1;
-        const ACC vi = (ACC)v[i] * beta2 + (gi * gi) * one_minus_beta2;
-        p[i] = (ELEM)(pi - mi / (sqrt(vi) / bias2 + eps) * lr_over_bias1);
-        m[i] = (ELEM)mi;
-        v[i] = (ELEM)vi;
+            decays += i >= segments[2 * s] && i < segments[2 * s + 1];
+        adamw_at(p, g, m, v, i, decays, h);
     }
 }
 """
 KERNELS = ("adamw_step", "adamw_groups")
 PIECE = THREADS * 16  # elements a block of adamw_groups updates
-_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's last entry: its dtype's place here
 _BODY = f"#define PIECE {PIECE}\n" + SOURCE
 
 
@@ -106,7 +109,7 @@ def _groups_twin(grid, block, args, shared_mem=0):
     """adamw_step's twin on each group the table names (host memory on a CPU)."""
     table, groups, segments, hyper = args
     t, k = np.asarray(table, dtype=np.int64), int(groups)
-    dtype = bfloat16() if _DTYPES[int(t[-1])] == "bfloat16" else np.dtype(_DTYPES[int(t[-1])])
+    dtype = kernels.table_dtype(t[-1])
     n, first_segment = t[4 * k : 5 * k], t[6 * k + 1 : 7 * k + 2]
     pairs = np.asarray(segments, dtype=np.int64).reshape(-1, 2)
     for j in range(k):
@@ -184,21 +187,16 @@ def _hyper_row(h: dict) -> tuple:
 _group_tables: dict = {}  # (addresses, lengths, segments) of the groups -> (table, segments, blocks)
 
 
-def _address(a) -> int:
-    """An array's device address (a NumPy array's host address: the twins run on host memory)."""
-    return a.ctypes.data if type(a) is np.ndarray else a.data.ptr
-
-
 def _groups_table(xp, updates: list):
     """The device table adamw_groups reads (cached: the shards and moments stay where they are)."""
-    key = tuple((tuple(_address(a) for a in u[:4]), u[0].size, tuple(u[5])) for u in updates)
+    key = tuple((tuple(kernels.device_address(a) for a in u[:4]), u[0].size, tuple(u[5])) for u in updates)
     if key not in _group_tables:
         sizes = [u[0].size for u in updates]
         first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
         first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
-        columns = [[_address(u[a]) for u in updates] for a in range(4)]
+        columns = [[kernels.device_address(u[a]) for u in updates] for a in range(4)]
         host = np.concatenate(
-            [*columns, sizes, first, first_segment, [_DTYPES.index(updates[0][0].dtype.name)]]
+            [*columns, sizes, first, first_segment, [kernels.TABLE_DTYPES.index(updates[0][0].dtype.name)]]
         )
         pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
         if len(_group_tables) > 64:  # buffers moved: forget old layouts

@@ -14,14 +14,13 @@ import numpy as np
 
 from ..base import kernels
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import bfloat16
 
 THREADS, PIECE = 256, 256 * 16  # elements a block sums
 
 SOURCE = r"""
 extern "C" __global__ void squares_by_piece(const long long* table, const int vectors, ACC* partial) {
     /* table: the vectors' addresses, their lengths, their first pieces (vectors + 1 of them), then
-       their dtype (for the twin: its position in _DTYPES); block b sums the squares of piece
+       their dtype (for the twin: its place in TABLE_DTYPES); block b sums the squares of piece
        b - first[v] of vector v, first[v] <= b < first[v + 1] */
     const long long* lengths = table + vectors;
     const long long* first = table + 2 * vectors;
@@ -54,9 +53,6 @@ def source(dtype) -> str:
     return kernels.typed_source(dtype, _BODY)
 
 
-_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's last entry: its dtype's place here
-
-
 def _table_parts(table, vectors: int):
     """(addresses, lengths, first pieces, element dtype) of a table."""
     t = np.asarray(table, dtype=np.int64)
@@ -64,12 +60,8 @@ def _table_parts(table, vectors: int):
         t[:vectors],
         t[vectors : 2 * vectors],
         t[2 * vectors : 3 * vectors + 1],
-        _numpy_type(_DTYPES[int(t[-1])]),
+        kernels.table_dtype(t[-1]),
     )
-
-
-def _numpy_type(name: str):
-    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _squares_twin(grid, block, args, shared_mem=0):
@@ -96,21 +88,16 @@ kernels.RAW_FAMILIES["sum of squares"] = (source, KERNELS)
 _tables: dict = {}  # (address, length, dtype) of each vector -> the table on the device
 
 
-def _address(v) -> int:
-    """A vector's device address (a NumPy array's host address: the twins run on host memory)."""
-    return v.ctypes.data if type(v) is np.ndarray else v.data.ptr
-
-
 def _table(xp, vectors: list):
-    key = tuple((_address(v), v.size, v.dtype.str) for v in vectors)
+    key = tuple((kernels.device_address(v), v.size, v.dtype.str) for v in vectors)
     if key not in _tables:
         pieces = np.array([-(-v.size // PIECE) for v in vectors], dtype=np.int64)
         first = np.concatenate([[0], np.cumsum(pieces)])
         columns = (
-            [_address(v) for v in vectors],
+            [kernels.device_address(v) for v in vectors],
             [v.size for v in vectors],
             first,
-            [_DTYPES.index(vectors[0].dtype.name)],
+            [kernels.TABLE_DTYPES.index(vectors[0].dtype.name)],
         )
         host = np.concatenate(columns)
         if len(_tables) > 64:  # buffers moved (a pool reshuffled): forget old layouts

@@ -26,7 +26,7 @@ import numpy as np
 from ..base import kernels
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import check_summable, float_dtype
+from ..base.checks import check_summable, float_dtype, is_bfloat16
 from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
@@ -141,7 +141,7 @@ class Unit:
         only over NCCL (the same refusal on every rank, before any collective)."""
         param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
         reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or param_dtype)
-        if self.xp is np and "bfloat16" in (param_dtype.name, reduce_dtype.name):
+        if self.xp is np and (is_bfloat16(param_dtype) or is_bfloat16(reduce_dtype)):
             raise ValueError(
                 f"unit {self.name!r}: bfloat16 computes on a GPU only (NumPy has no bfloat16 arithmetic "
                 "of its own: ml_dtypes' matmul returns float32); on the CPU give float16 or float32"
