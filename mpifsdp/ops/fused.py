@@ -339,12 +339,10 @@ def _scale_shift(o, rstd, w, b):
 
 def _layer_norm_again(x, mean, rstd, w, b, eps):
     """The LayerNorm's output recomputed from x and its saved statistics: the same passes as the
-    forward, so the same bits (on a GPU the forward's kernel again)."""
+    forward, so the same bits (the CPU's: a GPU keeps the output, keeps_norm_output)."""
     xp = array_module_of(x)
     out = xp.empty_like(x)
     x2, o2 = _rows(x), _rows(out)
-    if xp is not np and x.flags.c_contiguous and gpu_layer_norm.again(x2, w, b, eps, o2, mean, rstd):
-        return out
 
     def work(i, lo, hi):
         xp.subtract(x2[lo:hi], mean[lo:hi], out=o2[lo:hi])
@@ -357,7 +355,15 @@ def _layer_norm_again(x, mean, rstd, w, b, eps):
 # -- LayerNorm into a linear ----------------------------------------------------------------------
 # A pre-LN block's LayerNorm output feeds one GEMM only. Fused, the tape keeps x (kept anyway: the
 # residual stream) and two numbers per row instead of another (B, T, C) array; backward recomputes
-# the output in two passes (peer config, N = 2: peak RSS 616 -> 581 MiB per rank, no slower).
+# the output in two passes (peer config, N = 2: peak RSS 616 -> 581 MiB per rank, no slower). On a
+# GPU the output is kept: a recompute there is a launch (two a block), and launches, not bytes,
+# bound the step (issue 30); checkpointed blocks (recompute=) keep nothing of it either way.
+
+
+def keeps_norm_output(xp) -> bool:
+    """Whether layer_norm_linear keeps its LayerNorm's output for backward (a GPU) or recomputes it
+    there (the CPU); planning.gpt_activation_bytes counts what this decides."""
+    return xp is not np
 
 
 def _split_ln_linear(arrays, ln_bias: bool, bias: bool):
@@ -383,24 +389,27 @@ def _layer_norm_linear_vjp(
     needs = needs or (True,) * len(arrays)
     into = into or (None,) * len(arrays)
     n_ln = 2 + ln_bias
-    y = _layer_norm_again(x, *saved, ln_w, ln_b, eps)
+    mean, rstd, *kept = saved
+    y = kept[0] if kept else _layer_norm_again(x, mean, rstd, ln_w, ln_b, eps)
     linear_needs = (any(needs[:n_ln]), *needs[n_ln:])
     gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=linear_needs, into=(None, *into[n_ln:]))
     del y
     if gy is None:
         return (None,) * n_ln + tuple(lin)
-    return (*_layer_norm_vjp(gy, saved, x, ln_w, ln_b, eps, into=into[:n_ln], pending=pending), *lin)
+    stats = (mean, rstd)
+    return (*_layer_norm_vjp(gy, stats, x, ln_w, ln_b, eps, into=into[:n_ln], pending=pending), *lin)
 
 
 @primitive(
     "layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True, takes_into=True, takes_pending=True
 )
 def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
-    """linear(layer_norm(x)) whose normalized x is not kept (inputs: x, ln_w[, ln_b], w[, b])."""
+    """linear(layer_norm(x)) whose normalized x is kept only where keeps_norm_output says (inputs: x,
+    ln_w[, ln_b], w[, b])."""
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     y, stats = _layer_norm.forward(x, ln_w, ln_b, eps)
     out, _ = _linear.forward(y, w, b, transpose_w)
-    return out, stats
+    return out, (*stats, y) if keeps_norm_output(array_module_of(x)) else stats
 
 
 # -- cross-entropy --------------------------------------------------------------------------------

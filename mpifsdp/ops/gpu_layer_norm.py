@@ -1,9 +1,9 @@
-"""LayerNorm as raw GPU kernels: the forward (and its recompute) in one launch, the backward in one.
+"""LayerNorm as raw GPU kernels: the forward in one launch, the backward in one.
 
 fused.py's LayerNorm is eight array passes forward and about fourteen backward, each a launch and a
 trip through device memory on a GPU. Here the forward reads a row twice (its mean, then the
-variance about it: the CPU's two-pass formula) and writes the output once; the recompute in backward
-is the same kernel, so it gives the forward's bits. The backward kernel gives each thread block a run
+variance about it: the CPU's two-pass formula) and writes the output once (kept for backward: a
+GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread block a run
 of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
 g*xhat and g in shared memory, and the last block to finish adds every block's partials, in block
 order, into dw and db (a counter of finished blocks, after a memory fence: no second launch).
@@ -26,7 +26,7 @@ SOURCE = r"""
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
                                               ELEM* mean, ELEM* rstd, const int C, const ACC eps,
                                               const int flags) {
-    /* flags: 1 = has a bias, 2 = write mean and rstd (the recompute in backward does not) */
+    /* flags: 1 = has a bias */
     const ELEM* row = x + (size_t)blockIdx.x * C;
     ACC s = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) s += (ACC)row[j];
@@ -39,7 +39,7 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
         ACC y = ((ACC)row[j] - m) * r * (ACC)w[j];
         o[j] = (ELEM)((flags & 1) ? y + (ACC)b[j] : y);
     }
-    if ((flags & 2) && threadIdx.x == 0) { mean[blockIdx.x] = (ELEM)m; rstd[blockIdx.x] = (ELEM)r; }
+    if (threadIdx.x == 0) { mean[blockIdx.x] = (ELEM)m; rstd[blockIdx.x] = (ELEM)r; }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
@@ -115,8 +115,7 @@ def _forward_twin(grid, block, args, shared_mem=0):
     r = 1 / np.sqrt(((x64 - m) ** 2).mean(axis=1, keepdims=True) + float(eps))
     y = (x64 - m) * r * w.astype(np.float64)
     out.reshape(x64.shape)[...] = y + b.astype(np.float64) if int(flags) & 1 else y
-    if int(flags) & 2:
-        mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
+    mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
@@ -159,9 +158,9 @@ def _kernels(*arrays):
     return gk.compiled(array_module_of(arrays[0]), source(dtype), KERNELS, "fused LayerNorm")
 
 
-def _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats: bool):
+def _forward(kernels, x2, w, b, out, mean, rstd, eps):
     n, C = x2.shape
-    flags = (b is not None) | (2 if write_stats else 0)
+    flags = int(b is not None)
     acc = gk.accumulator(x2.dtype.type)
     kernels[0](
         (n,),
@@ -177,16 +176,7 @@ def forward(x2, w, b, eps: float, out, mean, rstd) -> bool:
     if kernels is None:
         return False
     gk.checked_once(("layer_norm_forward", x2.dtype.type), lambda: _probe(array_module_of(x2), x2.dtype))
-    _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats=True)
-    return True
-
-
-def again(x2, w, b, eps: float, out, mean, rstd) -> bool:
-    """The forward's output recomputed into `out` (the forward kernel again: the same bits)."""
-    kernels = _kernels(x2, w, b, out, mean, rstd)
-    if kernels is None:
-        return False
-    _forward(kernels, x2, w, b, out, mean, rstd, eps, write_stats=False)
+    _forward(kernels, x2, w, b, out, mean, rstd, eps)
     return True
 
 
@@ -240,7 +230,7 @@ def _probe(xp, dtype, backward: bool = False):
     x, g, w, b, add = (xp.asarray(host[k]) for k in "xgwba")
     out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
     kernels = _kernels(x, w, b, out, mean, rstd)
-    _forward(kernels, x, w, b, out, mean, rstd, 1e-5, write_stats=True)
+    _forward(kernels, x, w, b, out, mean, rstd, 1e-5)
     want = {"out": np.empty((n, C)), "mean": np.empty((n, 1)), "rstd": np.empty((n, 1))}
     _forward_twin(
         None, None, (host["x"], host["w"], host["b"], want["out"], want["mean"], want["rstd"], C, 1e-5, 3)

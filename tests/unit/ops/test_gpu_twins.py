@@ -34,7 +34,7 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
 
     out, m, r = np.empty((n, C)), np.empty((n, 1)), np.empty((n, 1))
     twins = kernels.TWINS
-    twins["layer_norm_forward"]((n,), None, (x, w, w if b is None else b, out, m, r, C, 1e-5, 2 | bias))
+    twins["layer_norm_forward"]((n,), None, (x, w, w if b is None else b, out, m, r, C, 1e-5, int(bias)))
     for got, want in ((out, want_out), (m, mean), (r, rstd)):
         _close(got, want, C)
 
@@ -59,15 +59,6 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
         _close(gb, want_grads[2], n)
     else:
         assert np.isnan(gb).all()  # without a bias nothing is written there
-
-
-def test_the_recompute_twin_leaves_the_statistics_alone():
-    rng = np.random.default_rng(4)
-    x, w, b = rng.normal(0, 1, (5, 8)), rng.normal(1, 0.1, 8), rng.normal(0, 0.1, 8)
-    out, m, r = np.empty((5, 8)), np.full((5, 1), 7.0), np.full((5, 1), 7.0)
-    kernels.TWINS["layer_norm_forward"]((5,), None, (x, w, b, out, m, r, 8, 1e-5, 1))
-    assert (m == 7).all() and (r == 7).all()
-    _close(out, fused._layer_norm.forward(x, w, b, 1e-5)[0], 8)
 
 
 def test_the_softmax_twins_compute_the_attention_softmax():

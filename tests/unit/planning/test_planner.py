@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mpifsdp.ops.causal_attention as attention
+import mpifsdp.ops.fused as fused
 from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff.tensor import graph_nbytes
 from mpifsdp.data import rank_slice
@@ -101,16 +102,21 @@ def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
 
 
 def test_activation_bytes_on_a_gpu_use_its_attention_block(monkeypatch):
-    """A GPU runs attention whole up to GPU_ATTENTION_BLOCK positions (nothing extra kept): the
-    prediction for device="cuda" is the tape's when the CPU's block is made that large."""
+    """A GPU runs attention whole up to GPU_ATTENTION_BLOCK positions (nothing extra kept) and keeps
+    its LayerNorms' outputs: the prediction for device="cuda" is the tape's when the CPU's block is
+    made that large and the CPU keeps them too."""
     cfg = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8)
     monkeypatch.setattr(attention, "ATTENTION_BLOCK", attention.GPU_ATTENTION_BLOCK)
+    monkeypatch.setattr(fused, "keeps_norm_output", lambda xp: True)
     model = GPT(cfg, seed=0, dtype=np.float64)
     x = np.zeros((2, cfg.block_size), dtype=np.int64)
     want = graph_nbytes(model(x, x))
     assert gpt_activation_bytes(cfg, 2, 8, device="cuda") == want
     monkeypatch.undo()
-    assert gpt_activation_bytes(cfg, 2, 8) > want  # the CPU's blocked path keeps more
+    # the CPU's blocked path keeps each block's attention output and log-sum-exp; it keeps no
+    # LayerNorm output (two a block, and the final one's)
+    B, T, C, H, L = 2, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer
+    assert gpt_activation_bytes(cfg, 2, 8) - want == 8 * (L * (B * T * C + B * H * T) - (2 * L + 1) * B * T * C)
     with pytest.raises(ValueError, match="'gpu' is not 'cpu' or 'cuda"):
         gpt_activation_bytes(cfg, 2, 8, device="gpu")
 
