@@ -1,6 +1,8 @@
 """The GPU path against the CPU's, on a CPU (run under bench/standin_run.py), sharded, float64:
 - the flat gradient shards after one backward, and after three micro-batches accumulated with
-  no_sync (the first backward writes into the zeroed gradients, the later ones must add);
+  no_sync (the first backward writes into the zeroed gradients, the later ones must add); and after
+  one backward through checkpointed blocks (recompute=True: a GPU's re-run forward keeps its
+  LayerNorm outputs, as its first forward does);
 - the parameters after three steps through a LossScaler with clipping (on a GPU the unscale and the
   clip are folded into AdamW's kernel; on the CPU they are passes of their own);
 - a host (NumPy) batch against the same batch on the device: the same gradients, bit for bit (host
@@ -39,17 +41,17 @@ CONFIG = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batc
 BOUND = 1e-12  # float64, relative to the largest gradient: only summation order differs
 
 
-def _sharded_gpt(device: str):
+def _sharded_gpt(device: str, recompute: bool = False):
     comm = mpifsdp.Comm(device=device, transport="nccl" if device == "cuda" else None)
     keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
     model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, dtype=np.float64, device=device)
-    mpifsdp.fully_shard(model, comm, units=model.blocks)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=recompute)
     return model, mpifsdp.array_module(device), sharded_model(model)
 
 
-def shards(device: str, micro_batches: int, host_batch: bool = False) -> list[np.ndarray]:
+def shards(device: str, micro_batches: int, host_batch: bool = False, recompute: bool = False) -> list:
     """Every unit's gradient shard after `micro_batches` backwards (the last one reducing)."""
-    model, xp, sharded = _sharded_gpt(device)
+    model, xp, sharded = _sharded_gpt(device, recompute)
     place = np.asarray if host_batch else xp.asarray
     for step in range(micro_batches):
         x, y = random_batch(CONFIG, 4, seed=step)
@@ -202,6 +204,8 @@ def main() -> int:
     for micro_batches in (1, 3):
         err = _relative_error(shards("cuda", micro_batches), shards("cpu", micro_batches))
         result[f"grads_after_{micro_batches}_backwards"] = {"max_rel_err": err, "bound": BOUND}
+    err = _relative_error(shards("cuda", 1, recompute=True), shards("cpu", 1, recompute=True))
+    result["grads_through_checkpointed_blocks"] = {"max_rel_err": err, "bound": BOUND}
     err = _relative_error(shards("cuda", 1, host_batch=True), shards("cuda", 1))
     result["host_batch_against_device_batch"] = {"max_rel_err": err, "bound": 0.0}
     err = _relative_error(float16_steps(keep_casts=True), float16_steps(keep_casts=False))

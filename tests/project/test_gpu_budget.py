@@ -79,7 +79,8 @@ def test_the_gpu_path_computes_what_the_cpu_path_does(comm, sharded):
 def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     """bench/standin_checks.py: a sharded float64 GPT, GPU branches (stand-in) against the CPU: its
     gradient shards after one backward (the VJPs write into the zeroed gradients) and after three
-    no_sync micro-batches (the later ones must add, not write), and its parameters after three
+    no_sync micro-batches (the later ones must add, not write) and through checkpointed blocks (the
+    re-run forward keeps its LayerNorm outputs on a GPU too), and its parameters after three
     LossScaler steps that clip (a GPU folds the unscale and the clip into AdamW's kernel); a host batch
     and float16 gathers reusing their forward's casts give the same bits as a device batch and fresh
     casts; float16 and bfloat16 gathers (the raw kernels in that type) give float32's gradients within
