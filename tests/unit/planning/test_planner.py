@@ -116,7 +116,8 @@ def test_activation_bytes_on_a_gpu_use_its_attention_block(monkeypatch):
     # the CPU's blocked path keeps each block's attention output and log-sum-exp; it keeps no
     # LayerNorm output (two a block, and the final one's)
     B, T, C, H, L = 2, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer
-    assert gpt_activation_bytes(cfg, 2, 8) - want == 8 * (L * (B * T * C + B * H * T) - (2 * L + 1) * B * T * C)
+    attention_kept, norms_kept = L * (B * T * C + B * H * T), (2 * L + 1) * B * T * C
+    assert gpt_activation_bytes(cfg, 2, 8) - want == 8 * (attention_kept - norms_kept)
     with pytest.raises(ValueError, match="'gpu' is not 'cpu' or 'cuda"):
         gpt_activation_bytes(cfg, 2, 8, device="gpu")
 
