@@ -12,6 +12,7 @@ whole interface between autodiff and whatever drives it (fsdp.py's units and sha
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -179,16 +180,17 @@ def backward(root, grad=None):
             remaining[id(s)] = remaining.get(id(s), 0) + 1
     started: dict[int, object] = {}  # scopes whose pre_backward ran, by id, in order
 
-    grads = {id(root._node): grad}  # keyed by node: one output per node
+    sweep = _Sweep({id(root._node): grad}, _consumers(order))
     try:
         for node in order:
             for s in node.scopes:
                 if id(s) not in started:
                     started[id(s)] = s
                     s.pre_backward()
-            g = grads.pop(id(node), None)
+            g = sweep.grads.pop(id(node), None)
             if g is not None:
-                _propagate(node, g, grads)
+                _propagate(node, g, sweep)
+            sweep.consumed(node)
             node.inputs = node.saved = None  # free the graph as we go
             for s in reversed(node.scopes):
                 remaining[id(s)] -= 1
@@ -215,24 +217,80 @@ class Summed:
         self.array = array
 
 
+class SumsWritten:
+    """What a VJP returns for an input whose whole gradient's column sums it also wrote into
+    `sums_into` (primitive's gives_column_sums): `grad` is what it returns for that input otherwise
+    (an array, or a Summed)."""
+
+    def __init__(self, grad):
+        self.grad = grad
+
+
 def _zeroed_grad(t) -> bool:
     """A leaf whose .grad is a zeroed buffer nothing has added to yet (Param.grad_is_zero)."""
     return t._node is None and t.requires_grad and t.grad is not None and getattr(t, "grad_is_zero", False)
 
 
-def _propagate(node: Node, g, grads: dict):
+def _consumers(order: list) -> collections.Counter:
+    """Per node (by id): how many inputs of nodes in `order` are its output."""
+    return collections.Counter(id(t._node) for node in order for t in node.inputs if t._node is not None)
+
+
+class _Sweep:
+    """One backward's running state: the gradients of outputs so far (by node), how many of each
+    output's uses have still to give theirs, and the nodes whose bias gradient a consumer wrote."""
+
+    def __init__(self, grads: dict, consumers: collections.Counter):
+        self.grads, self.left, self.bias_written = grads, consumers, set()
+
+    def consumed(self, node: Node):
+        for t in node.inputs or ():
+            if t._node is not None:
+                self.left[id(t._node)] -= 1
+
+    def bias_grad_of(self, t):
+        """Where the VJP running now (a use of t) may write the column sums of t's whole gradient: the
+        zeroed gradient of the bias of the node that made t, when this is t's last use (its gradient
+        is then complete with the pending one); else None."""
+        producer = t._node
+        if producer is None or self.left[id(producer)] != 1:
+            return None
+        bias = _bias_of(producer)
+        if bias is None or not _zeroed_grad(bias) or bias.grad.shape != (t.shape[-1],):
+            return None
+        return bias.grad
+
+
+def _bias_of(node: Node):
+    """The input of `node` whose gradient is the column sum of node's output gradient (its
+    primitive's bias_input: a linear's bias), or None."""
+    bias_input = getattr(node.prim, "bias_input", None)
+    index = None if bias_input is None else bias_input(node.settings, len(node.inputs))
+    return None if index is None else node.inputs[index]
+
+
+def _propagate(node: Node, g, sweep: _Sweep):
     """Run node's VJP on its output gradient g; add the results to its inputs' (leaves: their .grad)."""
+    grads = sweep.grads
     arrays = [t.data for t in node.inputs]  # read now: lazy parameter data
     settings = node.settings
     if getattr(node.prim, "takes_needs", False):  # skip the gradients of frozen inputs
-        settings = {**settings, "needs": tuple(t.requires_grad for t in node.inputs)}
+        written = _bias_of(node) if id(node) in sweep.bias_written else None  # by a consumer
+        settings = {**settings, "needs": tuple(t.requires_grad and t is not written for t in node.inputs)}
     if getattr(node.prim, "takes_into", False):  # zeroed parameter gradients the VJP may write into
         settings = {**settings, "into": tuple(t.grad if _zeroed_grad(t) else None for t in node.inputs)}
     if getattr(node.prim, "takes_pending", False):  # the inputs' gradients so far, the VJP may add in
         pending = tuple(None if t._node is None else grads.get(id(t._node)) for t in node.inputs)
         settings = {**settings, "pending": pending}
+    if getattr(node.prim, "gives_column_sums", False):  # producers' bias gradients it may write
+        settings = {**settings, "sums_into": tuple(sweep.bias_grad_of(t) for t in node.inputs)}
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
+        if isinstance(gi, SumsWritten):  # it wrote the gradient of t's producer's bias too
+            bias = _bias_of(t._node)
+            bias.grad_is_zero = bias.grad_unfilled = False
+            sweep.bias_written.add(id(t._node))
+            gi = gi.grad
         if gi is WROTE:  # the VJP wrote it into t.grad itself
             t.grad_is_zero = t.grad_unfilled = False
             continue

@@ -34,6 +34,8 @@ class Primitive:
     takes_needs: bool = False  # True: the VJP gets needs=(bool per input) and skips unneeded gradients
     takes_into: bool = False  # True: the VJP gets into=(a zeroed .grad or None, per input): see WROTE
     takes_pending: bool = False  # True: the VJP gets pending=(gradient so far, per input): see Summed
+    gives_column_sums: bool = False  # True: the VJP gets sums_into=(a bias gradient or None, per input)
+    bias_input: Callable | None = None  # (settings, number of inputs) -> the index of the bias, or None
 
 
 PRIMITIVES: dict[str, Primitive] = {}
@@ -46,6 +48,8 @@ def primitive(
     takes_needs: bool = False,
     takes_into: bool = False,
     takes_pending: bool = False,
+    gives_column_sums: bool = False,
+    bias_input: Callable | None = None,
 ):
     """Decorator registering `forward` under `name` with its `vjp`; returns the Primitive.
 
@@ -60,12 +64,23 @@ def primitive(
     takes_pending=True: backward passes `pending`, per input the gradient its other uses gave it so
     far (a residual stream's, say; None for leaves and where there is none yet); the VJP may return
     tape.Summed(its gradient + that) for it, formed in its own kernel: the add is not a launch of its own.
+    bias_input(settings, number of inputs): the index of an input whose gradient is the column sum
+    (over every axis but the last) of this primitive's output gradient, a linear's bias; None: none.
+    gives_column_sums=True: backward passes `sums_into`, per input t the zeroed gradient of the bias
+    of the primitive that made t (where that one has a bias_input, and this is t's last use), else
+    None; the VJP may write there the column sums of t's whole gradient (its own plus `pending`),
+    formed in the kernel that forms that gradient, and return tape.SumsWritten(t's gradient): the
+    producer's VJP then skips its bias gradient (no reduction launch of its own).
     """
+
+    if bias_input is not None and not takes_needs:  # its VJP must be able to skip the bias
+        raise ValueError(f"primitive {name!r}: bias_input needs takes_needs=True")
 
     def register(forward):
         if name in PRIMITIVES:
             raise ValueError(f"primitive {name!r} registered twice")
-        PRIMITIVES[name] = Primitive(name, forward, vjp, reads_inputs, takes_needs, takes_into, takes_pending)
+        flags = (reads_inputs, takes_needs, takes_into, takes_pending, gives_column_sums)
+        PRIMITIVES[name] = Primitive(name, forward, vjp, *flags, bias_input)
         return PRIMITIVES[name]
 
     return register

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..autodiff.tape import WROTE, Summed
+from ..autodiff.tape import WROTE, Summed, SumsWritten
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
 from ..base.threads import for_row_blocks
@@ -202,7 +202,12 @@ def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(
     return gx, gw, gb
 
 
-@primitive("linear", vjp=_linear_vjp, takes_needs=True, takes_into=True)
+def _bias_is_input_2(settings, inputs: int):
+    """A linear's bias: its third input, where it has one (tape.SumsWritten)."""
+    return 2 if inputs > 2 else None
+
+
+@primitive("linear", vjp=_linear_vjp, takes_needs=True, takes_into=True, bias_input=_bias_is_input_2)
 def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
 
@@ -227,7 +232,7 @@ def _linear_add_vjp(
     return (*grads, g if needs[3] else None)
 
 
-@primitive("linear_add", vjp=_linear_add_vjp, takes_needs=True, takes_into=True)
+@primitive("linear_add", vjp=_linear_add_vjp, takes_needs=True, takes_into=True, bias_input=_bias_is_input_2)
 def _linear_add(x, w, b, residual, transpose_w=False, gelu_input=False):
     """residual + linear(x, w, b): a block's projection back into its residual stream. On a GPU the
     bias and the residual are added to the GEMM's output in one pass (two otherwise); the bits of
@@ -255,22 +260,27 @@ def sum_of_products(xp, a, b, axis: int):
     return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
 
 
-def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None):
+def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None, sums_into=None):
     """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std. into:
-    on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients; and
-    adds x's pending gradient (the residual stream's) into its own there (tape.Summed)."""
+    on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients; adds
+    x's pending gradient (the residual stream's) into its own there (tape.Summed); and writes the
+    column sums of x's whole gradient into sums_into[0] where offered (tape.SumsWritten)."""
     mean, rstd = saved
     xp = array_module_of(x)
     x2, g2 = _rows(x), _rows(g)
     n, C = x2.shape
     gx = xp.empty_like(x)
     gx2 = _rows(gx)
-    if xp is not np and x.flags.c_contiguous:  # one kernel for the rows, one for dw and db
-        add = (pending or (None,))[0]
-        add = add if add is not None and add.shape == x.shape and add.flags.c_contiguous else None
-        params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add)
+    if xp is not np and x.flags.c_contiguous:  # one kernel for the rows, dw and db
+        given = (pending or (None,))[0]
+        add = given if given is not None and given.shape == x.shape and given.flags.c_contiguous else None
+        # x's whole gradient is this one only with the pending one in it
+        sums = (sums_into or (None,))[0] if add is not None or given is None else None
+        params = _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add, sums)
         if params is not None:
+            wrote_sums, params = params
             gx = gx if add is None else Summed(gx)
+            gx = SumsWritten(gx) if wrote_sums else gx
             return (gx, params[0]) if b is None else (gx, *params)
     parts = {}  # per block: partial sums for the weight and bias gradients
 
@@ -293,19 +303,21 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None):
     return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
 
 
-def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add):
-    """(d w, d b) from the GPU kernels, which write gx2 too (plus `add`, where given); each WROTE
-    where it went straight into a zeroed parameter gradient (`into`); None where they cannot run."""
+def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add, sums):
+    """(whether `sums` got gx2's column sums, (d w, d b)) from the GPU kernel, which writes gx2 too
+    (plus `add`, where given); each WROTE where it went straight into a zeroed parameter gradient
+    (`into`); None where it cannot run."""
     params = (w, b)
     targets = [None if a is None else writable(into, k, a.shape, a.dtype) for k, a in enumerate(params, 1)]
     outs = [t if t is not None or a is None else xp.empty_like(a) for t, a in zip(targets, params)]
     add2 = None if add is None else _rows(add)
-    if not gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs, add2):
+    wrote_sums = gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs, add2, sums)
+    if wrote_sums is None:
         return None
-    return tuple(WROTE if t is not None else out for t, out in zip(targets, outs))
+    return wrote_sums, tuple(WROTE if t is not None else out for t, out in zip(targets, outs))
 
 
-@primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True, takes_pending=True)
+@primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True, takes_pending=True, gives_column_sums=True)
 def _layer_norm(x, w, b=None, eps=1e-5):
     """Normalize the last axis, then scale and shift; saves only the per-row mean and 1/std."""
     xp = array_module_of(x)
@@ -384,6 +396,7 @@ def _layer_norm_linear_vjp(
     needs=None,
     into=None,
     pending=None,
+    sums_into=None,
 ):
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     needs = needs or (True,) * len(arrays)
@@ -396,12 +409,18 @@ def _layer_norm_linear_vjp(
     del y
     if gy is None:
         return (None,) * n_ln + tuple(lin)
-    stats = (mean, rstd)
-    return (*_layer_norm_vjp(gy, stats, x, ln_w, ln_b, eps, into=into[:n_ln], pending=pending), *lin)
+    ln = _layer_norm_vjp(gy, (mean, rstd), x, ln_w, ln_b, eps, into[:n_ln], pending, sums_into)
+    return (*ln, *lin)
 
 
 @primitive(
-    "layer_norm_linear", vjp=_layer_norm_linear_vjp, takes_needs=True, takes_into=True, takes_pending=True
+    "layer_norm_linear",
+    vjp=_layer_norm_linear_vjp,
+    takes_needs=True,
+    takes_into=True,
+    takes_pending=True,
+    gives_column_sums=True,
+    bias_input=lambda settings, inputs: inputs - 1 if settings.get("bias", True) else None,
 )
 def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
     """linear(layer_norm(x)) whose normalized x is kept only where keeps_norm_output says (inputs: x,

@@ -6,7 +6,9 @@ variance about it: the CPU's two-pass formula) and writes the output once (kept 
 GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread block a run
 of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
 g*xhat and g in shared memory, and the last block to finish adds every block's partials, in block
-order, into dw and db (a counter of finished blocks, after a memory fence: no second launch).
+order, into dw and db (a counter of finished blocks, after a memory fence: no second launch); where
+asked, the column sums of dx too, in the same way: the gradient of the bias of the linear that made
+x (tape.SumsWritten), with no reduction launch of its own.
 Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type.
 Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 """
@@ -44,16 +46,22 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
                                                const ELEM* add, ACC* partial, ELEM* dw, ELEM* db,
-                                               unsigned int* done, const int n, const int C,
+                                               ELEM* ds, unsigned int* done, const int n, const int C,
                                                const int rows_per_block, const int flags) {
-    /* partial: (2, gridDim.x, C): this block's column sums of g * xhat (for dw) and of g (for db);
-       the last block to finish adds every block's partials, in block order, into dw and db.
-       flags: 1 = gx = dx + add, the input's gradient from its other uses (the residual path);
-       2 = has a bias (db written). done: a counter of finished blocks, back at 0 after each launch */
+    /* partial: (3, gridDim.x, C): this block's column sums of g * xhat (for dw), of g (for db) and
+       of gx as written (for ds); the last block to finish adds every block's partials, in block
+       order, into dw, db and ds. flags: 1 = gx = dx + add, the input's gradient from its other
+       uses (the residual path); 2 = has a bias (db written); 4 = ds written (3 C ACC of shared
+       memory, else 2 C). done: a counter of finished blocks, back at 0 after each launch */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) { gw[j] = 0; gb[j] = 0; }
+    ACC* gs = gb + C;  /* only with flag 4 */
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        gw[j] = 0;
+        gb[j] = 0;
+        if (flags & 4) gs[j] = 0;
+    }
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
     for (int r = first; r < last; ++r) {
         const ELEM* gr = g + (size_t)r * C;
@@ -73,13 +81,16 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
             const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
             const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
-            out[j] = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
+            const ELEM o = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
+            out[j] = o;
+            if (flags & 4) gs[j] += (ACC)o;
         }
     }
     ACC* mine = partial + (size_t)blockIdx.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         mine[j] = gw[j];
         mine[(size_t)gridDim.x * C + j] = gb[j];
+        if (flags & 4) mine[(size_t)2 * gridDim.x * C + j] = gs[j];
     }
     __threadfence();  /* this block's partials visible to every block before it counts itself done */
     __shared__ bool is_last;
@@ -88,13 +99,15 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
     __syncthreads();
     if (!is_last) return;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        ACC sw = 0, sb = 0;
+        ACC sw = 0, sb = 0, ss = 0;
         for (int k = 0; k < (int)gridDim.x; ++k) {  /* past L1: other blocks wrote these */
             sw += __ldcg(partial + (size_t)k * C + j);
             sb += __ldcg(partial + (size_t)(gridDim.x + k) * C + j);
+            if (flags & 4) ss += __ldcg(partial + (size_t)(2 * gridDim.x + k) * C + j);
         }
         dw[j] = (ELEM)sw;
         if (flags & 2) db[j] = (ELEM)sb;
+        if (flags & 4) ds[j] = (ELEM)ss;
     }
 }
 """
@@ -119,7 +132,7 @@ def _forward_twin(grid, block, args, shared_mem=0):
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
-    g, x, w, mean, rstd, gx, add, partial, dw, db, done, n, C, rows_per_block, flags = args
+    g, x, w, mean, rstd, gx, add, partial, dw, db, ds, done, n, C, rows_per_block, flags = args
     n, C, per = int(n), int(C), int(rows_per_block)
     g64, x64 = g.reshape(n, C).astype(np.float64), x.reshape(n, C).astype(np.float64)
     rs = rstd.reshape(n, 1).astype(np.float64)
@@ -128,15 +141,20 @@ def _backward_twin(grid, block, args, shared_mem=0):
     mean_gh, mean_ghx = gh.mean(axis=1, keepdims=True), (gh * xh).mean(axis=1, keepdims=True)
     dx = (gh - mean_gh - xh * mean_ghx) * rs
     gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if int(flags) & 1 else dx
-    blocks = partial.reshape(2, -1, C).shape[1]
-    parts = partial.reshape(2, blocks, C)
-    for k in range(blocks):
+    written = gx.reshape(n, C).astype(np.float64)  # ds sums gx as written (rounded to its type)
+    kinds = 3 if int(flags) & 4 else 2
+    parts = partial.reshape(kinds, -1, C)
+    for k in range(parts.shape[1]):
         rows = slice(k * per, min(n, (k + 1) * per))
         parts[0, k], parts[1, k] = (g64[rows] * xh[rows]).sum(axis=0), g64[rows].sum(axis=0)
+        if kinds == 3:
+            parts[2, k] = written[rows].sum(axis=0)
     sums = parts.astype(np.float64).sum(axis=1)  # the last block's: every block's partials, in order
     dw[...] = sums[0]
     if int(flags) & 2:
         db[...] = sums[1]
+    if int(flags) & 4:
+        ds[...] = sums[2]
 
 
 gk.TWINS.update(layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin)
@@ -183,35 +201,45 @@ def forward(x2, w, b, eps: float, out, mean, rstd) -> bool:
 _done: dict = {}  # device id -> the backward's counter of finished blocks (it resets itself)
 
 
-def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, max_blocks: int = MAX_BLOCKS):
+def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, max_blocks: int = MAX_BLOCKS):
     n, C = x2.shape
     blocks = min(n, max_blocks)
     per = -(-n // blocks)
     blocks = -(-n // per)
     acc = gk.accumulator(x2.dtype.type)
-    partial = xp.empty((2, blocks, C), dtype=acc)
+    partial = xp.empty((3 if ds is not None else 2, blocks, C), dtype=acc)
     device = getattr(getattr(x2, "device", None), "id", None)
     if device not in _done:
         _done[device] = xp.zeros(1, dtype=np.uint32)
-    flags = np.int32((add2 is not None) | (2 if gb is not None else 0))
+    flags = np.int32((add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0))
     add2 = gx2 if add2 is None else add2  # not read without flag 1
-    args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, _done[device])
+    args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, gw if ds is None else ds)
     sizes = (np.int32(n), np.int32(C), np.int32(per), flags)
-    kernels[1]((blocks,), (THREADS,), args + sizes, shared_mem=2 * C * np.dtype(acc).itemsize)
+    shared = _shared_bytes(C, x2.dtype.type, ds is not None)
+    kernels[1]((blocks,), (THREADS,), args + (_done[device],) + sizes, shared_mem=shared)
 
 
-def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None) -> bool:
+def _shared_bytes(C: int, dtype, column_sums: bool) -> int:
+    """The backward's shared memory: 2 C partial sums a block (dw, db), 3 C with dx's column sums."""
+    return (3 if column_sums else 2) * C * np.dtype(gk.accumulator(dtype)).itemsize
+
+
+def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None, ds=None) -> bool | None:
     """gx2 (n, C), gw and gb (C,; gb None without a bias) from the output's gradient g2 and the
     forward's x2 and per-row statistics, gx2 with add2 (n, C) added where given (the gradient x has
-    from its other uses: no launch to add it); False (nothing written) where the kernels cannot run."""
-    C = x2.shape[1]
+    from its other uses: no launch to add it), and ds (C,) = the column sums of gx2 where given and
+    they fit in shared memory. Returns None (nothing written) where the kernels cannot run, else
+    whether ds was written."""
+    C, dtype = x2.shape[1], x2.dtype.type
     kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb, add2)
-    if kernels is None or 2 * C * np.dtype(gk.accumulator(x2.dtype.type)).itemsize > SHARED_BYTES:
-        return False
+    if kernels is None or _shared_bytes(C, dtype, False) > SHARED_BYTES:
+        return None
+    usable = ds is not None and ds.dtype == x2.dtype and ds.flags.c_contiguous and ds.shape == (C,)
+    ds = ds if usable and _shared_bytes(C, dtype, True) <= SHARED_BYTES else None
     xp = array_module_of(x2)
-    gk.checked_once(("layer_norm_backward", x2.dtype.type), lambda: _probe(xp, x2.dtype, backward=True))
-    _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2)
-    return True
+    gk.checked_once(("layer_norm_backward", dtype), lambda: _probe(xp, x2.dtype, backward=True))
+    _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds)
+    return ds is not None
 
 
 # -- the check at first use --------------------------------------------------------------------------
@@ -237,19 +265,21 @@ def _probe(xp, dtype, backward: bool = False):
     )
     got = {"out": out, "mean": mean, "rstd": rstd}
     if backward:
-        gx, gw, gb = xp.empty_like(x), xp.empty_like(w), xp.empty_like(b)
-        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, max_blocks=8)  # with the add
+        gx, gw, gb, gs = xp.empty_like(x), xp.empty_like(w), xp.empty_like(b), xp.empty_like(b)
+        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, gs, max_blocks=8)  # add, sums
         stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
         twin = (host["g"], host["x"], host["w"], *stats, host["a"])
         want.update(_backward_reference(*twin))
-        got.update(gx=gx, gw=gw, gb=gb)
-    scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
-    return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * n, scale[k])) for k in want]
+        got.update(gx=gx, gw=gw, gb=gb, gs=gs)
+    bound = {k: gk.error_bound(dtype, 4 * n, float(np.max(np.abs(v)))) for k, v in want.items()}
+    if backward:  # a sum of n elements of gx, each within gx's bound of the twin's
+        bound["gs"] = n * bound["gx"]
+    return [(k, to_numpy(got[k]), want[k], bound[k]) for k in want]
 
 
 def _backward_reference(g, x, w, mean, rstd, add) -> dict:
-    """gx (+ add), gw, gb in float64 through the twin (one block of partials)."""
+    """gx (+ add), gw, gb and gx's column sums in float64 through the twin (one block of partials)."""
     n, C = x.shape
-    gx, partial, gw, gb = np.empty((n, C)), np.empty((2, 1, C)), np.empty(C), np.empty(C)
-    _backward_twin(None, None, (g, x, w, mean, rstd, gx, add, partial, gw, gb, None, n, C, n, 3))
-    return {"gx": gx, "gw": gw, "gb": gb}
+    gx, partial, gw, gb, gs = np.empty((n, C)), np.empty((3, 1, C)), np.empty(C), np.empty(C), np.empty(C)
+    _backward_twin(None, None, (g, x, w, mean, rstd, gx, add, partial, gw, gb, gs, None, n, C, n, 7))
+    return {"gx": gx, "gw": gw, "gb": gb, "gs": gs}

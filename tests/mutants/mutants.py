@@ -373,6 +373,17 @@ def _unreached_grads_left_unfilled():
     _replace(UnitLifecycle, "_zero_unreached_grads", lambda self: None)
 
 
+def _bias_sums_offered_to_any_use():
+    """A producer's bias gradient offered to every use of its output, not only the last one."""
+    from mpifsdp.autodiff import tape
+
+    def bias_grad_of(self, t):
+        bias = None if t._node is None else tape._bias_of(t._node)
+        return bias.grad if bias is not None and tape._zeroed_grad(bias) else None
+
+    _replace(tape._Sweep, "bias_grad_of", bias_grad_of)
+
+
 def _zeroed_grads_always_fresh():
     from mpifsdp.shard.unit import Unit
 
@@ -405,6 +416,14 @@ MUTANTS = {
         "the abort waits until the launcher has read the report (comm/presence.py wait_until_read)",
         [
             "tests/unit/comm/test_presence.py::test_the_abort_comes_only_after_the_launcher_has_read_the_report"
+        ],
+    ),
+    "bias_sums_last_use": Mutant(
+        _bias_sums_offered_to_any_use,
+        "a VJP writes its input's producer's bias gradient only as that input's last use (autodiff/tape.py)",
+        [
+            "tests/unit/autodiff/test_autodiff.py::"
+            "test_a_vjp_writes_its_producers_bias_gradient_as_the_last_use_only"
         ],
     ),
     "fresh_zeroed_grads": Mutant(

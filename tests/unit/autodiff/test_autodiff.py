@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from mpifsdp import AbsentDataError, Param, Tensor, no_grad, ops
+from mpifsdp.autodiff.tape import Summed, SumsWritten
+from mpifsdp.autodiff.tensor import PRIMITIVES, apply, primitive
 from mpifsdp.base.backend import to_numpy
 from mpifsdp.extend import scope
 
@@ -155,3 +157,71 @@ def test_profile_counts_an_array_used_twice_once():
     # forward: w once and the product; backward: the product's gradient, w once, and the two
     # gradients (one for each operand: distinct arrays)
     assert (costs["mul"]["forward_bytes"], costs["mul"]["backward_bytes"]) == (24 + 24, 24 + 24 + 24 + 24)
+
+
+# -- a VJP writing its input's producer's bias gradient (tape.SumsWritten) --------------------------
+OFFERS: list = []  # what the tape offered _doubled's VJP, per call: the bias gradient, or None
+
+
+def _doubled_vjp(g, _, x, pending=None, sums_into=None):
+    """2 g, plus the pending gradient; where offered, its column sums written into the producer's
+    bias gradient (as the GPU's LayerNorm kernel does), only with the pending gradient in it."""
+    OFFERS.append(sums_into[0])
+    gx = 2.0 * g if pending[0] is None else Summed(2.0 * g + pending[0])
+    if sums_into[0] is None:
+        return (gx,)
+    whole = gx.array if isinstance(gx, Summed) else gx
+    sums_into[0][...] = whole.reshape(-1, whole.shape[-1]).sum(axis=0)
+    return (SumsWritten(gx),)
+
+
+@pytest.fixture
+def doubled():
+    """The primitive test_doubled, registered for one test (the registry is the process's)."""
+    register = primitive("test_doubled", vjp=_doubled_vjp, takes_pending=True, gives_column_sums=True)
+    register(lambda x: (2.0 * x, None))
+    yield
+    del PRIMITIVES["test_doubled"]
+
+
+def _bias_grad(zeroed: bool, squared: str):
+    """(b.grad, w.grad, offers) of sum(doubled(h)), h = linear(x, w, b), with sum(h * h) added
+    before or after it, or not ("" / "before" / "after"); b's gradient a zeroed buffer (as FSDP
+    gives on a GPU) or none."""
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.normal(size=(2, 4, 3)))
+    w, b = Param(rng.normal(size=(3, 5)), "w"), Param(rng.normal(size=5), "b")
+    if zeroed:
+        b.grad, b.grad_is_zero = np.zeros(5), True
+    h = ops.linear(x, w, b)
+    terms = [apply("test_doubled", h).sum()]
+    if squared:
+        terms.insert(0 if squared == "before" else 1, (h * h).sum())
+    OFFERS.clear()
+    sum(terms[1:], terms[0]).backward()
+    return b.grad, w.grad, list(OFFERS)
+
+
+def _offered(squared: str) -> bool:
+    """Whether the doubling VJP was offered b's zeroed gradient; the gradients checked either way
+    against the linear's own: never half of them nor twice."""
+    want_b, want_w, offers = _bias_grad(zeroed=False, squared=squared)
+    assert offers == [None]  # no zeroed buffer to write into: the linear sums its own
+    got_b, got_w, offers = _bias_grad(zeroed=True, squared=squared)
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-14)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-14)
+    return offers[0] is not None
+
+
+def test_a_vjp_writes_its_producers_bias_gradient_as_the_last_use_only(doubled):
+    """Offered h's producer's zeroed bias gradient as h's only use, the doubling VJP writes the
+    column sums there and the linear skips its own. Of two uses, the doubling runs first in one
+    order and last in the other: offered in exactly the second (its gradient then holds the
+    square's too), the same gradients in both."""
+    assert _offered("")
+    assert sorted(_offered(order) for order in ("before", "after")) == [False, True]
+
+
+def test_a_bias_input_needs_a_vjp_that_can_skip_it():
+    with pytest.raises(ValueError, match="bias_input needs takes_needs"):
+        primitive("test_no_needs", vjp=lambda g, _, x, b: (g, g), bias_input=lambda s, n: 1)

@@ -43,17 +43,19 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     gx, partial, gw, gb = np.empty((n, C)), np.empty((2, blocks, C)), np.empty(C), np.full(C, np.nan)
     flags = 2 * bias  # 2: has a bias
     twins["layer_norm_backward"](
-        (blocks,), None, (g, x, w, m, r, gx, gx, partial, gw, gb, None, n, C, per, flags)
+        (blocks,), None, (g, x, w, m, r, gx, gx, partial, gw, gb, gw, None, n, C, per, flags)
     )
     _close(gx, want_grads[0], C)
     residual = rng.normal(0, 1, (n, C))  # the input's gradient from its other uses, added in the kernel
-    gx_and_residual = np.empty((n, C))
+    gx_and_residual, sums = np.empty((n, C)), np.full(C, np.nan)
+    partial = np.empty((3, blocks, C))  # 4: the column sums of what gx holds, into `sums`
     twins["layer_norm_backward"](
         (blocks,),
         None,
-        (g, x, w, m, r, gx_and_residual, residual, partial, gw, gb, None, n, C, per, flags | 1),
+        (g, x, w, m, r, gx_and_residual, residual, partial, gw, gb, sums, None, n, C, per, flags | 1 | 4),
     )
     _close(gx_and_residual, want_grads[0] + residual, C)
+    _close(sums, (want_grads[0] + residual).sum(axis=0), n * C)
     _close(gw, want_grads[1], n)
     if bias:
         _close(gb, want_grads[2], n)
