@@ -248,12 +248,15 @@ class _Sweep:
             if t._node is not None:
                 self.left[id(t._node)] -= 1
 
-    def bias_grad_of(self, t):
+    def bias_grad_of(self, t, adds_pending: bool):
         """Where the VJP running now (a use of t) may write the column sums of t's whole gradient: the
         zeroed gradient of the bias of the node that made t, when this is t's last use (its gradient
-        is then complete with the pending one); else None."""
+        is then complete with the pending one, which a VJP that does not take it must not have);
+        else None."""
         producer = t._node
         if producer is None or self.left[id(producer)] != 1:
+            return None
+        if not adds_pending and id(producer) in self.grads:
             return None
         bias = _bias_of(producer)
         if bias is None or not _zeroed_grad(bias) or bias.grad.shape != (t.shape[-1],):
@@ -283,7 +286,8 @@ def _propagate(node: Node, g, sweep: _Sweep):
         pending = tuple(None if t._node is None else grads.get(id(t._node)) for t in node.inputs)
         settings = {**settings, "pending": pending}
     if getattr(node.prim, "gives_column_sums", False):  # producers' bias gradients it may write
-        settings = {**settings, "sums_into": tuple(sweep.bias_grad_of(t) for t in node.inputs)}
+        adds_pending = getattr(node.prim, "takes_pending", False)
+        settings = {**settings, "sums_into": tuple(sweep.bias_grad_of(t, adds_pending) for t in node.inputs)}
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
         if isinstance(gi, SumsWritten):  # it wrote the gradient of t's producer's bias too

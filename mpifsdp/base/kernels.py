@@ -23,7 +23,10 @@ from .checks import bfloat16, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
-# BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it.
+# BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it;
+# and column sums across thread blocks in one launch: each block writes its partial sums, and the
+# last block to finish (a self-resetting counter of finished blocks, after a fence) adds them all,
+# in block order.
 BLOCK_REDUCE = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -40,7 +43,36 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __syncthreads();
     return v;
 }
+/* Whether this block is the last of the grid to get here, its partials written before (visible to
+   every block after the fence). done: a counter of finished blocks, back at 0 after each launch. */
+__device__ bool last_block_to_finish(unsigned int* done) {
+    __threadfence();
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;  /* wraps to 0 */
+    __syncthreads();
+    return is_last;
+}
+/* Column j of plane (gridDim.x, C): every block's partial, added in block order (read past L1:
+   other blocks wrote them). */
+__device__ ACC sum_over_blocks(const ACC* plane, const int C, const int j) {
+    ACC s = 0;
+    for (int k = 0; k < (int)gridDim.x; ++k) s += __ldcg(plane + (size_t)k * C + j);
+    return s;
+}
 """
+
+SHARED_BYTES = 48 * 1024  # the shared memory a thread block may take without opting in to more
+_counters: dict = {}  # (kernel, device id) -> its counter of finished blocks (it resets itself)
+
+
+def finished_blocks_counter(xp, like, kernel: str):
+    """The zeroed uint32 a kernel using last_block_to_finish counts its blocks in, one per kernel and
+    device (kernels on different streams must not share one)."""
+    key = (kernel, getattr(getattr(like, "device", None), "id", None))
+    if key not in _counters:
+        _counters[key] = xp.zeros(1, dtype=np.uint32)
+    return _counters[key]
 
 
 class _ElementTypes(dict):

@@ -161,10 +161,23 @@ def writable(into, k: int, shape, dtype):
     return target if fits else None
 
 
-def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(True, True, True), into=None):
+def _linear_vjp(
+    g,
+    _,
+    x,
+    w,
+    b=None,
+    transpose_w=False,
+    gelu_input=False,
+    needs=(True, True, True),
+    into=None,
+    sums_into=None,
+):
     """needs: which of x, w, b want a gradient (a frozen weight's GEMM is skipped, and so is the
     input's where nothing upstream trains). into: on a GPU the GEMM writes the weight's gradient,
-    and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE)."""
+    and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE).
+    sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its column sums
+    into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's first linear)."""
     g2 = _rows(g)
     gx, gw, gb = None, None, None
     h = x
@@ -174,11 +187,15 @@ def _linear_vjp(g, _, x, w, b=None, transpose_w=False, gelu_input=False, needs=(
         xp = array_module_of(x)
         h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
         h2 = _rows(h)
+        sums = (sums_into or (None,))[0]
+        if xp is not np and sums is not None and gpu_kernels.gelu_and_grad_sums_into(h2, gx2, x2, sums):
+            gx = SumsWritten(gx)
+        else:
 
-        def work(i, lo, hi):
-            _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
+            def work(i, lo, hi):
+                _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
 
-        by_rows(xp, x2.shape[0], x2.shape[1], work)
+            by_rows(xp, x2.shape[0], x2.shape[1], work)
     elif gelu_input and needs[1]:
         h = gelu_array(x)
     if needs[1]:
@@ -207,7 +224,14 @@ def _bias_is_input_2(settings, inputs: int):
     return 2 if inputs > 2 else None
 
 
-@primitive("linear", vjp=_linear_vjp, takes_needs=True, takes_into=True, bias_input=_bias_is_input_2)
+@primitive(
+    "linear",
+    vjp=_linear_vjp,
+    takes_needs=True,
+    takes_into=True,
+    gives_column_sums=True,
+    bias_input=_bias_is_input_2,
+)
 def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     """x @ w (+ b) over the last axis as ONE 2-D GEMM; w is (in, out), or (out, in) with transpose_w.
 
@@ -225,14 +249,22 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
 
 
 def _linear_add_vjp(
-    g, _, x, w, b, residual, transpose_w=False, gelu_input=False, needs=(True,) * 4, into=None
+    g, _, x, w, b, residual, transpose_w=False, gelu_input=False, needs=(True,) * 4, into=None, sums_into=None
 ):
     """The linear's gradients, and the residual's: g itself."""
-    grads = _linear_vjp(g, None, x, w, b, transpose_w, gelu_input, needs[:3], (into or (None,) * 4)[:3])
+    into, sums_into = (into or (None,) * 4)[:3], (sums_into or (None,) * 4)[:3]
+    grads = _linear_vjp(g, None, x, w, b, transpose_w, gelu_input, needs[:3], into, sums_into)
     return (*grads, g if needs[3] else None)
 
 
-@primitive("linear_add", vjp=_linear_add_vjp, takes_needs=True, takes_into=True, bias_input=_bias_is_input_2)
+@primitive(
+    "linear_add",
+    vjp=_linear_add_vjp,
+    takes_needs=True,
+    takes_into=True,
+    gives_column_sums=True,
+    bias_input=_bias_is_input_2,
+)
 def _linear_add(x, w, b, residual, transpose_w=False, gelu_input=False):
     """residual + linear(x, w, b): a block's projection back into its residual stream. On a GPU the
     bias and the residual are added to the GEMM's output in one pass (two otherwise); the bits of

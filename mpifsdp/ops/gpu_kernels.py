@@ -19,21 +19,37 @@ import math
 
 import numpy as np
 
-from ..base.backend import array_module_of
-from ..base.kernels import ELEMENT_TYPES, RAW_FAMILIES, TWINS, accumulator, compiled, typed_source
+from ..base.backend import array_module_of, to_numpy
+from ..base.kernels import (
+    ELEMENT_TYPES,
+    RAW_FAMILIES,
+    SHARED_BYTES,
+    TWINS,
+    accumulator,
+    checked_once,
+    compiled,
+    error_bound,
+    finished_blocks_counter,
+    typed_source,
+)
 
 log = logging.getLogger(__name__)
 
 _C = math.sqrt(2.0 / math.pi)  # GELU (tanh form): u = c (x + k x^3), gelu = x sigmoid(2u)
 _K = 0.044715
 
-# A: the type a kernel computes in, float for float16 and float32, double for float64.
-_PREAMBLE = f"""
-template <typename T> struct Acc {{ typedef float type; }};
-template <> struct Acc<double> {{ typedef double type; }};
+# GELU's sigmoid(2u) and its slope, in A: the type a kernel computes in (float for float16 and
+# float32, double for float64), for the elementwise kernels and the raw one alike.
+_GELU_MACROS = f"""
 #define GELU_SIGMOID(x) (A(1) / (A(1) + exp(x * (A({-2 * _C!r}) + A({-2 * _C * _K!r}) * x * x))))
 #define GELU_SLOPE(x, s) (s * (A(1) + x * (A({2 * _C!r}) + A({6 * _C * _K!r}) * x * x) * (A(1) - s)))
 """
+_PREAMBLE = (
+    """
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };"""
+    + _GELU_MACROS
+)
 
 _SOURCES = {
     "gelu": ("T x", "T y", "typedef Acc<T>::type A; A a = (A)x; y = (T)(a * GELU_SIGMOID(a));"),
@@ -79,6 +95,112 @@ def gelu_and_grad_into(h, gh, x):
 def add_bias_residual_(y, b, r):
     """y = (y + b) + r in place, b broadcast over y's rows."""
     _run("bias_residual", y, b, r, y)
+
+
+# -- the MLP's backward GELU with the column sums of its gradient: one launch ---------------------
+# h = gelu(x) and gh *= gelu'(x), as gelu_and_grad, and the column sums of gh as written: the
+# gradient of the bias of the linear that made x (tape.SumsWritten), with no reduction launch of its
+# own. A thread block takes a run of rows; its threads keep their columns' partial sums in shared
+# memory; the last block to finish adds every block's, in block order.
+GELU_SUMS_THREADS, GELU_SUMS_BLOCKS = 256, 512
+GELU_SUMS_SOURCE = r"""
+extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, ELEM* h, ELEM* gh, ACC* partial, ELEM* sums,
+                                              unsigned int* done, const int n, const int C,
+                                              const int rows_per_block) {
+    /* partial: (gridDim.x, C); done: a counter of finished blocks, back at 0 after each launch */
+    extern __shared__ unsigned char shared_bytes[];
+    ACC* part = (ACC*)shared_bytes;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) part[j] = 0;
+    const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
+    for (int r = first; r < last; ++r) {
+        const size_t row = (size_t)r * C;
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            const A a = (A)x[row + j], s = GELU_SIGMOID(a);
+            h[row + j] = (ELEM)(a * s);
+            const ELEM o = (ELEM)((A)gh[row + j] * GELU_SLOPE(a, s));
+            gh[row + j] = o;
+            part[j] += (ACC)o;
+        }
+    }
+    for (int j = threadIdx.x; j < C; j += blockDim.x) partial[(size_t)blockIdx.x * C + j] = part[j];
+    if (!last_block_to_finish(done)) return;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = (ELEM)sum_over_blocks(partial, C, j);
+}
+"""
+GELU_SUMS_KERNELS = ("gelu_and_grad_sums",)
+_GELU_SUMS_BODY = "typedef ACC A;" + _GELU_MACROS + GELU_SUMS_SOURCE
+
+
+def gelu_sums_source(dtype) -> str:
+    return typed_source(dtype, _GELU_SUMS_BODY)
+
+
+def _gelu_sums_twin(grid, block, args, shared_mem=0):
+    x, h, gh, partial, sums, done, n, C, per = args
+    n, C, per = int(n), int(C), int(per)
+    a = x.reshape(n, C).astype(np.float64)
+    s = 1 / (1 + np.exp(np.clip(-2 * _C * (a + _K * a**3), -700, 700)))
+    h.reshape(n, C)[...] = a * s
+    g2 = gh.reshape(n, C)
+    g2[...] = g2.astype(np.float64) * (s * (1 + a * (2 * _C + 6 * _C * _K * a * a) * (1 - s)))
+    written = g2.astype(np.float64)  # the sums add gh as written (rounded to its type)
+    parts = partial.reshape(-1, C)
+    for k in range(parts.shape[0]):
+        parts[k] = written[k * per : (k + 1) * per].sum(axis=0)
+    sums[...] = parts.astype(np.float64).sum(axis=0)
+
+
+TWINS["gelu_and_grad_sums"] = _gelu_sums_twin
+RAW_FAMILIES["gelu with column sums"] = (gelu_sums_source, GELU_SUMS_KERNELS)
+
+
+def gelu_and_grad_sums_into(h2, gh2, x2, sums, max_blocks: int = GELU_SUMS_BLOCKS) -> bool:
+    """h2 = gelu(x2), gh2 *= gelu'(x2) over rows of (n, C) contiguous arrays, and sums (C,) = the
+    column sums of gh2 as written, in one launch; False (nothing written) where it cannot run (then
+    gelu_and_grad_into and a column sum do it)."""
+    dtype = x2.dtype.type
+    arrays = (x2, h2, gh2, sums)
+    usable = dtype in ELEMENT_TYPES and all(a.dtype == x2.dtype and a.flags.c_contiguous for a in arrays)
+    n, C = x2.shape
+    acc = accumulator(dtype)
+    if not usable or sums.shape != (C,) or C * np.dtype(acc).itemsize > SHARED_BYTES:
+        return False
+    xp = array_module_of(x2)
+    kernels = compiled(xp, gelu_sums_source(dtype), GELU_SUMS_KERNELS, "fused GELU with column sums")
+    if kernels is None:
+        return False
+    checked_once(("gelu_and_grad_sums", dtype), lambda: _gelu_sums_probe(xp, x2.dtype, kernels[0]))
+    _gelu_sums_launch(kernels[0], xp, h2, gh2, x2, sums, max_blocks)
+    return True
+
+
+def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, max_blocks: int):
+    n, C = x2.shape
+    per = -(-n // min(n, max_blocks))
+    blocks = -(-n // per)
+    acc = accumulator(x2.dtype.type)
+    partial = xp.empty((blocks, C), dtype=acc)
+    done = finished_blocks_counter(xp, x2, "gelu_and_grad_sums")
+    args = (x2, h2, gh2, partial, sums, done, np.int32(n), np.int32(C), np.int32(per))
+    kernel((blocks,), (GELU_SUMS_THREADS,), args, shared_mem=C * np.dtype(acc).itemsize)
+
+
+def _gelu_sums_probe(xp, dtype, kernel):
+    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2) against its twin on host
+    copies of the same inputs; the sums within n times an element's bound."""
+    rng = np.random.default_rng(11)
+    n, C = 37, 80
+    host_x, host_g = (rng.normal(0, 2, (n, C)).astype(dtype) for _ in range(2))
+    want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
+    _gelu_sums_twin(None, None, (host_x, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n))
+    x, gh = xp.asarray(host_x), xp.asarray(host_g)  # gh: written in place
+    h, sums = xp.empty_like(x), xp.empty(C, dtype=dtype)
+    _gelu_sums_launch(kernel, xp, h, gh, x, sums, max_blocks=8)
+    bound = {k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))}
+    got = {"h": h, "gh": gh, "sums": sums}
+    want = {"h": want_h, "gh": want_g, "sums": want_sums}
+    bound["sums"] = n * bound["gh"]
+    return [(k, to_numpy(got[k]), want[k], bound[k]) for k in want]
 
 
 # -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------

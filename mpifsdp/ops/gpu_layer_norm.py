@@ -22,7 +22,6 @@ from ..base.backend import array_module_of, to_numpy
 
 THREADS = 256
 MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C partial sums, added at the end
-SHARED_BYTES = 48 * 1024  # what a block may take without opting in: 2 C ACC values must fit
 
 SOURCE = r"""
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
@@ -92,22 +91,12 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         mine[(size_t)gridDim.x * C + j] = gb[j];
         if (flags & 4) mine[(size_t)2 * gridDim.x * C + j] = gs[j];
     }
-    __threadfence();  /* this block's partials visible to every block before it counts itself done */
-    __shared__ bool is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;  /* wraps to 0 */
-    __syncthreads();
-    if (!is_last) return;
+    if (!last_block_to_finish(done)) return;
+    const size_t plane = (size_t)gridDim.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        ACC sw = 0, sb = 0, ss = 0;
-        for (int k = 0; k < (int)gridDim.x; ++k) {  /* past L1: other blocks wrote these */
-            sw += __ldcg(partial + (size_t)k * C + j);
-            sb += __ldcg(partial + (size_t)(gridDim.x + k) * C + j);
-            if (flags & 4) ss += __ldcg(partial + (size_t)(2 * gridDim.x + k) * C + j);
-        }
-        dw[j] = (ELEM)sw;
-        if (flags & 2) db[j] = (ELEM)sb;
-        if (flags & 4) ds[j] = (ELEM)ss;
+        dw[j] = (ELEM)sum_over_blocks(partial, C, j);
+        if (flags & 2) db[j] = (ELEM)sum_over_blocks(partial + plane, C, j);
+        if (flags & 4) ds[j] = (ELEM)sum_over_blocks(partial + 2 * plane, C, j);
     }
 }
 """
@@ -198,9 +187,6 @@ def forward(x2, w, b, eps: float, out, mean, rstd) -> bool:
     return True
 
 
-_done: dict = {}  # device id -> the backward's counter of finished blocks (it resets itself)
-
-
 def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, max_blocks: int = MAX_BLOCKS):
     n, C = x2.shape
     blocks = min(n, max_blocks)
@@ -208,15 +194,13 @@ def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, ma
     blocks = -(-n // per)
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((3 if ds is not None else 2, blocks, C), dtype=acc)
-    device = getattr(getattr(x2, "device", None), "id", None)
-    if device not in _done:
-        _done[device] = xp.zeros(1, dtype=np.uint32)
+    done = gk.finished_blocks_counter(xp, x2, "layer_norm_backward")
     flags = np.int32((add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0))
     add2 = gx2 if add2 is None else add2  # not read without flag 1
     args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, gw if ds is None else ds)
     sizes = (np.int32(n), np.int32(C), np.int32(per), flags)
     shared = _shared_bytes(C, x2.dtype.type, ds is not None)
-    kernels[1]((blocks,), (THREADS,), args + (_done[device],) + sizes, shared_mem=shared)
+    kernels[1]((blocks,), (THREADS,), args + (done,) + sizes, shared_mem=shared)
 
 
 def _shared_bytes(C: int, dtype, column_sums: bool) -> int:
@@ -232,10 +216,10 @@ def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None, ds=None) -> bool | N
     whether ds was written."""
     C, dtype = x2.shape[1], x2.dtype.type
     kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb, add2)
-    if kernels is None or _shared_bytes(C, dtype, False) > SHARED_BYTES:
+    if kernels is None or _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
         return None
     usable = ds is not None and ds.dtype == x2.dtype and ds.flags.c_contiguous and ds.shape == (C,)
-    ds = ds if usable and _shared_bytes(C, dtype, True) <= SHARED_BYTES else None
+    ds = ds if usable and _shared_bytes(C, dtype, True) <= gk.SHARED_BYTES else None
     xp = array_module_of(x2)
     gk.checked_once(("layer_norm_backward", dtype), lambda: _probe(xp, x2.dtype, backward=True))
     _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds)

@@ -374,10 +374,11 @@ def _unreached_grads_left_unfilled():
 
 
 def _bias_sums_offered_to_any_use():
-    """A producer's bias gradient offered to every use of its output, not only the last one."""
+    """A producer's bias gradient offered to every use of its output, not only to the last one
+    with every other use's gradient in hand."""
     from mpifsdp.autodiff import tape
 
-    def bias_grad_of(self, t):
+    def bias_grad_of(self, t, adds_pending):
         bias = None if t._node is None else tape._bias_of(t._node)
         return bias.grad if bias is not None and tape._zeroed_grad(bias) else None
 
@@ -420,7 +421,8 @@ MUTANTS = {
     ),
     "bias_sums_last_use": Mutant(
         _bias_sums_offered_to_any_use,
-        "a VJP writes its input's producer's bias gradient only as that input's last use (autodiff/tape.py)",
+        "a VJP writes its input's producer's bias gradient only as its input's last use, with the "
+        "input's whole gradient (autodiff/tape.py)",
         [
             "tests/unit/autodiff/test_autodiff.py::"
             "test_a_vjp_writes_its_producers_bias_gradient_as_the_last_use_only"

@@ -50,8 +50,10 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # every group's AdamW in one launch (a table of the groups, their hyperparameters copied): 37.7;
     # layer_norm_linear keeps its LayerNorm's output on a GPU (no recompute in backward): 35.6;
     # the second LayerNorm's backward kernel writes the attention projection's bias gradient, the
-    # column sums of the residual stream's gradient it forms (tape.SumsWritten): 34.6 (budget: 25)
-    assert budget["launches_per_layer"] <= 34.6, budget
+    # column sums of the residual stream's gradient it forms (tape.SumsWritten): 34.6; and the MLP's
+    # backward GELU kernel the first linear's, the column sums of the gradient it forms: 33.6
+    # (budget: 25)
+    assert budget["launches_per_layer"] <= 33.6, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget

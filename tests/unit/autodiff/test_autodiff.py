@@ -163,9 +163,9 @@ def test_profile_counts_an_array_used_twice_once():
 OFFERS: list = []  # what the tape offered _doubled's VJP, per call: the bias gradient, or None
 
 
-def _doubled_vjp(g, _, x, pending=None, sums_into=None):
-    """2 g, plus the pending gradient; where offered, its column sums written into the producer's
-    bias gradient (as the GPU's LayerNorm kernel does), only with the pending gradient in it."""
+def _doubled_vjp(g, _, x, pending=(None,), sums_into=None):
+    """2 g, plus the pending gradient where the primitive takes it; where offered, its column sums
+    written into the producer's bias gradient (as the GPU's LayerNorm and GELU kernels do)."""
     OFFERS.append(sums_into[0])
     gx = 2.0 * g if pending[0] is None else Summed(2.0 * g + pending[0])
     if sums_into[0] is None:
@@ -177,14 +177,16 @@ def _doubled_vjp(g, _, x, pending=None, sums_into=None):
 
 @pytest.fixture
 def doubled():
-    """The primitive test_doubled, registered for one test (the registry is the process's)."""
-    register = primitive("test_doubled", vjp=_doubled_vjp, takes_pending=True, gives_column_sums=True)
-    register(lambda x: (2.0 * x, None))
+    """The primitives test_doubled (adds the pending gradient) and test_doubled_alone (does not),
+    registered for one test (the registry is the process's)."""
+    for name, pending in (("test_doubled", True), ("test_doubled_alone", False)):
+        register = primitive(name, vjp=_doubled_vjp, takes_pending=pending, gives_column_sums=True)
+        register(lambda x: (2.0 * x, None))
     yield
-    del PRIMITIVES["test_doubled"]
+    del PRIMITIVES["test_doubled"], PRIMITIVES["test_doubled_alone"]
 
 
-def _bias_grad(zeroed: bool, squared: str):
+def _bias_grad(zeroed: bool, squared: str, doubling: str):
     """(b.grad, w.grad, offers) of sum(doubled(h)), h = linear(x, w, b), with sum(h * h) added
     before or after it, or not ("" / "before" / "after"); b's gradient a zeroed buffer (as FSDP
     gives on a GPU) or none."""
@@ -194,7 +196,7 @@ def _bias_grad(zeroed: bool, squared: str):
     if zeroed:
         b.grad, b.grad_is_zero = np.zeros(5), True
     h = ops.linear(x, w, b)
-    terms = [apply("test_doubled", h).sum()]
+    terms = [apply(doubling, h).sum()]
     if squared:
         terms.insert(0 if squared == "before" else 1, (h * h).sum())
     OFFERS.clear()
@@ -202,12 +204,12 @@ def _bias_grad(zeroed: bool, squared: str):
     return b.grad, w.grad, list(OFFERS)
 
 
-def _offered(squared: str) -> bool:
+def _offered(squared: str, doubling: str = "test_doubled") -> bool:
     """Whether the doubling VJP was offered b's zeroed gradient; the gradients checked either way
     against the linear's own: never half of them nor twice."""
-    want_b, want_w, offers = _bias_grad(zeroed=False, squared=squared)
+    want_b, want_w, offers = _bias_grad(False, squared, doubling)
     assert offers == [None]  # no zeroed buffer to write into: the linear sums its own
-    got_b, got_w, offers = _bias_grad(zeroed=True, squared=squared)
+    got_b, got_w, offers = _bias_grad(True, squared, doubling)
     np.testing.assert_allclose(got_b, want_b, rtol=1e-14)
     np.testing.assert_allclose(got_w, want_w, rtol=1e-14)
     return offers[0] is not None
@@ -217,9 +219,12 @@ def test_a_vjp_writes_its_producers_bias_gradient_as_the_last_use_only(doubled):
     """Offered h's producer's zeroed bias gradient as h's only use, the doubling VJP writes the
     column sums there and the linear skips its own. Of two uses, the doubling runs first in one
     order and last in the other: offered in exactly the second (its gradient then holds the
-    square's too), the same gradients in both."""
+    square's too), the same gradients in both. A VJP that does not add the pending gradient is
+    offered it only where there is none."""
     assert _offered("")
     assert sorted(_offered(order) for order in ("before", "after")) == [False, True]
+    assert _offered("", "test_doubled_alone")
+    assert not any(_offered(order, "test_doubled_alone") for order in ("before", "after"))
 
 
 def test_a_bias_input_needs_a_vjp_that_can_skip_it():

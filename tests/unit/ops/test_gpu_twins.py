@@ -9,7 +9,7 @@ import pytest
 
 from mpifsdp.base import kernels
 from mpifsdp.base.backend import to_numpy
-from mpifsdp.ops import fused, gpu_cross_entropy, gpu_layer_norm
+from mpifsdp.ops import fused, gpu_cross_entropy, gpu_kernels, gpu_layer_norm
 
 # float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
 F64 = float(np.finfo(np.float64).eps)
@@ -61,6 +61,27 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
         _close(gb, want_grads[2], n)
     else:
         assert np.isnan(gb).all()  # without a bias nothing is written there
+
+
+def test_the_gelu_sums_twin_computes_gelu_and_grad_and_the_column_sums():
+    """gelu_and_grad_sums's twin: h = gelu(x) and gh *= gelu'(x) as the CPU's passes, and the column
+    sums of gh (the bias gradient of the linear that made x), over blocks of 16 rows."""
+    rng = np.random.default_rng(6)
+    n, C, per = 70, 24, 16
+    x, g = rng.normal(0, 2, (n, C)), rng.normal(0, 1, (n, C))
+    want_h, want_g = np.empty((n, C)), g.copy()
+    fused._gelu_and_grad_into(want_h, want_g, x, *(np.empty((n, C)) for _ in range(3)))
+    h, gh, sums = np.empty((n, C)), g.copy(), np.full(C, np.nan)
+    partial = np.empty((-(-n // per), C))
+    kernels.TWINS["gelu_and_grad_sums"](None, None, (x, h, gh, partial, sums, None, n, C, per))
+    _close(h, want_h, 8)
+    _close(gh, want_g, 8)
+    _close(sums, want_g.sum(axis=0), 8 * n)
+
+
+def test_the_gelu_sums_probe_passes_with_the_twin_as_kernel():
+    kernel = _as_kernel("gelu_and_grad_sums")
+    _probe_passes(lambda dtype: gpu_kernels._gelu_sums_probe(np, dtype, kernel))
 
 
 def test_the_softmax_twins_compute_the_attention_softmax():
