@@ -186,6 +186,8 @@ def error_bound(dtype, terms: int, scale: float) -> float:
 
 
 # -- a flag for NaN and Inf: mixed precision's overflow check of each gather, one launch ----------
+# flag_nonfinite checks an array; cast_flag_nonfinite casts float32 masters to ELEM and checks the
+# cast in the same pass (a gather's send buffer: one launch, not a cast and a check).
 FLAG_THREADS, FLAG_BLOCKS = 256, 1024
 FLAG_SOURCE = r"""
 extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long long n, const int token) {
@@ -194,7 +196,18 @@ extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long l
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         if (!isfinite((ACC)x[i])) { flag[0] = token; return; }
 }
+extern "C" __global__ void cast_flag_nonfinite(const float* x, ELEM* out, int* flag, const long long n,
+                                               const int token) {
+    /* out = (ELEM)x; flag[0] = token where out holds a NaN or an Inf */
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const ELEM v = (ELEM)x[i];
+        out[i] = v;
+        if (!isfinite((ACC)v)) flag[0] = token;
+    }
+}
 """
+FLAG_KERNELS = ("flag_nonfinite", "cast_flag_nonfinite")
 
 
 def flag_source(dtype) -> str:
@@ -207,8 +220,16 @@ def _flag_twin(grid, block, args, shared_mem=0):
         flag[0] = int(token)
 
 
-TWINS["flag_nonfinite"] = _flag_twin
-RAW_FAMILIES["non-finite flag"] = (flag_source, ("flag_nonfinite",))
+def _cast_flag_twin(grid, block, args, shared_mem=0):
+    x, out, flag, n, token = args
+    n = int(n)
+    with np.errstate(over="ignore"):  # what the cast overflows is what the flag is for
+        out.reshape(-1)[:n] = x.reshape(-1)[:n]
+    _flag_twin(grid, block, (out, flag, n, token))
+
+
+TWINS.update(flag_nonfinite=_flag_twin, cast_flag_nonfinite=_cast_flag_twin)
+RAW_FAMILIES["non-finite flag"] = (flag_source, FLAG_KERNELS)
 
 
 def flag_nonfinite(x, flag, token: int = 1) -> bool:
@@ -220,13 +241,34 @@ def flag_nonfinite(x, flag, token: int = 1) -> bool:
     if dtype not in ELEMENT_TYPES or not x.flags.c_contiguous:
         return False
     xp = array_module_of(x)
-    kernel = compiled(xp, flag_source(dtype), ("flag_nonfinite",), "the non-finite flag")
-    if kernel is None:
+    kernels = compiled(xp, flag_source(dtype), FLAG_KERNELS, "the non-finite flag")
+    if kernels is None:
         return False
-    checked_once(("flag_nonfinite", dtype), lambda: _flag_probe(xp, dtype, kernel[0]))
-    blocks = max(1, min(FLAG_BLOCKS, -(-x.size // FLAG_THREADS)))
-    kernel[0]((blocks,), (FLAG_THREADS,), (x, flag, np.int64(x.size), np.int32(token)))
+    checked_once(("flag_nonfinite", dtype), lambda: _flag_probe(xp, dtype, kernels[0]))
+    kernels[0]((_flag_blocks(x.size),), (FLAG_THREADS,), (x, flag, np.int64(x.size), np.int32(token)))
     return True
+
+
+def cast_flag_nonfinite(x, out, flag, token: int = 1) -> bool:
+    """out = x cast to out's dtype (x: contiguous float32 on the device, out: as large), and flag[0]
+    = token where the cast holds a NaN or an Inf, in one launch; False (nothing written) where the
+    kernel cannot run (the caller then casts and checks apart)."""
+    dtype = out.dtype.type
+    usable = x.dtype == np.float32 and dtype in ELEMENT_TYPES and x.size == out.size
+    if not usable or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return False
+    xp = array_module_of(x)
+    kernels = compiled(xp, flag_source(dtype), FLAG_KERNELS, "the non-finite flag")
+    if kernels is None:
+        return False
+    checked_once(("cast_flag_nonfinite", dtype), lambda: _cast_flag_probe(xp, dtype, kernels[1]))
+    args = (x, out, flag, np.int64(x.size), np.int32(token))
+    kernels[1]((_flag_blocks(x.size),), (FLAG_THREADS,), args)
+    return True
+
+
+def _flag_blocks(n: int) -> int:
+    return max(1, min(FLAG_BLOCKS, -(-n // FLAG_THREADS)))
 
 
 def _flag_probe(xp, dtype, kernel):
@@ -243,3 +285,27 @@ def _flag_probe(xp, dtype, kernel):
         got.append(int(to_numpy(flag)[0]))
         want.append(int(expected[0]))
     return [("the flag", np.array(got), np.array(want), 0.0)]
+
+
+def _cast_flag_probe(xp, dtype, kernel):
+    """The cast and flag of float32 values with one far beyond float16's range (an Inf in float32
+    itself: every element type overflows on it) and of values with none, against the twin: the
+    cast bit for bit (both round to nearest), the flag exactly."""
+    values = np.linspace(-3, 3, 5000, dtype=np.float32)
+    got, want = [], []
+    for bad in (3777, None):
+        host = values.copy()
+        if bad is not None:
+            host[bad] = np.inf
+        out, flag = xp.empty(host.size, dtype=dtype), xp.zeros(1, dtype=np.int32)
+        expected, expected_flag = np.empty(host.size, dtype=dtype), np.zeros(1, dtype=np.int32)
+        kernel((4,), (FLAG_THREADS,), (xp.asarray(host), out, flag, np.int64(host.size), np.int32(7)))
+        _cast_flag_twin(None, None, (host, expected, expected_flag, host.size, 7))
+        got += [_comparable(to_numpy(out)), _comparable(to_numpy(flag))]
+        want += [_comparable(expected), _comparable(expected_flag)]
+    return [(f"the cast and its flag ({k})", g, w, 0.0) for k, (g, w) in enumerate(zip(got, want))]
+
+
+def _comparable(values):
+    """float64 values with Inf as a large finite number, so that Inf - Inf is 0, not NaN."""
+    return np.nan_to_num(np.asarray(values, np.float64), posinf=1e300, neginf=-1e300)

@@ -106,6 +106,7 @@ class FlatOptimizer:
         self.skipped_steps = 0
         self._norm = None  # the global grad norm of this step, once computed
         self._overflowed = None  # a group whose gather overflowed param_dtype, read with the norm
+        self._flags_read = False  # this step read device overflow flags: the ranks' must agree
         self.step_count = 0  # steps taken (skipped ones not counted)
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
@@ -229,8 +230,20 @@ class FlatOptimizer:
             (read,) = self._read([_stacked(flags)], "the step's verdict")
             self._note_overflow(flags, read)
         overflowed, self._overflowed = self._overflowed, None
+        if self._flags_read:
+            self._flags_read = False
+            overflowed = self._agreed(overflowed)
         if overflowed is not None:
             overflowed.raise_unrepresentable()
+
+    def _agreed(self, overflowed):
+        """The first group any rank's flags named (collective): a GPU's gathers check each rank's
+        own shard as they cast it, so one rank may hold the overflow the others must raise too."""
+        if self.comm is None or self.comm.size == 1:
+            return overflowed
+        mine = len(self.groups) if overflowed is None else self.groups.index(overflowed)
+        first = int(self.comm.gather_ints(mine, phase="optimizer", op="overflow_verdict")[:, 0].min())
+        return self.groups[first] if first < len(self.groups) else None
 
     def _overflow_flags(self) -> list:
         """(group, (device flag, token)) of each group whose gathers were checked on a device, taken:
@@ -240,6 +253,7 @@ class FlatOptimizer:
 
     def _note_overflow(self, flags: list, values):
         """The first group whose flag holds its token (its gathers overflowed) is raised at _settle."""
+        self._flags_read = True
         hit = [group for (group, (_, token)), value in zip(flags, values) if int(np.ravel(value)[0]) == token]
         if hit and self._overflowed is None:
             self._overflowed = hit[0]
@@ -262,6 +276,7 @@ class FlatOptimizer:
 
     def zero_grad(self):
         self._norm = self._overflowed = None  # this step's verdict goes with its gradients
+        self._flags_read = False
         for group in self.groups:
             group.zero_grad()
 

@@ -184,11 +184,24 @@ class Unit:
             if kept is not None and not use_kept:
                 self._give("gathered_params", kept)
                 kept = None
-            send = kept if kept is not None else self._cast("gathered_params", self.shard, self.param_dtype)
+            send, checked = (kept, True) if kept is not None else self._cast_for_gather()
             if keep_cast and send is not self.shard and self.xp is not np:
                 self._kept_cast = send
             request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
-            self._gathering = (request, send, kept is not None)
+            self._gathering = (request, send, checked)
+
+    def _cast_for_gather(self):
+        """(what a gather sends: the shard, or its pooled param_dtype cast; whether that cast is
+        checked already). On a GPU one kernel casts float32 masters and sets the overflow flag: this
+        rank's shard checked, not the gathered whole (each rank checks its own; the optimizer's
+        verdict brings the ranks' flags together: FlatOptimizer._settle)."""
+        if self.xp is not np and self.shard.dtype != self.param_dtype:
+            copy = self._take("gathered_params", self.param_dtype, numel=self.shard.size)
+            if kernels.cast_flag_nonfinite(self.shard, copy, self._overflow_flag(), self._token):
+                self._checked = True
+                return copy, True
+            self._give("gathered_params", copy)  # no kernel: cast, and check once gathered
+        return self._cast("gathered_params", self.shard, self.param_dtype), False
 
     def unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False) -> dict:
         """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
@@ -204,7 +217,7 @@ class Unit:
             if send is not self.shard:
                 if send is not self._kept_cast:
                     self._give("gathered_params", send)
-                if not checked:  # a kept cast's values were checked when it was made
+                if not checked:  # a kept cast's values, or one a kernel made, were checked then
                     self._check_representable(self.full)
 
     def _gather_into(self, full, phase: str):
@@ -224,15 +237,20 @@ class Unit:
         the verdict stays on the device until the step's (take_overflow_flag): a host sync per
         gather would stall the host's queue 49 times a step."""
         if self.xp is not np:  # one int32 flag, set by one kernel per gather
-            if self._overflow is None:
-                self._overflow = self.xp.zeros(1, dtype=np.int32)
-            if not kernels.flag_nonfinite(full, self._overflow, self._token):
+            flag = self._overflow_flag()
+            if not kernels.flag_nonfinite(full, flag, self._token):
                 bad = ~self.xp.isfinite(full).all()
-                self._overflow[...] = self.xp.where(bad, self._token, self._overflow)
+                flag[...] = self.xp.where(bad, self._token, flag)
             self._checked = True
             return
         if not bool(self.xp.isfinite(full).all()):
             self.raise_unrepresentable()
+
+    def _overflow_flag(self):
+        """The one-element int32 device flag this unit's checks set to their step's token."""
+        if self._overflow is None:
+            self._overflow = self.xp.zeros(1, dtype=np.int32)
+        return self._overflow
 
     def take_overflow_flag(self):
         """(device flag, token) of the gathers checked since the last call, or None (none checked on a

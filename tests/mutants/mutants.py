@@ -385,6 +385,13 @@ def _bias_sums_offered_to_any_use():
     _replace(tape._Sweep, "bias_grad_of", bias_grad_of)
 
 
+def _overflow_verdict_not_agreed():
+    """Each rank raises from its own shard's overflow flag alone."""
+    from mpifsdp.optim.flat_optimizer import FlatOptimizer
+
+    _replace(FlatOptimizer, "_agreed", lambda self, overflowed: overflowed)
+
+
 def _zeroed_grads_always_fresh():
     from mpifsdp.shard.unit import Unit
 
@@ -427,6 +434,12 @@ MUTANTS = {
             "tests/unit/autodiff/test_autodiff.py::"
             "test_a_vjp_writes_its_producers_bias_gradient_as_the_last_use_only"
         ],
+    ),
+    "overflow_agreed": Mutant(
+        _overflow_verdict_not_agreed,
+        "the ranks agree on a GPU step's overflow verdict, each having checked its own shard "
+        "(flat_optimizer.py)",
+        ["tests/project/test_gpu_budget.py::test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank"],
     ),
     "fresh_zeroed_grads": Mutant(
         _zeroed_grads_always_fresh,

@@ -190,6 +190,26 @@ def test_the_nonfinite_flag_is_set_by_an_inf_and_only_by_one(monkeypatch):
     assert not kernels.flag_nonfinite(np.ones((4, 4), np.float32)[:, ::2], flag)  # not contiguous
 
 
+def test_a_gathers_cast_sets_the_flag_where_a_master_outgrows_the_type(monkeypatch):
+    """cast_flag_nonfinite's launch with its twin as the kernel, the first-use check included: the
+    cast of float32 masters is NumPy's (both round to nearest), and a master beyond float16 sets
+    the flag to the token, which later casts leave as it is."""
+    twins = tuple(_as_kernel(name) for name in kernels.FLAG_KERNELS)
+    monkeypatch.setattr(kernels, "compiled", lambda *a: twins)
+    monkeypatch.setattr(kernels, "_checked", set())
+    masters, flag = np.linspace(-3, 3, 1000, dtype=np.float32), np.zeros(1, dtype=np.int32)
+    for dtype in KERNEL_DTYPES:
+        out = np.empty(masters.size, dtype)
+        assert kernels.cast_flag_nonfinite(masters, out, flag, token=5) and flag[0] == 0
+        assert out.tobytes() == masters.astype(dtype).tobytes()
+    masters[999] = 1e5
+    out = np.empty(masters.size, np.float16)
+    assert kernels.cast_flag_nonfinite(masters, out, flag, token=5) and flag[0] == 5
+    masters[999] = 1.0
+    assert kernels.cast_flag_nonfinite(masters, out, flag, token=6) and flag[0] == 5  # stays
+    assert not kernels.cast_flag_nonfinite(masters.astype(np.float64), out, flag)  # float32 masters only
+
+
 def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
     """optim/gpu_adamw.py's twin against the CPU's adamw_update (decay segments, a folded unscale and
     clip written back into the gradient), float64."""
