@@ -98,28 +98,41 @@ def float16_steps(keep_casts: bool) -> list[np.ndarray]:
     return [to_numpy(unit.shard) for unit in sharded_model(model).trainable_units]
 
 
-def overflow_named_once() -> bool:
-    """Step 1 with a master of 1e5 (beyond float16) raises naming its unit; step 2, the master back
-    at 1, does not."""
+def overflow_outcomes(comm, fsdp_gather: bool) -> list[str]:
+    """This rank's outcomes of two steps of a float16-gathering unit: the first with a master of 1e5
+    (beyond float16) in the last rank's shard, the second with it back at 1; ["named", "stepped"]
+    where it is raised, naming the unit, and then not. fsdp_gather: gathered as FSDP does (unshard:
+    each rank's shard cast and checked in one kernel), else with unsharded() (the whole checked)."""
     from mpifsdp import Unit
 
-    comm = mpifsdp.Comm(device="cuda", transport="nccl")
     xp = mpifsdp.array_module("cuda")
-    unit = Unit("big", {"w": xp.ones(6, dtype=np.float32)}, comm, param_dtype=np.float16)
+    unit = Unit("big", {"w": xp.ones(6 * comm.size, dtype=np.float32)}, comm, param_dtype=np.float16)
     opt = mpifsdp.AdamW([unit], lr=1e-3)
     outcomes = []
     for master in (1e5, 1.0):
-        unit.shard[:2] = master
-        with unit.unsharded():
-            pass
-        unit.reduce_grad({"w": xp.ones(6, dtype=np.float32)})
+        if comm.rank == comm.size - 1:
+            unit.shard[:1] = master
+        if fsdp_gather:
+            unit.unshard()
+            unit.reshard()
+        else:
+            with unit.unsharded():
+                pass
+        unit.reduce_grad({"w": xp.ones(6 * comm.size, dtype=np.float32)})
         try:
             opt.step()
             outcomes.append("stepped")
         except FloatingPointError as exc:
             outcomes.append("named" if "unit 'big'" in str(exc) else str(exc))
         opt.zero_grad()
-    return outcomes == ["named", "stepped"]
+    return outcomes
+
+
+def overflow_named_once() -> bool:
+    """Step 1 with a master beyond float16 raises naming its unit; step 2, the master back in range,
+    does not; with either gather."""
+    comm = mpifsdp.Comm(device="cuda", transport="nccl")
+    return all(overflow_outcomes(comm, fsdp) == ["named", "stepped"] for fsdp in (False, True))
 
 
 def mixed_precision_grads(dtype) -> list[np.ndarray]:

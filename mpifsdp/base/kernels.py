@@ -240,13 +240,7 @@ def flag_nonfinite(x, flag, token: int = 1) -> bool:
     dtype = x.dtype.type
     if dtype not in ELEMENT_TYPES or not x.flags.c_contiguous:
         return False
-    xp = array_module_of(x)
-    kernels = compiled(xp, flag_source(dtype), FLAG_KERNELS, "the non-finite flag")
-    if kernels is None:
-        return False
-    checked_once(("flag_nonfinite", dtype), lambda: _flag_probe(xp, dtype, kernels[0]))
-    kernels[0]((_flag_blocks(x.size),), (FLAG_THREADS,), (x, flag, np.int64(x.size), np.int32(token)))
-    return True
+    return _flag_launch(0, dtype, x, (x, flag, np.int64(x.size), np.int32(token)), _flag_probe)
 
 
 def cast_flag_nonfinite(x, out, flag, token: int = 1) -> bool:
@@ -257,18 +251,20 @@ def cast_flag_nonfinite(x, out, flag, token: int = 1) -> bool:
     usable = x.dtype == np.float32 and dtype in ELEMENT_TYPES and x.size == out.size
     if not usable or not (x.flags.c_contiguous and out.flags.c_contiguous):
         return False
+    return _flag_launch(1, dtype, x, (x, out, flag, np.int64(x.size), np.int32(token)), _cast_flag_probe)
+
+
+def _flag_launch(which: int, dtype, x, args: tuple, probe) -> bool:
+    """Kernel FLAG_KERNELS[which] for element type dtype over x's elements, checked once by
+    probe(xp, dtype, kernel); False where it cannot be compiled."""
     xp = array_module_of(x)
     kernels = compiled(xp, flag_source(dtype), FLAG_KERNELS, "the non-finite flag")
     if kernels is None:
         return False
-    checked_once(("cast_flag_nonfinite", dtype), lambda: _cast_flag_probe(xp, dtype, kernels[1]))
-    args = (x, out, flag, np.int64(x.size), np.int32(token))
-    kernels[1]((_flag_blocks(x.size),), (FLAG_THREADS,), args)
+    checked_once((FLAG_KERNELS[which], dtype), lambda: probe(xp, dtype, kernels[which]))
+    blocks = max(1, min(FLAG_BLOCKS, -(-x.size // FLAG_THREADS)))
+    kernels[which]((blocks,), (FLAG_THREADS,), args)
     return True
-
-
-def _flag_blocks(n: int) -> int:
-    return max(1, min(FLAG_BLOCKS, -(-n // FLAG_THREADS)))
 
 
 def _flag_probe(xp, dtype, kernel):
