@@ -21,7 +21,7 @@ from ..base import kernels as gk
 from ..base.backend import array_module_of, to_numpy
 
 THREADS = 256
-MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C partial sums, added at the end
+MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) partial sums, added at the end
 
 SOURCE = r"""
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,

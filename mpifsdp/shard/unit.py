@@ -175,7 +175,7 @@ class Unit:
 
         Mixed precision on a GPU: keep_cast=True (a forward whose backward gathers again, FSDP's
         lifecycle) keeps the param_dtype copy of the shard this gather sends, checked; the next
-        gather with use_kept=True sends it instead of casting and checking again (two launches a
+        gather with use_kept=True sends it instead of casting and checking again (a launch a
         unit). The shard must not change in between: the optimizer steps after the backward. Any
         other gather casts afresh and drops a kept copy."""
         if self.full is None:
