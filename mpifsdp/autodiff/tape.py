@@ -233,7 +233,12 @@ def _zeroed_grad(t) -> bool:
 
 def _consumers(order: list) -> collections.Counter:
     """Per node (by id): how many inputs of nodes in `order` are its output."""
-    return collections.Counter(id(t._node) for node in order for t in node.inputs if t._node is not None)
+    counts = collections.Counter()
+    for node in order:
+        for t in node.inputs:
+            if t._node is not None:
+                counts[id(t._node)] += 1
+    return counts
 
 
 class _Sweep:
@@ -249,12 +254,12 @@ class _Sweep:
                 self.left[id(t._node)] -= 1
 
     def bias_grad_of(self, t, adds_pending: bool):
-        """Where the VJP running now (a use of t) may write the column sums of t's whole gradient: the
-        zeroed gradient of the bias of the node that made t, when this is t's last use (its gradient
-        is then complete with the pending one, which a VJP that does not take it must not have);
-        else None."""
+        """Where the VJP running now (a use of t, which a node made) may write the column sums of
+        t's whole gradient: the zeroed gradient of the bias of the node that made t, when this is
+        t's last use (its gradient is then complete with the pending one, which a VJP that does not
+        take it must not have); else None."""
         producer = t._node
-        if producer is None or self.left[id(producer)] != 1:
+        if self.left[id(producer)] != 1:
             return None
         if not adds_pending and id(producer) in self.grads:
             return None
@@ -287,7 +292,8 @@ def _propagate(node: Node, g, sweep: _Sweep):
         settings = {**settings, "pending": pending}
     if getattr(node.prim, "gives_column_sums", False):  # producers' bias gradients it may write
         adds_pending = getattr(node.prim, "takes_pending", False)
-        settings = {**settings, "sums_into": tuple(sweep.bias_grad_of(t, adds_pending) for t in node.inputs)}
+        offers = [None if t._node is None else sweep.bias_grad_of(t, adds_pending) for t in node.inputs]
+        settings = {**settings, "sums_into": tuple(offers)}
     input_grads = timed(node.prim.name, "backward", node.prim.vjp, g, node.saved, *arrays, **settings)
     for t, gi in zip(node.inputs, input_grads):
         if isinstance(gi, SumsWritten):  # it wrote the gradient of t's producer's bias too

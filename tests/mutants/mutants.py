@@ -379,7 +379,7 @@ def _bias_sums_offered_to_any_use():
     from mpifsdp.autodiff import tape
 
     def bias_grad_of(self, t, adds_pending):
-        bias = None if t._node is None else tape._bias_of(t._node)
+        bias = tape._bias_of(t._node)
         return bias.grad if bias is not None and tape._zeroed_grad(bias) else None
 
     _replace(tape._Sweep, "bias_grad_of", bias_grad_of)
