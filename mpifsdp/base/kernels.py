@@ -66,6 +66,13 @@ SHARED_BYTES = 48 * 1024  # the shared memory a thread block may take without op
 _counters: dict = {}  # (kernel, device id) -> its counter of finished blocks (it resets itself)
 
 
+def row_runs(n: int, max_blocks: int) -> tuple[int, int]:
+    """(thread blocks, rows a block) for n rows cut into runs of equal length, at most max_blocks
+    runs (the last may be shorter): how the column-sum kernels share out their rows."""
+    per = -(-n // min(n, max_blocks))
+    return -(-n // per), per
+
+
 def finished_blocks_counter(xp, like, kernel: str):
     """The zeroed uint32 a kernel using last_block_to_finish counts its blocks in, one per kernel and
     device (kernels on different streams must not share one)."""

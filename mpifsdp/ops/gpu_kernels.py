@@ -30,6 +30,7 @@ from ..base.kernels import (
     compiled,
     error_bound,
     finished_blocks_counter,
+    row_runs,
     typed_source,
 )
 
@@ -176,8 +177,7 @@ def gelu_and_grad_sums_into(h2, gh2, x2, sums, max_blocks: int = GELU_SUMS_BLOCK
 
 def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, max_blocks: int):
     n, C = x2.shape
-    per = -(-n // min(n, max_blocks))
-    blocks = -(-n // per)
+    blocks, per = row_runs(n, max_blocks)
     acc = accumulator(x2.dtype.type)
     partial = xp.empty((blocks, C), dtype=acc)
     done = finished_blocks_counter(xp, x2, "gelu_and_grad_sums")
