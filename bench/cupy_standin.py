@@ -260,6 +260,9 @@ class ElementwiseKernel:
 
         if self.name == "mpifsdp_gelu":
             a[1][...] = a[0] * sigmoid(a[0])
+        elif self.name == "mpifsdp_gelu_bias":
+            x = (a[0] + a[1]).astype(a[0].dtype)  # rounded to T, as the kernel's (T) cast
+            a[2][...] = x * sigmoid(x)
         elif self.name == "mpifsdp_gelu_grad":
             a[2][...] = a[0] * slope(a[1], sigmoid(a[1]))
         elif self.name == "mpifsdp_bias_residual":
@@ -307,6 +310,98 @@ class _Nccl:
         pass
 
 
+# cuBLAS's gemmEx (ops/gpu_gemm.py) on host addresses: CuPy's type and operation codes, and the
+# column-major product it computes, in float32 (CUBLAS_COMPUTE_32F) or float64.
+_CUDA_TYPES = {
+    "CUDA_R_32F": "float32",
+    "CUDA_R_64F": "float64",
+    "CUDA_R_16F": "float16",
+    "CUDA_R_16BF": "bfloat16",
+}
+
+
+def _cuda_dtype(code: int):
+    from mpifsdp.base.kernels import TABLE_DTYPES, table_dtype
+
+    return table_dtype(TABLE_DTYPES.index(list(_CUDA_TYPES.values())[code]))
+
+
+def _column_major(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
+    """The (rows, cols) column-major matrix with leading dimension ld at a host address (a view)."""
+    from mpifsdp.base.kernels import host_array
+
+    flat = host_array(address, dtype, ld * (cols - 1) + rows)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
+
+
+@on_device
+def _gemm_ex(
+    handle,
+    transa,
+    transb,
+    m,
+    n,
+    k,
+    alpha,
+    A,
+    a_type,
+    lda,
+    B,
+    b_type,
+    ldb,
+    beta,
+    C,
+    c_type,
+    ldc,
+    compute,
+    algo,
+):
+    _launch("matmul")
+    acc, scalar = (np.float64, ctypes.c_double) if compute == 70 else (np.float32, ctypes.c_float)  # 64F, 32F
+    ops = []
+    for address, code, ld, trans, shape in (
+        (A, a_type, lda, transa, (m, k)),
+        (B, b_type, ldb, transb, (k, n)),
+    ):
+        dtype = _cuda_dtype(code)
+        rows, cols = shape if trans == 0 else shape[::-1]
+        matrix = _column_major(address, dtype, rows, cols, ld).astype(acc)
+        ops.append(matrix if trans == 0 else matrix.T)
+    scale = [scalar.from_address(address).value for address in (alpha, beta)]  # host scalars
+    out = _column_major(C, _cuda_dtype(c_type), m, n, ldc)
+    product = scale[0] * (ops[0] @ ops[1])
+    if scale[1]:
+        product += scale[1] * out.astype(acc)
+    np.copyto(out, product, casting="unsafe")
+
+
+def _cublas_modules() -> dict:
+    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+    cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
+    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_COMPUTE_64F = 68, 70
+    cublas.CUBLAS_GEMM_DEFAULT, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP = -1, 99
+    cublas.gemmEx = _gemm_ex
+    runtime = types.ModuleType("cupy_backends.cuda.api.runtime")
+    for code, name in enumerate(_CUDA_TYPES):
+        setattr(runtime, name, code)
+    libs = types.ModuleType("cupy_backends.cuda.libs")
+    libs.cublas = cublas
+    api = types.ModuleType("cupy_backends.cuda.api")
+    api.runtime = runtime
+    cuda = types.ModuleType("cupy_backends.cuda")
+    cuda.libs, cuda.api = libs, api
+    backends = types.ModuleType("cupy_backends")
+    backends.cuda = cuda
+    return {
+        "cupy_backends": backends,
+        "cupy_backends.cuda": cuda,
+        "cupy_backends.cuda.libs": libs,
+        "cupy_backends.cuda.libs.cublas": cublas,
+        "cupy_backends.cuda.api": api,
+        "cupy_backends.cuda.api.runtime": runtime,
+    }
+
+
 _NCCL_TYPES = ["NCCL_INT64", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_BFLOAT16"]
 _NCCL_ITEMSIZE = dict(enumerate([8, 2, 4, 8, 2]))
 
@@ -335,7 +430,11 @@ def install(with_cudnn: bool = True):
         )
 
     cp.cuda = types.SimpleNamespace(
-        get_current_stream=_Stream, Stream=lambda **_: _Stream(), runtime=runtime, Device=device
+        get_current_stream=_Stream,
+        Stream=lambda **_: _Stream(),
+        runtime=runtime,
+        Device=device,
+        device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
     )
     nccl = types.ModuleType("cupy.cuda.nccl")
     for i, name in enumerate(_NCCL_TYPES):
@@ -351,7 +450,7 @@ def install(with_cudnn: bool = True):
 
     cupyx.scatter_add = scatter_add
     cupyx.empty_pinned = np.empty
-    sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl})
+    sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl, **_cublas_modules()})
     if with_cudnn:
         import cudnn_standin
 

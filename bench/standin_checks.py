@@ -24,6 +24,7 @@ Prints one JSON line; exits 1 beyond the bound.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -206,6 +207,36 @@ def unreached_parameters_get_zero_gradients() -> bool:
     return all((g == 0).all() for g in unused) and all(np.isfinite(g).all() and g.any() for g in used)
 
 
+def failed_backward_leaves_nothing_bound_ahead() -> bool:
+    """A backward that raises in the last block, after it bound the block before's gradient ahead
+    (UnitLifecycle.bind_grads_ahead), leaves no unit holding a gradient (a kept one would be taken
+    for earlier micro-batches' sum and added to), and the next backward gives the gradients of a
+    model that never failed, to the bit."""
+    from mpifsdp.autodiff.tensor import PRIMITIVES
+
+    model, xp, sharded = _sharded_gpt("cuda")
+    x, y = (xp.asarray(a) for a in random_batch(CONFIG, 4, seed=0))
+    attention = PRIMITIVES["attention_qkv"]
+
+    def fails(*args, **kwargs):
+        raise ValueError("a VJP failed")
+
+    PRIMITIVES["attention_qkv"] = dataclasses.replace(attention, vjp=fails)
+    try:
+        loss = model(x, y)
+    finally:
+        PRIMITIVES["attention_qkv"] = attention
+    try:
+        loss.backward()
+        return False
+    except ValueError:
+        pass
+    held = any(unit.holds_full_grad() for unit in sharded.trainable_units)
+    model(x, y).backward()
+    again = [to_numpy(unit.flat_grad()) for unit in sharded.trainable_units]
+    return not held and _relative_error(again, shards("cuda", 1)) == 0.0
+
+
 def _relative_error(gpu, cpu) -> float:
     return max(float(np.abs(g - c).max()) for g, c in zip(gpu, cpu)) / max(
         float(np.abs(c).max()) for c in cpu
@@ -235,6 +266,7 @@ def main() -> int:
         }
     result["bfloat16_over_host_staging"] = bfloat16_over_host_staging()
     result["unreached_parameters_get_zero_gradients"] = unreached_parameters_get_zero_gradients()
+    result["failed_backward_leaves_nothing_bound_ahead"] = failed_backward_leaves_nothing_bound_ahead()
     ok = all(r["max_rel_err"] <= r["bound"] for r in result.values() if isinstance(r, dict))
     ok = ok and all(r for r in result.values() if isinstance(r, bool))
     print(json.dumps({**result, "ok": ok}))

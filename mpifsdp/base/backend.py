@@ -153,6 +153,15 @@ def nccl():
     return importlib.import_module("cupy.cuda.nccl")
 
 
+def cublas():
+    """(CuPy's cuBLAS bindings, the CUDA runtime's type codes, this device's cuBLAS handle): for a
+    GEMM CuPy's matmul does not offer (ops/gpu_gemm.py)."""
+    cupy = _cupy()
+    bindings = importlib.import_module("cupy_backends.cuda.libs.cublas")
+    runtime = importlib.import_module("cupy_backends.cuda.api.runtime")
+    return bindings, runtime, cupy.cuda.device.get_cublas_handle()
+
+
 def nccl_available() -> bool:
     try:
         return bool(getattr(nccl(), "available", True))

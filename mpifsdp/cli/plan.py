@@ -93,6 +93,7 @@ def run_cli(args) -> int:
         ranks_per_node=per_node,
         itemsize=itemsize,
         compute_itemsize=wire,
+        gpu=args.device == "cuda",
         prefetch=args.prefetch,
         reshard_after_forward=not args.keep_gathered,
         grad_accum=args.grad_accum,

@@ -73,6 +73,7 @@ class UnitLifecycle:
         self.reshard_after_forward = reshard_after_forward
         self.recomputes = recomputes  # keep only the input; backward re-runs the forward (recompute.py)
         self.stage = Stage.IDLE
+        self._grads_ahead = False  # its gradient bound before its backward began (bind_grads_ahead)
         self._model = sharded_model
         self._absent = (
             f"its unit {unit.name!r} is sharded (its full values exist only inside that unit's forward "
@@ -134,15 +135,29 @@ class UnitLifecycle:
         self._move(Stage.BACKWARD)
         self._check_frozen_unchanged()
         self._gather_and_bind("backward")
-        if self.unit.trainable:
-            fresh = not self.unit.holds_full_grad()  # else no_sync kept earlier micro-batches' sum
-            unfilled = fresh and self.unit.xp is not np  # a GPU: the first gradient is written, no fill
-            grads = self.unit.zero_full_grad(unfilled=unfilled)
-            for name, p in self.params:
-                p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
-                p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
-                p.grad_unfilled = unfilled
+        if self.unit.trainable and not self._grads_ahead:
+            self._bind_grads()
+        self._grads_ahead = False
         self._model.prefetch_after(self, "backward")
+
+    def _bind_grads(self):
+        fresh = not self.unit.holds_full_grad()  # else no_sync kept earlier micro-batches' sum
+        unfilled = fresh and self.unit.xp is not np  # a GPU: the first gradient is written, no fill
+        grads = self.unit.zero_full_grad(unfilled=unfilled)
+        for name, p in self.params:
+            p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
+            p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
+            p.grad_unfilled = unfilled
+
+    def bind_grads_ahead(self):
+        """On a GPU, bind a fresh zeroed gradient to this unit (its backward comes next) while the
+        unit before it in backward still runs: the last VJP there to use this unit's output (the next
+        block's LayerNorm) then writes the column sums it forms into this unit's output bias gradient
+        (tape.SumsWritten), a reduction launch less. One unit's gradient more is alive meanwhile."""
+        ready = self.unit.trainable and self.unit.xp is not np and not self.unit.holds_full_grad()
+        if ready and self.stage is Stage.AWAITING_BACKWARD:
+            self._bind_grads()
+            self._grads_ahead = True
 
     def _check_frozen_unchanged(self):
         """fully_shard decided from requires_grad which parameters are reduced and stepped."""
@@ -189,8 +204,9 @@ class UnitLifecycle:
         for _, p in self.params:
             p.grad, p.grad_is_zero, p.grad_unfilled = None, False, False
         self.release()
-        if self.stage is Stage.BACKWARD:
+        if self.stage is Stage.BACKWARD or self._grads_ahead:
             self.unit.drop_full_grad()
+        self._grads_ahead = False
         self._reshard()
         self.stage = Stage.IDLE
 

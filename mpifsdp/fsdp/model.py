@@ -203,6 +203,8 @@ class ShardedModel:
             keep, kept = casts_kept(direction, lc.reshard_after_forward)
             for unit in lc.units:
                 unit.start_unshard(direction, keep_cast=keep, use_kept=kept)
+        if direction == "backward" and lifecycles:  # the next unit's gradient, for the one running
+            lifecycles[0].bind_grads_ahead()
 
     def _release_gathered(self):
         """Reshard units gathered ahead that will not run now (a changed order, or the pass ended);

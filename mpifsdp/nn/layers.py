@@ -10,6 +10,8 @@ import math
 import numpy as np
 
 from .. import ops
+from ..base.backend import array_module_of
+from ..ops import fused
 from .module import Module, constant_param, normal_param
 
 
@@ -131,11 +133,28 @@ class MLP(Module):
     def forward(self, x, norm: LayerNorm | None = None, residual=None):
         """norm: the block's LayerNorm, fused into c_fc (its output is not stored); residual: added
         to the output (fused into c_proj: project_into)."""
-        h = norm_and_project(norm, self.c_fc, x)
         if self.activation == "relu":
-            return project_into(residual, self.c_proj, self.drop, ops.relu(h))
+            return project_into(
+                residual, self.c_proj, self.drop, ops.relu(norm_and_project(norm, self.c_fc, x))
+            )
+        if self._bias_in_gelu(x, residual):  # c_fc's bias added inside the GELU: a launch less
+            h = norm_and_project(norm, self.c_fc, x, with_bias=False)
+            proj = self.c_proj
+            return ops.linear_add(
+                h, proj.weight, proj.bias, residual, gelu_input=True, gelu_bias=self.c_fc.bias
+            )
         # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
+        h = norm_and_project(norm, self.c_fc, x)
         return project_into(residual, self.c_proj, self.drop, h, gelu_input=True)
+
+    def _bias_in_gelu(self, x, residual) -> bool:
+        """Where c_fc's bias goes into the GELU of c_proj's linear_add (fused.adds_bias_in_gelu):
+        both linears plain ones with biases, the dropout off, a residual to add into."""
+        plain = all(
+            fusable(linear, Linear) and linear.bias is not None for linear in (self.c_fc, self.c_proj)
+        )
+        fits = plain and residual is not None and self.drop.inactive()
+        return fits and fused.adds_bias_in_gelu(array_module_of(x.data))
 
 
 class CausalSelfAttention(Module):
@@ -210,13 +229,15 @@ def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = 
     return ops.linear(norm(x), weight, bias, transpose_w=transpose_w)
 
 
-def norm_and_project(norm: LayerNorm | None, linear: Linear, x):
+def norm_and_project(norm: LayerNorm | None, linear: Linear, x, with_bias: bool = True):
     """linear(norm(x)), fused where both are fusable (norm_then_linear), else the two calls, so a
-    subclass's forward sees what it always saw."""
+    subclass's forward sees what it always saw. with_bias=False: linear's bias left out (its caller
+    adds it; a fusable linear only)."""
+    bias = linear.bias if with_bias else None
     if norm is None:
-        return linear(x)
+        return linear(x) if with_bias else ops.linear(x, linear.weight)
     if fusable(linear, Linear):
-        return norm_then_linear(norm, x, linear.weight, linear.bias)
+        return norm_then_linear(norm, x, linear.weight, bias)
     return linear(norm(x))
 
 

@@ -18,10 +18,11 @@ def linear(x, weight, bias=None, transpose_w=False, gelu_input=False) -> Tensor:
     return apply("linear", *args, transpose_w=transpose_w, gelu_input=gelu_input)
 
 
-def linear_add(x, weight, bias, residual, transpose_w=False, gelu_input=False) -> Tensor:
+def linear_add(x, weight, bias, residual, transpose_w=False, gelu_input=False, gelu_bias=None) -> Tensor:
     """residual + linear(x, weight, bias) as one op: on a GPU the bias and the residual are added to
-    the GEMM's output in one pass."""
-    return apply("linear_add", x, weight, bias, residual, transpose_w=transpose_w, gelu_input=gelu_input)
+    the GEMM's output in one pass. gelu_bias (with gelu_input): the input is gelu(x + gelu_bias)."""
+    inputs = (x, weight, bias, residual) + (() if gelu_bias is None else (gelu_bias,))
+    return apply("linear_add", *inputs, transpose_w=transpose_w, gelu_input=gelu_input)
 
 
 def relu(x) -> Tensor:

@@ -18,8 +18,9 @@ import numpy as np
 from ..autodiff.tape import WROTE, Summed, SumsWritten
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
+from ..base.kernels import accumulator
 from ..base.threads import for_row_blocks
-from . import gpu_cross_entropy, gpu_kernels, gpu_layer_norm
+from . import gpu_cross_entropy, gpu_gemm, gpu_kernels, gpu_layer_norm
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_K = 0.044715
@@ -122,9 +123,15 @@ _GPU_TWINS = {
 }
 
 
-def gelu_array(x):
+def gelu_array(x, bias=None):
+    """gelu(x (+ bias over x's rows)); on a GPU the bias is added inside the GELU's one kernel."""
     xp = array_module_of(x)
     out = xp.empty_like(x)
+    if bias is not None and xp is not np and x.flags.c_contiguous:
+        gpu_kernels.gelu_bias_into(out, x, bias)
+        return out
+    if bias is not None:
+        x = x + bias
     x2, o2 = _rows(x), _rows(out)
     by_rows(xp, x2.shape[0], x2.shape[1], lambda i, lo, hi: _in_chunks(_gelu_into, o2[lo:hi], x2[lo:hi]))
     return out
@@ -151,14 +158,24 @@ def _gelu(x):
 # -- linear ---------------------------------------------------------------------------------------
 
 
-def writable(into, k: int, shape, dtype):
+def writable(into, k: int, shape, *dtypes):
     """into[k] where a GPU VJP may write input k's gradient itself (primitive's takes_into): a zeroed
-    device buffer of the gradient's shape and dtype; None otherwise (the CPU path always adds)."""
+    device buffer of the gradient's shape and of one of `dtypes` (what the VJP can write: a unit
+    gathers 16-bit parameters' gradients in float32 on a GPU); None otherwise (the CPU path adds)."""
     target = None if into is None else into[k]
     if target is None or array_module_of(target) is np:
         return None
-    fits = target.shape == tuple(shape) and target.dtype == dtype and target.flags.c_contiguous
+    fits = target.shape == tuple(shape) and target.dtype in dtypes and target.flags.c_contiguous
     return target if fits else None
+
+
+def _weight_grad_into(a, c, target):
+    """target = a @ c, a zeroed parameter gradient in the operands' type or their float32
+    accumulator (cuBLAS's gemmEx: no 16-bit temporary, no cast)."""
+    if a.dtype == c.dtype and gpu_gemm.widening(a.dtype, target.dtype):
+        gpu_gemm.gemm_into(a, c, target)
+    else:
+        array_module_of(a).matmul(a, c, out=target)
 
 
 def _linear_vjp(
@@ -172,51 +189,76 @@ def _linear_vjp(
     needs=(True, True, True),
     into=None,
     sums_into=None,
+    gelu_bias=None,
 ):
-    """needs: which of x, w, b want a gradient (a frozen weight's GEMM is skipped, and so is the
-    input's where nothing upstream trains). into: on a GPU the GEMM writes the weight's gradient,
-    and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE).
-    sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its column sums
-    into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's first linear)."""
+    """needs: which of x, w, b (and gelu_bias) want a gradient (a frozen weight's GEMM is skipped,
+    and so is the input's where nothing upstream trains). into: on a GPU the GEMM writes the
+    weight's gradient, and the column sum the bias's, into a zeroed parameter gradient directly
+    (tape.WROTE). sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its
+    column sums into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's
+    first linear). gelu_bias: the linear's input is gelu(x + gelu_bias) (linear_add's); its
+    gradient, the column sums of x's, comes after the others."""
     g2 = _rows(g)
-    gx, gw, gb = None, None, None
+    gx, gw, gb, g_gelu_bias = None, None, None, None
     h = x
-    if needs[0]:
+    wants_bias = gelu_bias is not None and needs[3]
+    if needs[0] or wants_bias:
         gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
-    if gelu_input and needs[0]:  # gelu(x) recomputed (cheaper than keeping (B, T, 4C)), gx *= gelu'(x)
-        xp = array_module_of(x)
-        h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
-        h2 = _rows(h)
-        sums = (sums_into or (None,))[0]
-        if xp is not np and sums is not None and gpu_kernels.gelu_and_grad_sums_into(h2, gx2, x2, sums):
-            gx = SumsWritten(gx)
-        else:
-
-            def work(i, lo, hi):
-                _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
-
-            by_rows(xp, x2.shape[0], x2.shape[1], work)
+    if gelu_input and (needs[0] or wants_bias):  # gelu recomputed (cheaper than keeping (B, T, 4C))
+        h, gx, g_gelu_bias = _gelu_backward(x, gx, (sums_into or (None,))[0], gelu_bias, into)
     elif gelu_input and needs[1]:
-        h = gelu_array(x)
+        h = gelu_array(x, gelu_bias)
     if needs[1]:
         h2 = _rows(h)
         a, c = (h2.T, g2) if not transpose_w else (g2.T, h2)
-        gw = writable(into, 1, w.shape, g2.dtype)
+        gw = writable(into, 1, w.shape, *_written_types(g2.dtype))
         if gw is None:
             gw = a @ c
         else:
-            array_module_of(g2).matmul(a, c, out=gw)
+            _weight_grad_into(a, c, gw)
             gw = WROTE
-    if b is None:
-        return gx, gw
-    if needs[2]:
-        gb = writable(into, 2, b.shape, g2.dtype)
+    if b is not None and needs[2]:
+        gb = writable(into, 2, b.shape, g2.dtype, accumulator(g2.dtype.type))
         if gb is None:
             gb = g2.sum(axis=0)
         else:
-            g2.sum(axis=0, out=gb)
+            g2.sum(axis=0, dtype=gb.dtype, out=gb)
             gb = WROTE
-    return gx, gw, gb
+    grads = (gx if needs[0] else None, gw) + (() if b is None else (gb,))
+    return grads if gelu_bias is None else (*grads, g_gelu_bias if wants_bias else None)
+
+
+def _gelu_backward(x, gx, sums, bias, into):
+    """(gelu(x (+ bias)), gx * gelu'(x (+ bias)), the bias's gradient or None), gx scaled in place.
+    On a GPU one kernel, which also writes the column sums of the result: the bias's gradient
+    (into[4] where it is a zeroed parameter gradient) or, with no bias, that of x's producer's
+    (`sums`, tape.SumsWritten: the result is returned wrapped)."""
+    xp = array_module_of(x)
+    h, x2, gx2 = xp.empty_like(x), _rows(x), _rows(gx)
+    h2 = _rows(h)
+    if bias is not None:
+        acc = accumulator(gx.dtype.type)
+        target = writable(into, 4, bias.shape, acc)
+        sums = target if target is not None or xp is np else xp.empty(bias.shape, acc)
+    if xp is not np and sums is not None and gpu_kernels.gelu_and_grad_sums_into(h2, gx2, x2, sums, bias):
+        if bias is None:
+            return h, SumsWritten(gx), None
+        return h, gx, WROTE if sums is target else sums.astype(bias.dtype)
+    if bias is not None:  # the passes below on x + bias, as the forward's gelu_array
+        x2 = x2 + bias
+
+    def work(i, lo, hi):
+        _in_chunks(_gelu_and_grad_into, h2[lo:hi], gx2[lo:hi], x2[lo:hi])
+
+    by_rows(xp, x2.shape[0], x2.shape[1], work)
+    return h, gx, None if bias is None else gx2.sum(axis=0)
+
+
+def _written_types(dtype) -> tuple:
+    """The dtypes a GEMM of `dtype` operands can write a weight gradient in: theirs, and their
+    float32 accumulator where they are 16-bit (gpu_gemm.widening)."""
+    acc = np.dtype(accumulator(dtype.type))
+    return (dtype, acc) if gpu_gemm.widening(dtype, acc) else (dtype,)
 
 
 def _bias_is_input_2(settings, inputs: int):
@@ -249,12 +291,27 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
 
 
 def _linear_add_vjp(
-    g, _, x, w, b, residual, transpose_w=False, gelu_input=False, needs=(True,) * 4, into=None, sums_into=None
+    g,
+    _,
+    x,
+    w,
+    b,
+    residual,
+    gelu_bias=None,
+    transpose_w=False,
+    gelu_input=False,
+    needs=(True,) * 5,
+    into=None,
+    sums_into=None,
 ):
-    """The linear's gradients, and the residual's: g itself."""
-    into, sums_into = (into or (None,) * 4)[:3], (sums_into or (None,) * 4)[:3]
-    grads = _linear_vjp(g, None, x, w, b, transpose_w, gelu_input, needs[:3], into, sums_into)
-    return (*grads, g if needs[3] else None)
+    """The linear's gradients, the residual's (g itself) and the GELU bias's (linear_add's fifth
+    input, where given)."""
+    into, sums_into = into or (None,) * 5, (sums_into or (None,) * 5)[:3]
+    lin_needs = needs[:3] + needs[4:5]
+    gx, gw, gb, *g_bias = _linear_vjp(
+        g, None, x, w, b, transpose_w, gelu_input, lin_needs, into, sums_into, gelu_bias
+    )
+    return (gx, gw, gb, g if needs[3] else None, *g_bias)
 
 
 @primitive(
@@ -265,11 +322,13 @@ def _linear_add_vjp(
     gives_column_sums=True,
     bias_input=_bias_is_input_2,
 )
-def _linear_add(x, w, b, residual, transpose_w=False, gelu_input=False):
+def _linear_add(x, w, b, residual, gelu_bias=None, transpose_w=False, gelu_input=False):
     """residual + linear(x, w, b): a block's projection back into its residual stream. On a GPU the
     bias and the residual are added to the GEMM's output in one pass (two otherwise); the bits of
-    linear then add, on the CPU as on a GPU."""
-    out, _ = _linear.forward(x, w, None, transpose_w, gelu_input)
+    linear then add, on the CPU as on a GPU. gelu_bias (with gelu_input): the input is
+    gelu(x + gelu_bias), the bias added inside the GELU (fused.adds_bias_in_gelu)."""
+    h = gelu_array(x, gelu_bias) if gelu_input else x
+    out, _ = _linear.forward(h, w, None, transpose_w)
     if out.shape != residual.shape:
         raise ValueError(f"linear_add: the residual {residual.shape} must match the output {out.shape}")
     xp = array_module_of(out)
@@ -279,6 +338,12 @@ def _linear_add(x, w, b, residual, transpose_w=False, gelu_input=False):
     out += b
     out += residual  # residual + out: one addition, commutative, so the add primitive's bits
     return out, None
+
+
+def adds_bias_in_gelu(xp) -> bool:
+    """Whether the MLP adds its first linear's bias inside the GELU (linear_add's gelu_bias: a GPU,
+    a launch less) or in that linear (the CPU: the tape keeps x + b there, in place, no temporary)."""
+    return xp is not np
 
 
 # -- LayerNorm ------------------------------------------------------------------------------------
@@ -339,14 +404,18 @@ def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add, sums):
     """(whether `sums` got gx2's column sums, (d w, d b)) from the GPU kernel, which writes gx2 too
     (plus `add`, where given); each WROTE where it went straight into a zeroed parameter gradient
     (`into`); None where it cannot run."""
-    params = (w, b)
-    targets = [None if a is None else writable(into, k, a.shape, a.dtype) for k, a in enumerate(params, 1)]
-    outs = [t if t is not None or a is None else xp.empty_like(a) for t, a in zip(targets, params)]
+    params, acc = (w, b), accumulator(w.dtype.type)  # the kernel writes them in its arithmetic's type
+    targets = [None if a is None else writable(into, k, a.shape, acc) for k, a in enumerate(params, 1)]
+    outs = [t if t is not None or a is None else xp.empty(a.shape, acc) for t, a in zip(targets, params)]
     add2 = None if add is None else _rows(add)
     wrote_sums = gpu_layer_norm.backward(g2, x2, w, mean, rstd, gx2, *outs, add2, sums)
     if wrote_sums is None:
         return None
-    return wrote_sums, tuple(WROTE if t is not None else out for t, out in zip(targets, outs))
+    own = (
+        WROTE if t is not None else out.astype(a.dtype, copy=False)
+        for t, out, a in zip(targets, outs, params)
+    )
+    return wrote_sums, tuple(own)
 
 
 @primitive("layer_norm", vjp=_layer_norm_vjp, takes_into=True, takes_pending=True, gives_column_sums=True)

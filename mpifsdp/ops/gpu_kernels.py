@@ -59,6 +59,13 @@ _SOURCES = {
         "T y",
         "typedef Acc<T>::type A; A a = (A)x; A s = GELU_SIGMOID(a); y = (T)((A)g * GELU_SLOPE(a, s));",
     ),
+    # gelu(x + b), b broadcast over x's rows (the MLP's first bias, added here: fused.gelu_array);
+    # x + b rounded to T first, as an add of its own would store it
+    "gelu_bias": (
+        "T x, T b",
+        "T y",
+        "typedef Acc<T>::type A; A a = (A)(T)((A)x + (A)b); y = (T)(a * GELU_SIGMOID(a));",
+    ),
     "gelu_and_grad": (  # h = gelu(x) and gh *= gelu'(x) from one sigmoid (the MLP's backward)
         "T x",
         "T h, T gh",
@@ -85,6 +92,10 @@ def gelu_into(out, x):
     _run("gelu", x, out)
 
 
+def gelu_bias_into(out, x, b):
+    _run("gelu_bias", x, b, out)
+
+
 def gelu_grad_into(out, g, x):
     _run("gelu_grad", g, x, out)
 
@@ -99,16 +110,18 @@ def add_bias_residual_(y, b, r):
 
 
 # -- the MLP's backward GELU with the column sums of its gradient: one launch ---------------------
-# h = gelu(x) and gh *= gelu'(x), as gelu_and_grad, and the column sums of gh as written: the
-# gradient of the bias of the linear that made x (tape.SumsWritten), with no reduction launch of its
-# own. A thread block takes a run of rows; its threads keep their columns' partial sums in shared
-# memory; the last block to finish adds every block's, in block order.
+# h = gelu(x (+ bias)) and gh *= gelu'(x (+ bias)), as gelu_and_grad, and the column sums of gh as
+# written: the gradient of that bias, or of the bias of the linear that made x (tape.SumsWritten),
+# with no reduction launch of its own, written in the arithmetic's type (the gradient buffer's on a
+# GPU: float32 for 16-bit). A thread block takes a run of rows; its threads keep their columns'
+# partial sums in shared memory; the last block to finish adds every block's, in block order.
 GELU_SUMS_THREADS, GELU_SUMS_BLOCKS = 256, 512
 GELU_SUMS_SOURCE = r"""
-extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, ELEM* h, ELEM* gh, ACC* partial, ELEM* sums,
-                                              unsigned int* done, const int n, const int C,
-                                              const int rows_per_block) {
-    /* partial: (gridDim.x, C); done: a counter of finished blocks, back at 0 after each launch */
+extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh,
+                                              ACC* partial, ACC* sums, unsigned int* done, const int n,
+                                              const int C, const int rows_per_block, const int flags) {
+    /* partial: (gridDim.x, C); done: a counter of finished blocks, back at 0 after each launch;
+       flags: 1 = bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias */
     extern __shared__ unsigned char shared_bytes[];
     ACC* part = (ACC*)shared_bytes;
     for (int j = threadIdx.x; j < C; j += blockDim.x) part[j] = 0;
@@ -116,7 +129,8 @@ extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, ELEM* h, ELEM* gh, 
     for (int r = first; r < last; ++r) {
         const size_t row = (size_t)r * C;
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
-            const A a = (A)x[row + j], s = GELU_SIGMOID(a);
+            const A a = (flags & 1) ? (A)(ELEM)((A)x[row + j] + (A)bias[j]) : (A)x[row + j];
+            const A s = GELU_SIGMOID(a);
             h[row + j] = (ELEM)(a * s);
             const ELEM o = (ELEM)((A)gh[row + j] * GELU_SLOPE(a, s));
             gh[row + j] = o;
@@ -125,7 +139,7 @@ extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, ELEM* h, ELEM* gh, 
     }
     for (int j = threadIdx.x; j < C; j += blockDim.x) partial[(size_t)blockIdx.x * C + j] = part[j];
     if (!last_block_to_finish(done)) return;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = (ELEM)sum_over_blocks(partial, C, j);
+    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_blocks(partial, C, j);
 }
 """
 GELU_SUMS_KERNELS = ("gelu_and_grad_sums",)
@@ -137,9 +151,11 @@ def gelu_sums_source(dtype) -> str:
 
 
 def _gelu_sums_twin(grid, block, args, shared_mem=0):
-    x, h, gh, partial, sums, done, n, C, per = args
+    x, bias, h, gh, partial, sums, done, n, C, per, flags = args
     n, C, per = int(n), int(C), int(per)
-    a = x.reshape(n, C).astype(np.float64)
+    x = x.reshape(n, C)
+    a = (x + bias.reshape(C)).astype(x.dtype) if int(flags) & 1 else x  # rounded to x's type, as stored
+    a = a.astype(np.float64)
     s = 1 / (1 + np.exp(np.clip(-2 * _C * (a + _K * a**3), -700, 700)))
     h.reshape(n, C)[...] = a * s
     g2 = gh.reshape(n, C)
@@ -155,52 +171,66 @@ TWINS["gelu_and_grad_sums"] = _gelu_sums_twin
 RAW_FAMILIES["gelu with column sums"] = (gelu_sums_source, GELU_SUMS_KERNELS)
 
 
-def gelu_and_grad_sums_into(h2, gh2, x2, sums, max_blocks: int = GELU_SUMS_BLOCKS) -> bool:
-    """h2 = gelu(x2), gh2 *= gelu'(x2) over rows of (n, C) contiguous arrays, and sums (C,) = the
-    column sums of gh2 as written, in one launch; False (nothing written) where it cannot run (then
-    gelu_and_grad_into and a column sum do it)."""
+def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None, max_blocks: int = GELU_SUMS_BLOCKS) -> bool:
+    """h2 = gelu(x2 (+ bias)), gh2 *= gelu'(x2 (+ bias)) over rows of (n, C) contiguous arrays (bias:
+    (C,)), and sums (C,; in the arithmetic's type) = the column sums of gh2 as written, in one
+    launch; False (nothing written) where it cannot run (then gelu_and_grad_into and a column sum
+    do it)."""
     dtype = x2.dtype.type
-    arrays = (x2, h2, gh2, sums)
+    arrays = (x2, h2, gh2) + (() if bias is None else (bias,))
     usable = dtype in ELEMENT_TYPES and all(a.dtype == x2.dtype and a.flags.c_contiguous for a in arrays)
     n, C = x2.shape
     acc = accumulator(dtype)
-    if not usable or sums.shape != (C,) or C * np.dtype(acc).itemsize > SHARED_BYTES:
+    usable = usable and sums.dtype == acc and sums.flags.c_contiguous and sums.shape == (C,)
+    if not usable or C * np.dtype(acc).itemsize > SHARED_BYTES:
         return False
     xp = array_module_of(x2)
     kernels = compiled(xp, gelu_sums_source(dtype), GELU_SUMS_KERNELS, "fused GELU with column sums")
     if kernels is None:
         return False
     checked_once(("gelu_and_grad_sums", dtype), lambda: _gelu_sums_probe(xp, x2.dtype, kernels[0]))
-    _gelu_sums_launch(kernels[0], xp, h2, gh2, x2, sums, max_blocks)
+    _gelu_sums_launch(kernels[0], xp, h2, gh2, x2, sums, bias, max_blocks)
     return True
 
 
-def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, max_blocks: int):
+def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, bias, max_blocks: int):
     n, C = x2.shape
     blocks, per = row_runs(n, max_blocks)
     acc = accumulator(x2.dtype.type)
     partial = xp.empty((blocks, C), dtype=acc)
     done = finished_blocks_counter(xp, x2, "gelu_and_grad_sums")
-    args = (x2, h2, gh2, partial, sums, done, np.int32(n), np.int32(C), np.int32(per))
+    sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(bias is not None))
+    args = (x2, x2 if bias is None else bias, h2, gh2, partial, sums, done, *sizes)  # x2: not read
     kernel((blocks,), (GELU_SUMS_THREADS,), args, shared_mem=C * np.dtype(acc).itemsize)
 
 
 def _gelu_sums_probe(xp, dtype, kernel):
-    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2) against its twin on host
-    copies of the same inputs; the sums within n times an element's bound."""
+    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2), without a bias and with
+    one, against its twin on host copies of the same inputs; the sums within n times an element's
+    bound."""
     rng = np.random.default_rng(11)
     n, C = 37, 80
     host_x, host_g = (rng.normal(0, 2, (n, C)).astype(dtype) for _ in range(2))
-    want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
-    _gelu_sums_twin(None, None, (host_x, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n))
-    x, gh = xp.asarray(host_x), xp.asarray(host_g)  # gh: written in place
-    h, sums = xp.empty_like(x), xp.empty(C, dtype=dtype)
-    _gelu_sums_launch(kernel, xp, h, gh, x, sums, max_blocks=8)
-    bound = {k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))}
-    got = {"h": h, "gh": gh, "sums": sums}
-    want = {"h": want_h, "gh": want_g, "sums": want_sums}
-    bound["sums"] = n * bound["gh"]
-    return [(k, to_numpy(got[k]), want[k], bound[k]) for k in want]
+    host_bias = rng.normal(0, 1, C).astype(dtype)
+    results = []
+    for bias in (None, host_bias):
+        want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
+        flags = int(bias is not None)
+        twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
+        _gelu_sums_twin(None, None, twin_args)
+        x, gh = xp.asarray(host_x), xp.array(host_g)  # gh: written in place, a copy
+        h, sums = xp.empty_like(x), xp.empty(C, dtype=accumulator(dtype))
+        _gelu_sums_launch(
+            kernel, xp, h, gh, x, sums, None if bias is None else xp.asarray(bias), max_blocks=8
+        )
+        bound = {
+            k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))
+        }
+        bound["sums"] = n * bound["gh"]
+        got, want = {"h": h, "gh": gh, "sums": sums}, {"h": want_h, "gh": want_g, "sums": want_sums}
+        what = " with a bias" if flags else ""
+        results += [(k + what, to_numpy(got[k]), want[k], bound[k]) for k in want]
+    return results
 
 
 # -- causal softmax over rows of (heads, T, T) scores: one thread block per row --------------------

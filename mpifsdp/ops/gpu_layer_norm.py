@@ -9,7 +9,9 @@ g*xhat and g in shared memory, and the last block to finish adds every block's p
 order, into dw and db (a counter of finished blocks, after a memory fence: no second launch); where
 asked, the column sums of dx too, in the same way: the gradient of the bias of the linear that made
 x (tape.SumsWritten), with no reduction launch of its own.
-Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type.
+Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type;
+the parameter gradients (dw, db, ds) stay in the arithmetic's type: a GPU gathers a unit's gradient
+in float32 for 16-bit parameters (shard/unit.py), so they go into it with no rounding or cast.
 Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 """
 
@@ -44,14 +46,16 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
-                                               const ELEM* add, ACC* partial, ELEM* dw, ELEM* db,
-                                               ELEM* ds, unsigned int* done, const int n, const int C,
+                                               const ELEM* add, ACC* partial, ACC* dw, ACC* db,
+                                               ACC* ds, unsigned int* done, const int n, const int C,
                                                const int rows_per_block, const int flags) {
     /* partial: (3, gridDim.x, C): this block's column sums of g * xhat (for dw), of g (for db) and
        of gx as written (for ds); the last block to finish adds every block's partials, in block
-       order, into dw, db and ds. flags: 1 = gx = dx + add, the input's gradient from its other
-       uses (the residual path); 2 = has a bias (db written); 4 = ds written (3 C ACC of shared
-       memory, else 2 C). done: a counter of finished blocks, back at 0 after each launch */
+       order, into dw, db and ds (in ACC: parameter gradients are gathered in the arithmetic's
+       type, float32 for 16-bit elements, and reduced with no cast). flags: 1 = gx = dx + add, the
+       input's gradient from its other uses (the residual path); 2 = has a bias (db written); 4 = ds
+       written (3 C ACC of shared memory, else 2 C). done: a counter of finished blocks, back at 0
+       after each launch */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
@@ -94,9 +98,9 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
     if (!last_block_to_finish(done)) return;
     const size_t plane = (size_t)gridDim.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        dw[j] = (ELEM)sum_over_blocks(partial, C, j);
-        if (flags & 2) db[j] = (ELEM)sum_over_blocks(partial + plane, C, j);
-        if (flags & 4) ds[j] = (ELEM)sum_over_blocks(partial + 2 * plane, C, j);
+        dw[j] = sum_over_blocks(partial, C, j);
+        if (flags & 2) db[j] = sum_over_blocks(partial + plane, C, j);
+        if (flags & 4) ds[j] = sum_over_blocks(partial + 2 * plane, C, j);
     }
 }
 """
@@ -213,15 +217,22 @@ def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None, ds=None) -> bool | N
     they fit in shared memory. Returns None (nothing written) where the kernels cannot run, else
     whether ds was written."""
     C, dtype = x2.shape[1], x2.dtype.type
-    kernels = _kernels(g2, x2, w, mean, rstd, gx2, gw, gb, add2)
-    if kernels is None or _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
+    kernels = _kernels(g2, x2, w, mean, rstd, gx2, add2)
+    fits = [_column_sums_fit(a, C, dtype) for a in (gw, gb) if a is not None]
+    if kernels is None or not all(fits) or _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
         return None
-    usable = ds is not None and ds.dtype == x2.dtype and ds.flags.c_contiguous and ds.shape == (C,)
+    usable = ds is not None and _column_sums_fit(ds, C, dtype)
     ds = ds if usable and _shared_bytes(C, dtype, True) <= gk.SHARED_BYTES else None
     xp = array_module_of(x2)
     gk.checked_once(("layer_norm_backward", dtype), lambda: _probe(xp, x2.dtype, backward=True))
     _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds)
     return ds is not None
+
+
+def _column_sums_fit(a, C: int, dtype) -> bool:
+    """Whether the kernel can write a column-sum output (dw, db, ds) into `a`: (C,), contiguous, in
+    the arithmetic's type."""
+    return a.shape == (C,) and a.dtype == gk.accumulator(dtype) and a.flags.c_contiguous
 
 
 # -- the check at first use --------------------------------------------------------------------------
@@ -247,7 +258,7 @@ def _probe(xp, dtype, backward: bool = False):
     )
     got = {"out": out, "mean": mean, "rstd": rstd}
     if backward:
-        gx, gw, gb, gs = xp.empty_like(x), xp.empty_like(w), xp.empty_like(b), xp.empty_like(b)
+        gx, (gw, gb, gs) = xp.empty_like(x), (xp.empty(C, gk.accumulator(dtype)) for _ in range(3))
         _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, gs, max_blocks=8)  # add, sums
         stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
         twin = (host["g"], host["x"], host["w"], *stats, host["a"])

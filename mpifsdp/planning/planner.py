@@ -93,6 +93,7 @@ def plan(
     ranks_per_node: int | None = None,
     itemsize: int = 4,
     compute_itemsize: int | None = None,
+    gpu: bool = False,
     prefetch: int = 1,
     reshard_after_forward: bool = True,
     grad_accum: int = 1,
@@ -108,7 +109,9 @@ def plan(
 
     itemsize: of the shards, gradient shards and AdamW state (fp32 masters: 4); compute_itemsize: of
     what is gathered and communicated (fully_shard's param_dtype = reduce_dtype, e.g. 2 for
-    bfloat16; default itemsize). Exact against the ledgers with one dtype.
+    bfloat16; default itemsize). gpu: the GPU's runtime, which gathers 16-bit parameters' gradients
+    in float32 (Unit.full_grad_dtype) and binds the next unit's gradient before its backward (one
+    more alive, UnitLifecycle.bind_grads_ahead). Exact against the ledgers with one dtype.
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     """
@@ -129,7 +132,7 @@ def plan(
     if world_size % S:
         raise ValueError(f"shard_size {S} must divide world_size {world_size}")
     node, wire = ranks_per_node or world_size, compute_itemsize or itemsize
-    sizes = _Sizes(units, S, world_size // S, wire, reshard_after_forward, grad_accum, no_sync)
+    sizes = _Sizes(units, S, world_size // S, wire, reshard_after_forward, grad_accum, no_sync, gpu)
     group_link = intra if S <= node else inter  # a group within a node, or spanning nodes
     replica_link = inter if world_size > node else intra
     setup = {
@@ -141,6 +144,7 @@ def plan(
         "params": sum(u.numel for u in units),
         "itemsize": itemsize,
         "compute_itemsize": wire,
+        "grad_itemsize": sizes.grad_itemsize,
         "prefetch": prefetch,
         "reshard_after_forward": reshard_after_forward,
         "grad_accum": grad_accum,
@@ -161,8 +165,10 @@ class _Sizes:
     """One plan's units as padded sizes and shards over groups of S ranks (R groups), and what they
     hold, move and cost: plan()'s three parts."""
 
-    def __init__(self, units, S, R, wire, reshard_after_forward, grad_accum, no_sync):
+    def __init__(self, units, S, R, wire, reshard_after_forward, grad_accum, no_sync, gpu):
         self.S, self.R, self.wire = S, R, wire
+        # a GPU: gradients of 16-bit parameters gathered in float32, three units' alive at once
+        self.grad_itemsize, self.grads_alive = (4 if wire == 2 else wire, 3) if gpu else (wire, 2)
         self.kept = [u.kept or not reshard_after_forward for u in units]
         self.outer = [u.kept for u in units]  # the root: its scope spans every other unit's backward
         self.padded = [_padded(u.numel, S) for u in units]
@@ -177,14 +183,16 @@ class _Sizes:
         blocks = [p for p, k in zip(padded, kept) if not k]
         accumulating = self.grad_accum > 1 and not self.no_sync
         trained = sum(s for s, t in zip(self.shard, trainable) if t)
-        grads = _grads_peak(padded, self.shard, self.outer, trainable, accumulating, self.no_sync)
+        grads = _grads_peak(
+            padded, self.shard, self.outer, trainable, accumulating, self.no_sync, self.grads_alive
+        )
         memory = {
             "param_shards": itemsize * sum(self.shard),
             "grad_shards": itemsize * trained,
             "optimizer": 2 * itemsize * trained,  # AdamW: m and v
             "gathered_params_peak": self.wire
             * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch)),
-            "gathered_grads_peak": self.wire * grads,
+            "gathered_grads_peak": self.grad_itemsize * grads,
             "activations": activation_bytes,
         }
         memory["total"] = sum(memory.values())
@@ -240,11 +248,12 @@ def _live(blocks: list[int], prefetch: int) -> int:
     return sum(sorted(blocks, reverse=True)[: 1 + prefetch])
 
 
-def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bool) -> int:
+def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bool, alive: int) -> int:
     """Full gradients at once in backward: the outer units' (the root: its scope spans the others),
-    the unit running and the one whose reduce-scatter is still in flight; with no_sync, every unit's.
-    A reduce-scatter into a shard that already holds a gradient (accumulating micro-batches) receives
-    into a shard-sized temporary first: two of those are alive with the two full gradients."""
+    the unit running and the one whose reduce-scatter is still in flight (`alive` = 2; 3 on a GPU:
+    the next unit's, bound ahead); with no_sync, every unit's. A reduce-scatter into a shard that
+    already holds a gradient (accumulating micro-batches) receives into a shard-sized temporary
+    first: two of those are alive, the running unit's and the one in flight."""
     full = [p for p, t in zip(padded, trainable) if t]
     if no_sync:
         return sum(full)
@@ -252,7 +261,8 @@ def _grads_peak(padded, shard, outer, trainable, accumulating: bool, no_sync: bo
     inner = sorted(
         ((p, s) for p, s, o, t in zip(padded, shard, outer, trainable) if t and not o), reverse=True
     )
-    return enclosing + sum(p + (s if accumulating else 0) for p, s in inner[:2])
+    temporaries = sum(s for _, s in inner[:2]) if accumulating else 0
+    return enclosing + sum(p for p, _ in inner[:alive]) + temporaries
 
 
 def probe(comm, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats: int = 5) -> dict:

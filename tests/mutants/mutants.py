@@ -398,6 +398,19 @@ def _zeroed_grads_always_fresh():
     _replace(Unit, "holds_full_grad", lambda self: False)
 
 
+def _grads_bound_ahead_kept():
+    """A backward cut short keeps the gradient a unit had bound ahead of its backward."""
+    from mpifsdp.fsdp.lifecycle import UnitLifecycle
+
+    abandon = UnitLifecycle.abandon
+
+    def keeps_grads_ahead(self):
+        self._grads_ahead = False
+        abandon(self)
+
+    _replace(UnitLifecycle, "abandon", keeps_grads_ahead)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -444,6 +457,11 @@ MUTANTS = {
     "fresh_zeroed_grads": Mutant(
         _zeroed_grads_always_fresh,
         "a VJP writes into a parameter's gradient only while it is freshly zeroed (fsdp/lifecycle.py)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+    ),
+    "grads_ahead_dropped": Mutant(
+        _grads_bound_ahead_kept,
+        "a backward cut short drops the gradient bound ahead for the next unit (fsdp/lifecycle.py)",
         ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
     ),
     "unreached_grads": Mutant(

@@ -53,8 +53,12 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # column sums of the residual stream's gradient it forms (tape.SumsWritten): 34.6; and the MLP's
     # backward GELU kernel the first linear's, the column sums of the gradient it forms: 33.6; a
     # gather's cast and its overflow check in one kernel, on this rank's shard (the ranks' flags
-    # agree at the step's verdict): 32.6 (budget: 25)
-    assert budget["launches_per_layer"] <= 32.6, budget
+    # agree at the step's verdict): 32.6; a unit's gradient gathered in float32, the weight
+    # gradients' GEMMs writing it through cuBLAS's gemmEx and the kernels their column sums in
+    # float32 (no cast before the reduce-scatter): 31.5; the next unit's gradient bound before its
+    # backward, so the LayerNorm that last uses a block's output writes that block's projection bias
+    # gradient: 30.5; the MLP's first bias added inside its GELU: 29.5 (budget: 25)
+    assert budget["launches_per_layer"] <= 29.5, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget

@@ -63,17 +63,19 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
         assert np.isnan(gb).all()  # without a bias nothing is written there
 
 
-def test_the_gelu_sums_twin_computes_gelu_and_grad_and_the_column_sums():
-    """gelu_and_grad_sums's twin: h = gelu(x) and gh *= gelu'(x) as the CPU's passes, and the column
-    sums of gh (the bias gradient of the linear that made x), over blocks of 16 rows."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gelu_sums_twin_computes_gelu_and_grad_and_the_column_sums(bias):
+    """gelu_and_grad_sums's twin: h = gelu(x (+ b)) and gh *= gelu'(x (+ b)) as the CPU's passes
+    on x + b, and the column sums of gh (the gradient of that bias, or of the bias of the linear that
+    made x), over blocks of 16 rows."""
     rng = np.random.default_rng(6)
     n, C, per = 70, 24, 16
-    x, g = rng.normal(0, 2, (n, C)), rng.normal(0, 1, (n, C))
+    x, g, b = rng.normal(0, 2, (n, C)), rng.normal(0, 1, (n, C)), rng.normal(0, 1, C)
     want_h, want_g = np.empty((n, C)), g.copy()
-    fused._gelu_and_grad_into(want_h, want_g, x, *(np.empty((n, C)) for _ in range(3)))
+    fused._gelu_and_grad_into(want_h, want_g, x + b if bias else x, *(np.empty((n, C)) for _ in range(3)))
     h, gh, sums = np.empty((n, C)), g.copy(), np.full(C, np.nan)
     partial = np.empty((-(-n // per), C))
-    kernels.TWINS["gelu_and_grad_sums"](None, None, (x, h, gh, partial, sums, None, n, C, per))
+    kernels.TWINS["gelu_and_grad_sums"](None, None, (x, b, h, gh, partial, sums, None, n, C, per, int(bias)))
     _close(h, want_h, 8)
     _close(gh, want_g, 8)
     _close(sums, want_g.sum(axis=0), 8 * n)

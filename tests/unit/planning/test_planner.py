@@ -153,6 +153,26 @@ def test_time_model_and_the_command_line(tmp_path):
     )
 
 
+def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
+    """plan --device cuda --compute-bytes 2: the gathered gradients at 4 bytes an element
+    (Unit.full_grad_dtype), and three blocks' alive at once in backward, not two (the running one,
+    the one reducing, and the next, bound ahead: UnitLifecycle.bind_grads_ahead); the gathered
+    parameters as the CPU's."""
+    config = ["n_layer=4", "n_embd=64"]
+    command = [sys.executable, "-m", "mpifsdp", "plan", "--gpt", *config, "--compute-bytes", "2", "--json"]
+    runs = {
+        device: json.loads(subprocess.run([*command, "--device", device], capture_output=True, text=True,
+                                          check=True).stdout)["memory_bytes"]
+        for device in ("cpu", "cuda")
+    }  # fmt: skip
+    units, _ = gpt_units(GPTConfig(n_layer=4, n_embd=64))  # the command line's, its defaults otherwise
+    root = sum(u.numel for u in units if u.kept)
+    block = max(u.numel for u in units if not u.kept)
+    assert runs["cpu"]["gathered_grads_peak"] == 2 * (root + 2 * block)
+    assert runs["cuda"]["gathered_grads_peak"] == 4 * (root + 3 * block)
+    assert runs["cuda"]["gathered_params_peak"] == runs["cpu"]["gathered_params_peak"]
+
+
 @pytest.mark.parametrize(
     "bad, named",
     [
