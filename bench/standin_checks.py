@@ -136,6 +136,50 @@ def overflow_named_once() -> bool:
     return all(overflow_outcomes(comm, fsdp) == ["named", "stepped"] for fsdp in (False, True))
 
 
+def _casting_unit(value: float, lr: float):
+    """A float16-gathering unit of masters `value`, its float16 cast kept (as FSDP's gathers keep
+    it), and an AdamW whose update kernel then writes the updated shard's cast."""
+    from mpifsdp import Unit
+
+    comm = mpifsdp.Comm(device="cuda", transport="nccl")
+    xp = mpifsdp.array_module("cuda")
+    unit = Unit("big", {"w": xp.full(8, value, dtype=np.float32)}, comm, param_dtype=np.float16)
+    unit.unshard(keep_cast=True)
+    unit.reshard()
+    return unit, mpifsdp.AdamW([unit], lr=lr, weight_decay=0.0), xp
+
+
+def an_update_beyond_float16_is_named_next_step() -> bool:
+    """The update kernel casts the new masters for the next gather and flags an overflow there: a
+    master at 65000 that a step moves past float16's largest value is named at the next step's
+    verdict (the gather in between sends the cast the kernel wrote, checking nothing itself)."""
+    unit, opt, xp = _casting_unit(65000.0, lr=1000.0)
+    outcomes = []
+    for _ in range(2):
+        unit.reduce_grad({"w": xp.full(8, -1.0, dtype=np.float32)})  # Adam's first step: + lr
+        try:
+            opt.step()
+            outcomes.append("stepped")
+        except FloatingPointError as exc:
+            outcomes.append("named" if "unit 'big'" in str(exc) else str(exc))
+        opt.zero_grad()
+        unit.unshard(keep_cast=True)
+        unit.reshard()
+    return outcomes == ["stepped", "named"]
+
+
+def a_shard_written_after_the_step_is_what_is_gathered() -> bool:
+    """After a step whose kernel wrote the shard's cast, a write through `unit.shard` (a checkpoint
+    load, a user's edit) makes the next gather cast afresh: it sends the written values."""
+    unit, opt, xp = _casting_unit(1.0, lr=0.1)
+    unit.reduce_grad({"w": xp.ones(8, dtype=np.float32)})
+    opt.step()
+    unit.shard[...] = 0.5
+    gathered = to_numpy(unit.unshard(keep_cast=True)["w"])
+    unit.reshard()
+    return bool((gathered == 0.5).all())
+
+
 def mixed_precision_grads(dtype) -> list[np.ndarray]:
     """Every unit's gradient shard after one backward of a float32 GPT gathering in `dtype` (float32:
     no mixed precision), reducing in float32."""
@@ -267,6 +311,10 @@ def main() -> int:
     result["bfloat16_over_host_staging"] = bfloat16_over_host_staging()
     result["unreached_parameters_get_zero_gradients"] = unreached_parameters_get_zero_gradients()
     result["failed_backward_leaves_nothing_bound_ahead"] = failed_backward_leaves_nothing_bound_ahead()
+    result["an_update_beyond_float16_is_named_next_step"] = an_update_beyond_float16_is_named_next_step()
+    result["a_shard_written_after_the_step_is_what_is_gathered"] = (
+        a_shard_written_after_the_step_is_what_is_gathered()
+    )
     ok = all(r["max_rel_err"] <= r["bound"] for r in result.values() if isinstance(r, dict))
     ok = ok and all(r for r in result.values() if isinstance(r, bool))
     print(json.dumps({**result, "ok": ok}))

@@ -304,11 +304,11 @@ def _cast_flag_probe(xp, dtype, kernel):
         expected, expected_flag = np.empty(host.size, dtype=dtype), np.zeros(1, dtype=np.int32)
         kernel((4,), (FLAG_THREADS,), (xp.asarray(host), out, flag, np.int64(host.size), np.int32(7)))
         _cast_flag_twin(None, None, (host, expected, expected_flag, host.size, 7))
-        got += [_comparable(to_numpy(out)), _comparable(to_numpy(flag))]
-        want += [_comparable(expected), _comparable(expected_flag)]
+        got += [comparable(to_numpy(out)), comparable(to_numpy(flag))]
+        want += [comparable(expected), comparable(expected_flag)]
     return [(f"the cast and its flag ({k})", g, w, 0.0) for k, (g, w) in enumerate(zip(got, want))]
 
 
-def _comparable(values):
+def comparable(values):
     """float64 values with Inf as a large finite number, so that Inf - Inf is 0, not NaN."""
     return np.nan_to_num(np.asarray(values, np.float64), posinf=1e300, neginf=-1e300)

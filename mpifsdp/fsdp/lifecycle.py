@@ -214,5 +214,7 @@ class UnitLifecycle:
 def casts_kept(phase: str, reshard_after_forward: bool) -> tuple[bool, bool]:
     """(keep_cast, use_kept) of a unit's gather in `phase` (Unit.start_unshard): a forward with
     gradients whose unit is gathered again for backward keeps its param_dtype cast; that backward
-    sends it."""
-    return (phase == "forward" and grad_enabled() and reshard_after_forward, phase == "backward")
+    sends it, and keeps it for the optimizer to write the updated shard's cast into
+    (Unit.cast_target: the next forward's gather sends that)."""
+    forward_kept = phase == "forward" and grad_enabled() and reshard_after_forward
+    return (forward_kept or phase == "backward", phase == "backward")

@@ -27,18 +27,26 @@ struct Hyper {  /* one group's step: adamw_step's scalars, the 9 of a row of ada
     ACC decay, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, lr_over_bias1, bias2, eps;
 };
 __device__ __forceinline__ void adamw_at(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const long long i,
-                                         const int decays, const Hyper& h) {
+                                         const int decays, const Hyper& h, CAST* cast, int* flag,
+                                         const int token) {
     /* element i's step: its gradient scaled (and written back), `decays` decoupled decays (one a
-       segment holding it), then the bias-corrected moments */
+       segment holding it), then the bias-corrected moments; where cast is given, the new value
+       cast to CAST there too (what the next gather sends), flag[0] = token if that overflows */
     ACC gi = (ACC)g[i];
     if (h.grad_scale != (ACC)1) { gi = (ACC)(ELEM)(gi * h.grad_scale); g[i] = (ELEM)gi; }
     ACC pi = (ACC)p[i];
     for (int d = 0; d < decays; ++d) pi = pi * h.decay;
     const ACC mi = (ACC)m[i] * h.beta1 + gi * h.one_minus_beta1;
     const ACC vi = (ACC)v[i] * h.beta2 + (gi * gi) * h.one_minus_beta2;
-    p[i] = (ELEM)(pi - mi / (sqrt(vi) / h.bias2 + h.eps) * h.lr_over_bias1);
+    const ELEM pn = (ELEM)(pi - mi / (sqrt(vi) / h.bias2 + h.eps) * h.lr_over_bias1);
+    p[i] = pn;
     m[i] = (ELEM)mi;
     v[i] = (ELEM)vi;
+    if (cast) {
+        const CAST c = (CAST)(ACC)pn;
+        cast[i] = c;
+        if (!isfinite((ACC)c)) flag[0] = token;
+    }
 }
 extern "C" __global__ void adamw_step(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const long long* decay_from,
                                       const long long* decay_to, const int segments, const long long n,
@@ -52,24 +60,30 @@ extern "C" __global__ void adamw_step(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const 
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         int decays = 0;
         for (int k = 0; k < segments; ++k) decays += i >= decay_from[k] && i < decay_to[k];
-        adamw_at(p, g, m, v, i, decays, h);
+        adamw_at(p, g, m, v, i, decays, h, (CAST*)0, (int*)0, 0);
     }
 }
 extern "C" __global__ void adamw_groups(const long long* table, const int groups,
-                                        const long long* segments, const ACC* hyper) {
+                                        const long long* segments, const ACC* hyper,
+                                        const int* tokens) {
     /* Every group's AdamW step in one launch. table: the groups' p, g, m, v addresses, their
-       lengths, their first blocks (groups + 1), their first decay segments (groups + 1), then their
-       dtype (for the twin); segments: (start, stop) pairs; hyper: 9 values a group, adamw_step's.
+       lengths, their first blocks (groups + 1), their first decay segments (groups + 1), their
+       casts' and flags' addresses (0: no cast), then the casts' dtype and the groups' (for the
+       twin); segments: (start, stop) pairs; hyper: 9 values a group, adamw_step's; tokens: one a
+       group, what its flag is set to where its cast overflows.
        Block b updates piece b - first[k] (PIECE elements) of group k, first[k] <= b < first[k + 1]. */
     const long long* n = table + 4 * groups;
     const long long* first = table + 5 * groups;
     const long long* first_segment = table + 6 * groups + 1;
+    const long long* casts = table + 7 * groups + 2;
     int k = 0;
     while (blockIdx.x >= first[k + 1]) ++k;
     ELEM* p = (ELEM*)table[k];
     ELEM* g = (ELEM*)table[groups + k];
     ELEM* m = (ELEM*)table[2 * groups + k];
     ELEM* v = (ELEM*)table[3 * groups + k];
+    CAST* cast = (CAST*)casts[k];
+    int* flag = (int*)casts[groups + k];
     const ACC* x = hyper + 9 * k;
     const Hyper h = {x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8]};
     const long long start = (blockIdx.x - first[k]) * (long long)PIECE;
@@ -78,7 +92,7 @@ extern "C" __global__ void adamw_groups(const long long* table, const int groups
         int decays = 0;
         for (long long s = first_segment[k]; s < first_segment[k + 1]; ++s)
             decays += i >= segments[2 * s] && i < segments[2 * s + 1];
-        adamw_at(p, g, m, v, i, decays, h);
+        adamw_at(p, g, m, v, i, decays, h, cast, flag, tokens[k]);
     }
 }
 """
@@ -87,8 +101,11 @@ PIECE = THREADS * 16  # elements a block of adamw_groups updates
 _BODY = f"#define PIECE {PIECE}\n" + SOURCE
 
 
-def source(dtype) -> str:
-    return kernels.typed_source(dtype, _BODY)
+def source(dtype, cast=None) -> str:
+    """The kernels for `dtype` masters; cast: the dtype adamw_groups casts the updated values to
+    where asked (the next gather's param_dtype; default `dtype`, for kernels given no cast)."""
+    cast_type = kernels.ELEMENT_TYPES[np.dtype(cast if cast is not None else dtype).type][0]
+    return kernels.typed_source(dtype, f"#define CAST {cast_type}\n" + _BODY)
 
 
 def _twin(grid, block, args, shared_mem=0):
@@ -106,10 +123,11 @@ def _twin(grid, block, args, shared_mem=0):
 
 
 def _groups_twin(grid, block, args, shared_mem=0):
-    """adamw_step's twin on each group the table names (host memory on a CPU)."""
-    table, groups, segments, hyper = args
+    """adamw_step's twin on each group the table names (host memory on a CPU), and the casts."""
+    table, groups, segments, hyper, tokens = args
     t, k = np.asarray(table, dtype=np.int64), int(groups)
-    dtype = kernels.table_dtype(t[-1])
+    dtype, cast_dtype = kernels.table_dtype(t[-1]), kernels.table_dtype(t[-2])
+    casts, flags = t[7 * k + 2 : 8 * k + 2], t[8 * k + 2 : 9 * k + 2]
     n, first_segment = t[4 * k : 5 * k], t[6 * k + 1 : 7 * k + 2]
     pairs = np.asarray(segments, dtype=np.int64).reshape(-1, 2)
     for j in range(k):
@@ -117,10 +135,21 @@ def _groups_twin(grid, block, args, shared_mem=0):
         mine = pairs[int(first_segment[j]) : int(first_segment[j + 1])]
         h = np.asarray(hyper, dtype=np.float64)[9 * j : 9 * j + 9]
         _twin(None, None, (p, g, m, v, mine[:, 0], mine[:, 1], len(mine), int(n[j]), *h))
+        if casts[j]:
+            _cast_twin(p, kernels.host_array(int(casts[j]), cast_dtype, int(n[j])), flags[j], tokens[j])
+
+
+def _cast_twin(p, cast, flag_address, token):
+    with np.errstate(over="ignore"):  # what the cast overflows is what the flag is for
+        cast[...] = p
+    if not np.isfinite(cast.astype(np.float64)).all():
+        kernels.host_array(int(flag_address), np.int32, 1)[0] = int(token)
 
 
 kernels.TWINS.update(adamw_step=_twin, adamw_groups=_groups_twin)
 kernels.RAW_FAMILIES["adamw"] = (source, KERNELS)
+# float32 masters cast to each type by adamw_groups as it updates them (fully_shard's param_dtype)
+kernels.RAW_FAMILIES["adamw with casts"] = (lambda cast: source(np.float32, cast), KERNELS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,23 +187,30 @@ def step(p, g, m, v, *, decay, grad_scale, beta1, beta2, lr_over_bias1, bias2, e
 
 
 def step_groups(updates: list) -> bool:
-    """Each update (p, g, m, v, hyper, decay_segments), `hyper` as step() takes its keywords (decay,
-    grad_scale, beta1, beta2, lr_over_bias1, bias2, eps), done as step() would, in one launch for
-    all of them and one copy of their hyperparameters; False (nothing done) where the kernel cannot
-    run them all (another dtype, arrays not contiguous, no NVRTC)."""
+    """Each update (p, g, m, v, hyper, decay_segments, cast), `hyper` as step() takes its keywords
+    (decay, grad_scale, beta1, beta2, lr_over_bias1, bias2, eps), done as step() would, in one
+    launch for all of them and one copy of their hyperparameters; `cast`: None, or (buffer, flag,
+    token) where the updated p is also cast to the buffer's dtype (one dtype for all) and flag set to
+    token if that overflows. False (nothing done) where the kernel cannot run them all (another
+    dtype, arrays not contiguous, no NVRTC)."""
     arrays = [a for u in updates for a in u[:4]]
     dtype = arrays[0].dtype.type if arrays else None
     xp = array_module_of(arrays[0]) if arrays else np
+    casts = [u[6] for u in updates if u[6] is not None]
+    cast = casts[0][0].dtype if casts else np.dtype(dtype)
+    fits = all(c[0].dtype == cast and c[0].flags.c_contiguous for c in casts)
     if (
         xp is np
         or dtype not in kernels.ELEMENT_TYPES
+        or not fits
         or not all(a.dtype == arrays[0].dtype and a.flags.c_contiguous and a.size for a in arrays)
     ):
         return False
-    compiled = kernels.compiled(xp, source(dtype), KERNELS, "the fused AdamW step")
+    compiled = kernels.compiled(xp, source(dtype, cast), KERNELS, "the fused AdamW step")
     if compiled is None:
         return False
-    kernels.checked_once(("adamw_groups", dtype), lambda: _probe_groups(xp, dtype, compiled[1]))
+    key = ("adamw_groups" + (f" casting to {cast.name}" if casts else ""), dtype)
+    kernels.checked_once(key, lambda: _probe_groups(xp, dtype, compiled[1], cast if casts else None))
     _launch_groups(compiled[1], xp, updates)
     return True
 
@@ -187,17 +223,31 @@ def _hyper_row(h: dict) -> tuple:
 _group_tables: dict = {}  # (addresses, lengths, segments) of the groups -> (table, segments, blocks)
 
 
+def _addresses(u) -> tuple:
+    """An update's p, g, m, v addresses, then its cast's and flag's (0: none)."""
+    cast = u[6] or (None, None)
+    return tuple(kernels.device_address(a) for a in u[:4]) + tuple(
+        0 if a is None else kernels.device_address(a) for a in cast[:2]
+    )
+
+
+def _dtype_names(u) -> tuple:
+    """An update's dtype and its cast's (its own where it casts nothing): the table records them."""
+    return u[0].dtype.name, (u[6][0] if u[6] is not None else u[0]).dtype.name
+
+
 def _groups_table(xp, updates: list):
-    """The device table adamw_groups reads (cached: the shards and moments stay where they are)."""
-    key = tuple((tuple(kernels.device_address(a) for a in u[:4]), u[0].size, tuple(u[5])) for u in updates)
+    """The device table adamw_groups reads (cached: the shards, moments and casts stay where they
+    are)."""
+    key = tuple((_addresses(u), u[0].size, tuple(u[5]), _dtype_names(u)) for u in updates)
     if key not in _group_tables:
         sizes = [u[0].size for u in updates]
         first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
         first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
-        columns = [[kernels.device_address(u[a]) for u in updates] for a in range(4)]
-        host = np.concatenate(
-            [*columns, sizes, first, first_segment, [kernels.TABLE_DTYPES.index(updates[0][0].dtype.name)]]
-        )
+        columns = [[addresses[a] for addresses, *_ in key] for a in range(6)]
+        cast = next((names[1] for *_, names in key if names[1] != names[0]), key[0][3][0])
+        dtypes = [kernels.TABLE_DTYPES.index(name) for name in (cast, key[0][3][0])]
+        host = np.concatenate([*columns[:4], sizes, first, first_segment, *columns[4:], dtypes])
         pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
         if len(_group_tables) > 64:  # buffers moved: forget old layouts
             _group_tables.clear()
@@ -209,12 +259,27 @@ def _launch_groups(kernel, xp, updates: list):
     table, segments, blocks = _groups_table(xp, updates)
     acc = kernels.accumulator(updates[0][0].dtype.type)
     hyper = xp.asarray(np.array([_hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
-    kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper))
+    tokens = _tokens(xp, tuple(0 if u[6] is None else int(u[6][2]) for u in updates))
+    kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper, tokens))
 
 
-def _probe_groups(xp, dtype, kernel):
+def _tokens(xp, tokens: tuple):
+    """The groups' flag tokens on the device: copied each step where a group casts (its token
+    changes a step), one zeroed array kept otherwise."""
+    if any(tokens):
+        return xp.asarray(np.array(tokens, dtype=np.int32))
+    if len(_no_tokens) > 64:
+        _no_tokens.clear()
+    return _no_tokens.setdefault((xp, len(tokens)), xp.zeros(len(tokens), dtype=np.int32))
+
+
+_no_tokens: dict = {}
+
+
+def _probe_groups(xp, dtype, kernel, cast=None):
     """Two groups (one of several pieces and decay segments, one shorter than a piece, none) in
-    one launch against adamw_step's twin on each."""
+    one launch against adamw_step's twin on each; with `cast`, the first group's update cast to it
+    too, one master far beyond float16's range (its flag set where the cast overflows)."""
     rng = np.random.default_rng(17)
     sizes, segments = (2 * PIECE + 100, 700), (((10, 700), (PIECE + 5, 2 * PIECE)), ())
     hypers = [
@@ -225,17 +290,31 @@ def _probe_groups(xp, dtype, kernel):
         [rng.normal(0, s, n).astype(dtype) for s in (1, 1, 0.1)] + [rng.uniform(0, 0.1, n).astype(dtype)]
         for n in sizes
     ]
+    if cast is not None:
+        host[0][0][PIECE + 7] = 1e6
     want = [[a.astype(np.float64) for a in arrays] for arrays in host]
     device = [[xp.array(a) for a in arrays] for arrays in host]
-    _launch_groups(kernel, xp, [(*d, h, seg) for d, h, seg in zip(device, hypers, segments)])
+    casts = [None, None]
+    if cast is not None:
+        casts[0] = (xp.empty(sizes[0], dtype=cast), xp.zeros(1, dtype=np.int32), 5)
+    _launch_groups(kernel, xp, [(*d, h, seg, c) for d, h, seg, c in zip(device, hypers, segments, casts)])
     for w, h, seg in zip(want, hypers, segments):
         pairs = np.array(seg or [(0, 0)], dtype=np.int64).reshape(-1, 2)
         _twin(None, None, (*w, pairs[:, 0], pairs[:, 1], len(seg), w[0].size, *_hyper_row(h)))
-    return [
+    results = [
         (f"{k} of group {j}", to_numpy(d), x, kernels.error_bound(dtype, 16, float(np.max(np.abs(x)))))
         for j, (dev, wan) in enumerate(zip(device, want))
         for k, d, x in zip(("p", "g", "m", "v"), dev, wan)
     ]
+    if cast is not None:  # the twin's float64 p cast: within an element's rounding of the device's
+        want_cast, want_flag = np.empty(sizes[0], dtype=cast), np.zeros(1, dtype=np.int32)
+        _cast_twin(want[0][0], want_cast, want_flag.ctypes.data, 5)
+        bound = kernels.error_bound(cast, 16, float(np.max(np.abs(want[0][0]))))
+        results += [
+            ("the cast", kernels.comparable(to_numpy(casts[0][0])), kernels.comparable(want_cast), bound),
+            ("its flag", to_numpy(casts[0][1]), want_flag, 0.0),
+        ]
+    return results
 
 
 def _probe(xp, dtype, kernel):

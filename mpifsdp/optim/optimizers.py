@@ -123,13 +123,25 @@ class AdamW(FlatOptimizer):
         """On a GPU every group's update in one launch (AdamW's own update only: a subclass that
         changes it, as Adam does, updates group by group)."""
         if type(self)._update is AdamW._update and self.folds_grad_scale():
+            casts = self._cast_targets([self.groups[i] for i, *_ in updates])
             batch = [
-                (p, g, state["exp_avg"], state["exp_avg_sq"], self._gpu_hyper(step), self._decayed(i))
-                for i, p, g, state, step in updates
+                (p, g, state["exp_avg"], state["exp_avg_sq"], self._gpu_hyper(step), self._decayed(i), cast)
+                for (i, p, g, state, step), cast in zip(updates, casts)
             ]
             if gpu_adamw.step_groups(batch):
+                for (i, *_), cast in zip(updates, casts):
+                    if cast is not None:
+                        self.groups[i].cast_written()
                 return
         super()._update_all(updates)
+
+    @staticmethod
+    def _cast_targets(groups) -> list:
+        """Per group, where the update kernel writes its next gather's param_dtype cast (a Unit's
+        cast_target), or None; all None unless they share one dtype (one kernel type)."""
+        casts = [getattr(group, "cast_target", lambda: None)() for group in groups]
+        dtypes = {cast[0].dtype for cast in casts if cast is not None}
+        return casts if len(dtypes) <= 1 else [None] * len(casts)
 
     def _gpu_hyper(self, step: int) -> dict:
         args = (self.lr, self.beta1, self.beta2, self.eps, step, self.weight_decay, self._grad_scale)

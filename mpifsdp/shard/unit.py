@@ -92,15 +92,16 @@ class Unit:
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
         # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
-        self.shard = self.xp.zeros(n, dtype=self.layout.dtype)
+        self._cast_current = False  # the kept cast is the shard's, written by the optimizer (cast_written)
+        self._shard = self.xp.zeros(n, dtype=self.layout.dtype)
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
-            self.shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+            self._shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
         self.trainable = trainable
         self._grad = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
         self._grad_zeroed_lazily = False  # zero_grad's fill, left to the first reader (see grad_shard)
         self.has_grad = False
-        self.ledger.alloc("param_shard", self.shard.nbytes)
+        self.ledger.alloc("param_shard", self._shard.nbytes)
         if trainable:
             self.ledger.alloc("grad_shard", self._grad.nbytes)
         self.full = None  # gathered parameters, while unsharded (or gathering)
@@ -152,6 +153,29 @@ class Unit:
                 check_summable(level.transport.name, reduce_dtype, "reduce_dtype")
         return param_dtype, reduce_dtype
 
+    @property
+    def shard(self):
+        """This rank's slice of the parameters (in the arrays' dtype: the masters). Whoever takes it
+        may write it, so the param_dtype cast an optimizer wrote with its last update is no longer
+        trusted to be its cast: the next gather casts afresh (cast_written)."""
+        self._cast_current = False
+        return self._shard
+
+    def cast_target(self):
+        """(buffer, device flag, token): where an optimizer's update kernel may write the new shard's
+        param_dtype cast and flag its overflow (the kept cast's buffer), so that the next forward's
+        gather sends it with no cast launch of its own; None where there is none (the CPU, no kept
+        cast). Then cast_written() says it was written."""
+        if self._kept_cast is None or self.xp is np:
+            return None
+        return self._kept_cast, self._overflow_flag(), self._token
+
+    def cast_written(self):
+        """The optimizer wrote the updated shard's cast into cast_target()'s buffer and flagged its
+        overflow there: the next gathers send it (until `shard` is handed out again), and the step's
+        verdict reads its flag."""
+        self._cast_current = self._checked = True
+
     def _gathered_grad_dtype(self):
         """What the full gradient is gathered in: param_dtype, but on a GPU float32 for 16-bit
         parameters. The VJPs' GEMMs (cuBLAS gemmEx) and kernels write float32 there at no cost, so
@@ -187,15 +211,16 @@ class Unit:
         lifecycle) keeps the param_dtype copy of the shard this gather sends, checked; the next
         gather with use_kept=True sends it instead of casting and checking again (a launch a
         unit). The shard must not change in between: the optimizer steps after the backward. Any
-        other gather casts afresh and drops a kept copy."""
+        other gather casts afresh and drops a kept copy, unless the optimizer wrote it with its
+        update since (cast_target: it is then the new shard's cast, checked by that kernel)."""
         if self.full is None:
             self.full = self._take("gathered_params", self.param_dtype)
             kept, self._kept_cast = self._kept_cast, None
-            if kept is not None and not use_kept:
+            if kept is not None and not (use_kept or self._cast_current):
                 self._give("gathered_params", kept)
-                kept = None
+                kept, self._cast_current = None, False
             send, checked = (kept, True) if kept is not None else self._cast_for_gather()
-            if keep_cast and send is not self.shard and self.xp is not np:
+            if keep_cast and send is not self._shard and self.xp is not np:
                 self._kept_cast = send
             request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
             self._gathering = (request, send, checked)
@@ -205,13 +230,13 @@ class Unit:
         checked already). On a GPU one kernel casts float32 masters and sets the overflow flag: this
         rank's shard checked, not the gathered whole (each rank checks its own; the optimizer's
         verdict brings the ranks' flags together: FlatOptimizer._settle)."""
-        if self.xp is not np and self.shard.dtype != self.param_dtype:
-            copy = self._take("gathered_params", self.param_dtype, numel=self.shard.size)
-            if kernels.cast_flag_nonfinite(self.shard, copy, self._overflow_flag(), self._token):
+        if self.xp is not np and self._shard.dtype != self.param_dtype:
+            copy = self._take("gathered_params", self.param_dtype, numel=self._shard.size)
+            if kernels.cast_flag_nonfinite(self._shard, copy, self._overflow_flag(), self._token):
                 self._checked = True
                 return copy, True
             self._give("gathered_params", copy)  # no kernel: cast, and check once gathered
-        return self._cast("gathered_params", self.shard, self.param_dtype), False
+        return self._cast("gathered_params", self._shard, self.param_dtype), False
 
     def unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False) -> dict:
         """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
@@ -224,7 +249,7 @@ class Unit:
             request, send, checked = self._gathering
             self._gathering = None
             self.comm.wait(request)
-            if send is not self.shard:
+            if send is not self._shard:
                 if send is not self._kept_cast:
                     self._give("gathered_params", send)
                 if not checked:  # a kept cast's values, or one a kernel made, were checked then
@@ -232,13 +257,13 @@ class Unit:
 
     def _gather_into(self, full, phase: str):
         """Blocking: `full` = every rank's shard, in param_dtype (a buffer of the caller's)."""
-        send = self._cast("gathered_params", self.shard, self.param_dtype)
+        send = self._cast("gathered_params", self._shard, self.param_dtype)
         try:
             self.comm.all_gather(send, full, unit=self.name, phase=phase)
         finally:
-            if send is not self.shard:
+            if send is not self._shard:
                 self._give("gathered_params", send)
-        if send is not self.shard:
+        if send is not self._shard:
             self._check_representable(full)
 
     def _check_representable(self, full):
@@ -275,7 +300,7 @@ class Unit:
     def raise_unrepresentable(self):
         raise FloatingPointError(
             f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
-            f"|master| {float(abs(self.shard).max()):.3g} here, {self.param_dtype} holds up to "
+            f"|master| {float(abs(self._shard).max()):.3g} here, {self.param_dtype} holds up to "
             f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
             "a wider param_dtype"
         )

@@ -411,6 +411,23 @@ def _grads_bound_ahead_kept():
     _replace(UnitLifecycle, "abandon", keeps_grads_ahead)
 
 
+def _shard_handed_out_keeps_the_cast():
+    """Taking `unit.shard` leaves the cast the optimizer wrote trusted as its cast."""
+    from mpifsdp.shard.unit import Unit
+
+    _replace(Unit, "shard", property(lambda self: self._shard))
+
+
+def _written_cast_unchecked():
+    """The cast the optimizer's kernel wrote (and flagged) is sent, its flag never read."""
+    from mpifsdp.shard.unit import Unit
+
+    def cast_written(self):
+        self._cast_current = True
+
+    _replace(Unit, "cast_written", cast_written)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -462,6 +479,17 @@ MUTANTS = {
     "grads_ahead_dropped": Mutant(
         _grads_bound_ahead_kept,
         "a backward cut short drops the gradient bound ahead for the next unit (fsdp/lifecycle.py)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+    ),
+    "shard_handout_recasts": Mutant(
+        _shard_handed_out_keeps_the_cast,
+        "a shard handed out (and maybe written) is cast afresh by the next gather, not sent as the "
+        "cast the optimizer wrote (shard/unit.py)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+    ),
+    "written_cast_checked": Mutant(
+        _written_cast_unchecked,
+        "the step's verdict reads the overflow flag of the cast the optimizer wrote (shard/unit.py)",
         ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
     ),
     "unreached_grads": Mutant(

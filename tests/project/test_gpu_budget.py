@@ -57,8 +57,10 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # gradients' GEMMs writing it through cuBLAS's gemmEx and the kernels their column sums in
     # float32 (no cast before the reduce-scatter): 31.5; the next unit's gradient bound before its
     # backward, so the LayerNorm that last uses a block's output writes that block's projection bias
-    # gradient: 30.5; the MLP's first bias added inside its GELU: 29.5 (budget: 25)
-    assert budget["launches_per_layer"] <= 29.5, budget
+    # gradient: 30.5; the MLP's first bias added inside its GELU: 29.5; AdamW's update kernel
+    # writing the next forward's float16 casts (no cast launch in the forward's gathers): 28.6
+    # (budget: 25)
+    assert budget["launches_per_layer"] <= 28.6, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget

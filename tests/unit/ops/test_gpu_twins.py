@@ -250,6 +250,22 @@ def test_every_groups_adamw_step_in_one_launch_is_each_groups_step():
     _probe_passes(lambda dtype: gpu_adamw._probe_groups(np, dtype, _as_kernel("adamw_groups")))
 
 
+@pytest.mark.parametrize(
+    "cast", [np.float16, ml_dtypes.bfloat16, np.float32], ids=["float16", "bfloat16", "float32"]
+)
+def test_adamw_groups_casts_the_updated_masters_and_flags_an_overflow(cast):
+    """adamw_groups with a cast (the next gather's param_dtype, written as it updates float32
+    masters), as its probe sees it with the twin as kernel: the cast is the updated masters' within
+    a rounding, and the flag holds the token where a master beyond float16 overflowed it only."""
+    from mpifsdp.optim import gpu_adamw
+
+    results = gpu_adamw._probe_groups(np, np.float32, _as_kernel("adamw_groups"), np.dtype(cast))
+    for what, got, want, bound in results:
+        assert np.max(np.abs(to_numpy(got) - want)) <= bound, what
+    (flag,) = [want for what, _, want, _ in results if what == "its flag"]
+    assert flag[0] == (5 if cast is np.float16 else 0)
+
+
 def test_the_sum_of_squares_twins_compute_every_vectors_sum_of_squares():
     """optim/gpu_norm.py's two twins (pieces of each vector, then each vector's pieces added) on
     vectors of unequal lengths, one spanning several pieces, against float64 dots; and its probe."""
