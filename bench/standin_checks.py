@@ -180,6 +180,31 @@ def a_shard_written_after_the_step_is_what_is_gathered() -> bool:
     return bool((gathered == 0.5).all())
 
 
+def planned_gathered_bytes_are_the_ledgers() -> bool:
+    """A float16-gathering GPT's gathered parameter and gradient peaks over 3 steps on the GPU
+    branch (float32 masters and reduce) are what plan(..., compute_itemsize=2, gpu=True) says:
+    float32 gradients, three blocks' alive at once, every block's float16 cast kept."""
+    from mpifsdp.models import gpt_units
+    from mpifsdp.planning.planner import plan
+
+    comm, xp = mpifsdp.Comm(device="cuda", transport="nccl"), mpifsdp.array_module("cuda")
+    config = GPTConfig(**{k: CONFIG[k] for k in ("vocab_size", "n_embd", "n_head", "block_size")}, n_layer=3)
+    model = GPT(config, seed=0, device="cuda")
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt = mpifsdp.AdamW(model, lr=1e-3)
+    for step in range(3):
+        x, y = random_batch(CONFIG, 4, seed=step)
+        model(xp.asarray(x), xp.asarray(y)).backward()
+        opt.step()
+        opt.zero_grad()
+    peak = sharded_model(model).ledger.peak
+    want = plan(gpt_units(config)[0], 1, itemsize=4, compute_itemsize=2, gpu=True)["memory_bytes"]
+    return [peak["gathered_params"], peak["gathered_grads"]] == [
+        want["gathered_params_peak"],
+        want["gathered_grads_peak"],
+    ]
+
+
 def mixed_precision_grads(dtype) -> list[np.ndarray]:
     """Every unit's gradient shard after one backward of a float32 GPT gathering in `dtype` (float32:
     no mixed precision), reducing in float32."""
@@ -312,6 +337,7 @@ def main() -> int:
     result["unreached_parameters_get_zero_gradients"] = unreached_parameters_get_zero_gradients()
     result["failed_backward_leaves_nothing_bound_ahead"] = failed_backward_leaves_nothing_bound_ahead()
     result["an_update_beyond_float16_is_named_next_step"] = an_update_beyond_float16_is_named_next_step()
+    result["planned_gathered_bytes_are_the_ledgers"] = planned_gathered_bytes_are_the_ledgers()
     result["a_shard_written_after_the_step_is_what_is_gathered"] = (
         a_shard_written_after_the_step_is_what_is_gathered()
     )

@@ -110,8 +110,10 @@ def plan(
     itemsize: of the shards, gradient shards and AdamW state (fp32 masters: 4); compute_itemsize: of
     what is gathered and communicated (fully_shard's param_dtype = reduce_dtype, e.g. 2 for
     bfloat16; default itemsize). gpu: the GPU's runtime, which gathers 16-bit parameters' gradients
-    in float32 (Unit.full_grad_dtype) and binds the next unit's gradient before its backward (one
-    more alive, UnitLifecycle.bind_grads_ahead). Exact against the ledgers with one dtype.
+    in float32 (Unit.full_grad_dtype), binds the next unit's gradient before its backward (one
+    more alive, UnitLifecycle.bind_grads_ahead) and keeps each resharded unit's param_dtype cast
+    of its shard (Unit.cast_target). Exact against the ledgers with one dtype, and on a GPU with
+    param_dtype narrower than the masters (bench/standin_checks.py).
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     """
@@ -166,7 +168,7 @@ class _Sizes:
     hold, move and cost: plan()'s three parts."""
 
     def __init__(self, units, S, R, wire, reshard_after_forward, grad_accum, no_sync, gpu):
-        self.S, self.R, self.wire = S, R, wire
+        self.S, self.R, self.wire, self.gpu = S, R, wire, gpu
         # a GPU: gradients of 16-bit parameters gathered in float32, three units' alive at once
         self.grad_itemsize, self.grads_alive = (4 if wire == 2 else wire, 3) if gpu else (wire, 2)
         self.kept = [u.kept or not reshard_after_forward for u in units]
@@ -183,6 +185,9 @@ class _Sizes:
         blocks = [p for p, k in zip(padded, kept) if not k]
         accumulating = self.grad_accum > 1 and not self.no_sync
         trained = sum(s for s, t in zip(self.shard, trainable) if t)
+        # a GPU keeps each resharded unit's param_dtype cast of its shard from gather to gather (the
+        # optimizer writes the next one there: Unit.cast_target)
+        casts = sum(s for s, k in zip(self.shard, kept) if not k) if self.gpu and self.wire != itemsize else 0
         grads = _grads_peak(
             padded, self.shard, self.outer, trainable, accumulating, self.no_sync, self.grads_alive
         )
@@ -191,7 +196,7 @@ class _Sizes:
             "grad_shards": itemsize * trained,
             "optimizer": 2 * itemsize * trained,  # AdamW: m and v
             "gathered_params_peak": self.wire
-            * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch)),
+            * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch) + casts),
             "gathered_grads_peak": self.grad_itemsize * grads,
             "activations": activation_bytes,
         }
