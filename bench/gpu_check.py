@@ -287,17 +287,23 @@ def attention(args):
 def roofline(args):
     """What the config's step stands on: TFLOP/s of each distinct GEMM of its step (the block's and
     the head's, float16; attention's are cuDNN's) and the device's copy bandwidth (TB/s), against
-    which the step's time is read."""
+    which the step's time is read. Each GEMM also as the backward writes weight gradients (float32
+    out through gemm_into, against CuPy's float16 product cast after), and with one more K row from
+    a padded operand (a bias folded into the GEMM as a row of ones: is an odd K slower?)."""
     xp = mpifsdp.array_module(args.device)
     synchronize = synchronizer(xp)
     rng = np.random.default_rng(0)
     shapes = [s for s in dict.fromkeys(step_gemm_shapes(CONFIGS[args.config])) if s[0] == 1]
     rows = []
     for _, m, k, n in shapes:
-        a = xp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype=np.float16)
-        w = xp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype=np.float16)
-        seconds = median_time(lambda a=a, w=w: (a @ w, synchronize()), 5)
-        rows.append({"shape": [m, k, n], "tflops": round(2 * m * k * n / seconds / 1e12, 1)})
+        a = xp.asarray(rng.standard_normal((m, k + 8), dtype=np.float32), dtype=np.float16)
+        w = xp.asarray(rng.standard_normal((k + 1, n), dtype=np.float32), dtype=np.float16)
+        out = xp.empty((m, n), dtype=np.float32)
+        row = {"shape": [m, k, n]}
+        for name, run in _gemm_variants(a, w, out, k).items():
+            seconds = median_time(lambda run=run: (run(), synchronize()), 5)
+            row[name] = round(2 * m * k * n / seconds / 1e12, 1)
+        rows.append(row)
     block = xp.empty(1 << 28, dtype=np.float16)  # 512 MiB
     into = xp.empty_like(block)
     seconds = median_time(lambda: (xp.copyto(into, block), synchronize()), 5)
@@ -305,6 +311,18 @@ def roofline(args):
     print(
         json.dumps({"check": "roofline", "config": args.config, "gemms_float16": rows, "copy_tb_s": copy_tbs})
     )
+
+
+def _gemm_variants(a, w, out, k: int) -> dict:
+    """roofline's ways to multiply a's first k columns by w's first k rows (name -> call)."""
+    from mpifsdp.ops.gpu_gemm import gemm_into
+
+    return {
+        "tflops": lambda: a[:, :k] @ w[:k],
+        "float32_out_tflops": lambda: gemm_into(a[:, :k], w[:k], out),
+        "float16_then_cast_tflops": lambda: (a[:, :k] @ w[:k]).astype(np.float32),
+        "one_more_k_float32_out_tflops": lambda: gemm_into(a[:, : k + 1], w, out),
+    }
 
 
 def _torch_gemm_tflops(device, dtype, M, K, N):
