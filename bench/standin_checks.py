@@ -120,13 +120,19 @@ def overflow_outcomes(comm, fsdp_gather: bool) -> list[str]:
             with unit.unsharded():
                 pass
         unit.reduce_grad({"w": xp.ones(6 * comm.size, dtype=np.float32)})
-        try:
-            opt.step()
-            outcomes.append("stepped")
-        except FloatingPointError as exc:
-            outcomes.append("named" if "unit 'big'" in str(exc) else str(exc))
-        opt.zero_grad()
+        outcomes.append(_step_outcome(opt))
     return outcomes
+
+
+def _step_outcome(opt) -> str:
+    """ "stepped", or "named" where the step raised naming unit 'big' (else what it raised)."""
+    try:
+        opt.step()
+        return "stepped"
+    except FloatingPointError as exc:
+        return "named" if "unit 'big'" in str(exc) else str(exc)
+    finally:
+        opt.zero_grad()
 
 
 def overflow_named_once() -> bool:
@@ -157,12 +163,7 @@ def an_update_beyond_float16_is_named_next_step() -> bool:
     outcomes = []
     for _ in range(2):
         unit.reduce_grad({"w": xp.full(8, -1.0, dtype=np.float32)})  # Adam's first step: + lr
-        try:
-            opt.step()
-            outcomes.append("stepped")
-        except FloatingPointError as exc:
-            outcomes.append("named" if "unit 'big'" in str(exc) else str(exc))
-        opt.zero_grad()
+        outcomes.append(_step_outcome(opt))
         unit.unshard(keep_cast=True)
         unit.reshard()
     return outcomes == ["stepped", "named"]
