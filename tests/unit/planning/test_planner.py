@@ -161,6 +161,7 @@ def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
     runtime's ledgers are held to these in bench/standin_checks.py."""
     config = ["n_layer=4", "n_embd=64"]
     command = [sys.executable, "-m", "mpifsdp", "plan", "--gpt", *config, "--compute-bytes", "2", "--json"]
+    command += ["--world", "1", "--ranks-per-node", "1"]  # both given: no MPI asked (inside an MPI run)
     runs = {
         device: json.loads(subprocess.run([*command, "--device", device], capture_output=True, text=True,
                                           check=True).stdout)["memory_bytes"]
