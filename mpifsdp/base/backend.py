@@ -7,6 +7,7 @@ CPU users never need CuPy installed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import os
@@ -156,10 +157,16 @@ def nccl():
 def cublas():
     """(CuPy's cuBLAS bindings, the CUDA runtime's type codes, this device's cuBLAS handle): for a
     GEMM CuPy's matmul does not offer (ops/gpu_gemm.py)."""
-    cupy = _cupy()
-    bindings = importlib.import_module("cupy_backends.cuda.libs.cublas")
-    runtime = importlib.import_module("cupy_backends.cuda.api.runtime")
-    return bindings, runtime, cupy.cuda.device.get_cublas_handle()
+    return (*_cublas_modules(), _cupy().cuda.device.get_cublas_handle())
+
+
+@functools.cache
+def _cublas_modules() -> tuple:
+    """Looked up once: gpu_gemm asks for them at every GEMM."""
+    return (
+        importlib.import_module("cupy_backends.cuda.libs.cublas"),
+        importlib.import_module("cupy_backends.cuda.api.runtime"),
+    )
 
 
 def nccl_available() -> bool:

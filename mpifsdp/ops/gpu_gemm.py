@@ -13,6 +13,8 @@ them, on host memory, on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..base import backend
@@ -25,6 +27,7 @@ def _cublas():
     return backend.cublas()
 
 
+@functools.cache
 def widening(operands_dtype, out_dtype) -> bool:
     """Whether gemm_into is what writes a product of `operands_dtype` into `out_dtype`: a 16-bit
     float into its float32 accumulator (equal types are CuPy's matmul)."""
@@ -45,11 +48,15 @@ def _operand(cublas, a, itemsize: int):
     return a, cublas.CUBLAS_OP_N, a.shape[1]
 
 
+@functools.cache
 def _cuda_type(runtime, dtype) -> int:
     name = np.dtype(dtype).name
     return {"float16": runtime.CUDA_R_16F, "bfloat16": runtime.CUDA_R_16BF, "float32": runtime.CUDA_R_32F}[
         name
     ]
+
+
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha and beta, on the host
 
 
 def _launch(a, b, out):
@@ -60,7 +67,6 @@ def _launch(a, b, out):
     (M, K), N = a.shape, b.shape[1]
     b, op_b, ld_b = _operand(cublas, b, itemsize)
     a, op_a, ld_a = _operand(cublas, a, itemsize)
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars, alive for the call
     cublas.gemmEx(
         handle,
         op_b,
@@ -68,14 +74,14 @@ def _launch(a, b, out):
         N,
         M,
         K,
-        one.ctypes.data,
+        _ONE.ctypes.data,
         device_address(b),
         _cuda_type(runtime, b.dtype),
         ld_b,
         device_address(a),
         _cuda_type(runtime, a.dtype),
         ld_a,
-        zero.ctypes.data,
+        _ZERO.ctypes.data,
         device_address(out),
         _cuda_type(runtime, out.dtype),
         N,
