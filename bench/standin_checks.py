@@ -42,17 +42,19 @@ CONFIG = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batc
 BOUND = 1e-12  # float64, relative to the largest gradient: only summation order differs
 
 
-def _sharded_gpt(device: str, recompute: bool = False):
+def _sharded_gpt(device: str, recompute: bool = False, bias: bool = True):
     comm = mpifsdp.Comm(device=device, transport="nccl" if device == "cuda" else None)
     keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
-    model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, dtype=np.float64, device=device)
+    config = GPTConfig(**{k: CONFIG[k] for k in keys}, bias=bias)
+    model = GPT(config, seed=0, dtype=np.float64, device=device)
     mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=recompute)
     return model, mpifsdp.array_module(device), sharded_model(model)
 
 
-def shards(device: str, micro_batches: int, host_batch: bool = False, recompute: bool = False) -> list:
-    """Every unit's gradient shard after `micro_batches` backwards (the last one reducing)."""
-    model, xp, sharded = _sharded_gpt(device, recompute)
+def shards(device: str, micro_batches: int, host_batch=False, recompute=False, bias=True) -> list:
+    """Every unit's gradient shard after `micro_batches` backwards (the last one reducing); bias:
+    the GPT's linears and LayerNorms have biases."""
+    model, xp, sharded = _sharded_gpt(device, recompute, bias)
     place = np.asarray if host_batch else xp.asarray
     for step in range(micro_batches):
         x, y = random_batch(CONFIG, 4, seed=step)
@@ -320,6 +322,8 @@ def main() -> int:
         result[f"grads_after_{micro_batches}_backwards"] = {"max_rel_err": err, "bound": BOUND}
     err = _relative_error(shards("cuda", 1, recompute=True), shards("cpu", 1, recompute=True))
     result["grads_through_checkpointed_blocks"] = {"max_rel_err": err, "bound": BOUND}
+    err = _relative_error(shards("cuda", 1, bias=False), shards("cpu", 1, bias=False))
+    result["grads_of_a_gpt_without_biases"] = {"max_rel_err": err, "bound": BOUND}
     err = _relative_error(shards("cuda", 1, host_batch=True), shards("cuda", 1))
     result["host_batch_against_device_batch"] = {"max_rel_err": err, "bound": 0.0}
     err = _relative_error(float16_steps(keep_casts=True), float16_steps(keep_casts=False))

@@ -412,7 +412,7 @@ def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add, sums):
     if wrote_sums is None:
         return None
     own = (
-        WROTE if t is not None else out.astype(a.dtype, copy=False)
+        WROTE if t is not None else None if a is None else out.astype(a.dtype, copy=False)
         for t, out, a in zip(targets, outs, params)
     )
     return wrote_sums, tuple(own)
