@@ -135,15 +135,12 @@ def _groups_twin(grid, block, args, shared_mem=0):
         mine = pairs[int(first_segment[j]) : int(first_segment[j + 1])]
         h = np.asarray(hyper, dtype=np.float64)[9 * j : 9 * j + 9]
         _twin(None, None, (p, g, m, v, mine[:, 0], mine[:, 1], len(mine), int(n[j]), *h))
-        if casts[j]:
-            _cast_twin(p, kernels.host_array(int(casts[j]), cast_dtype, int(n[j])), flags[j], tokens[j])
-
-
-def _cast_twin(p, cast, flag_address, token):
-    with np.errstate(over="ignore"):  # what the cast overflows is what the flag is for
-        cast[...] = p
-    if not np.isfinite(cast.astype(np.float64)).all():
-        kernels.host_array(int(flag_address), np.int32, 1)[0] = int(token)
+        if casts[j]:  # the cast as cast_flag_nonfinite's twin makes it, flagged the same way
+            cast, flag = (
+                kernels.host_array(int(casts[j]), cast_dtype, int(n[j])),
+                kernels.host_array(int(flags[j]), np.int32, 1),
+            )
+            kernels.TWINS["cast_flag_nonfinite"](None, None, (p, cast, flag, int(n[j]), int(tokens[j])))
 
 
 kernels.TWINS.update(adamw_step=_twin, adamw_groups=_groups_twin)
@@ -231,22 +228,24 @@ def _addresses(u) -> tuple:
     )
 
 
-def _dtype_names(u) -> tuple:
-    """An update's dtype and its cast's (its own where it casts nothing): the table records them."""
-    return u[0].dtype.name, (u[6][0] if u[6] is not None else u[0]).dtype.name
+def _table_dtypes(updates: list) -> tuple:
+    """(the casts' dtype, the groups') by name, which the table records for the twin (the casts':
+    the groups' own where none casts)."""
+    own = updates[0][0].dtype.name
+    return next((u[6][0].dtype.name for u in updates if u[6] is not None), own), own
 
 
 def _groups_table(xp, updates: list):
     """The device table adamw_groups reads (cached: the shards, moments and casts stay where they
     are)."""
-    key = tuple((_addresses(u), u[0].size, tuple(u[5]), _dtype_names(u)) for u in updates)
+    groups = tuple((_addresses(u), u[0].size, tuple(u[5])) for u in updates)
+    key = (groups, _table_dtypes(updates))
     if key not in _group_tables:
         sizes = [u[0].size for u in updates]
         first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
         first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
-        columns = [[addresses[a] for addresses, *_ in key] for a in range(6)]
-        cast = next((names[1] for *_, names in key if names[1] != names[0]), key[0][3][0])
-        dtypes = [kernels.TABLE_DTYPES.index(name) for name in (cast, key[0][3][0])]
+        columns = [[addresses[a] for addresses, *_ in groups] for a in range(6)]
+        dtypes = [kernels.TABLE_DTYPES.index(name) for name in key[1]]
         host = np.concatenate([*columns[:4], sizes, first, first_segment, *columns[4:], dtypes])
         pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
         if len(_group_tables) > 64:  # buffers moved: forget old layouts
@@ -308,7 +307,7 @@ def _probe_groups(xp, dtype, kernel, cast=None):
     ]
     if cast is not None:  # the twin's float64 p cast: within an element's rounding of the device's
         want_cast, want_flag = np.empty(sizes[0], dtype=cast), np.zeros(1, dtype=np.int32)
-        _cast_twin(want[0][0], want_cast, want_flag.ctypes.data, 5)
+        kernels.TWINS["cast_flag_nonfinite"](None, None, (want[0][0], want_cast, want_flag, sizes[0], 5))
         bound = kernels.error_bound(cast, 16, float(np.max(np.abs(want[0][0]))))
         results += [
             ("the cast", kernels.comparable(to_numpy(casts[0][0])), kernels.comparable(want_cast), bound),
