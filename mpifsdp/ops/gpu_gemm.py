@@ -22,11 +22,6 @@ from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import accumulator, checked_once, device_address, error_bound
 
 
-def _cublas():
-    """(CuPy's cuBLAS bindings, its runtime's type codes, this device's cuBLAS handle)."""
-    return backend.cublas()
-
-
 @functools.cache
 def widening(operands_dtype, out_dtype) -> bool:
     """Whether gemm_into is what writes a product of `operands_dtype` into `out_dtype`: a 16-bit
@@ -62,7 +57,7 @@ _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha 
 def _launch(a, b, out):
     """out (M, N), C-contiguous = a (M, K) @ b (K, N). cuBLAS is column-major: it computes out's
     transpose (N, M) = b^T a^T, each operand read as the transpose of its row-major self."""
-    cublas, runtime, handle = _cublas()
+    cublas, runtime, handle = backend.cublas()
     itemsize = a.dtype.itemsize
     (M, K), N = a.shape, b.shape[1]
     b, op_b, ld_b = _operand(cublas, b, itemsize)

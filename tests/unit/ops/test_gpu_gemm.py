@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifsdp.base import kernels
+from mpifsdp.base import backend, kernels
 from mpifsdp.ops import gpu_gemm
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "bench"))
@@ -23,7 +23,7 @@ MODULES = cupy_standin._cublas_modules()
 def cublas(monkeypatch):
     """cuBLAS's bindings as the stand-in's, on host memory; each test's GEMMs checked afresh."""
     cublas, runtime = MODULES["cupy_backends.cuda.libs.cublas"], MODULES["cupy_backends.cuda.api.runtime"]
-    monkeypatch.setattr(gpu_gemm, "_cublas", lambda: (cublas, runtime, 0))
+    monkeypatch.setattr(backend, "cublas", lambda: (cublas, runtime, 0))
     for dtype in (np.float16, ml_dtypes.bfloat16):
         kernels._checked.discard(("gemm_into", dtype))
     return cublas
