@@ -421,6 +421,8 @@ def install(with_cudnn: bool = True):
     cp.asarray = cp.array = _asarray
     cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
+    as_strided = functools.partial(np.lib.stride_tricks.as_strided, subok=True)  # a view: no launch
+    cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(total_bytes=lambda: 0, used_bytes=lambda: 0)
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
 

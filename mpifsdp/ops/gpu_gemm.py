@@ -1,14 +1,22 @@
-"""A GEMM whose output is wider than its operands (float16 or bfloat16 in, float32 out) through
-cuBLAS's gemmEx, which CuPy exposes but its matmul does not use that way: given a float32 `out`
-for float16 operands, CuPy multiplies into a float16 temporary and casts it over (a launch more and
-a rounding to float16 on the way). A weight gradient written straight into the float32 gradient
-buffer then needs neither (issue 30: the unit's gradient is gathered in float32 on a GPU, no cast
-before its reduce-scatter).
+"""cuBLAS's gemmEx for the GEMMs CuPy's matmul cannot write the way a step wants them:
 
-The product accumulates in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do, and is
-checked once per dtype against a float64 product on the host before its first result is used.
-CuPy's cuBLAS bindings come through base/backend.py (cublas()); bench/cupy_standin.py provides
-them, on host memory, on a machine without a GPU.
+- wider than the operands (float16 or bfloat16 in, float32 out): given a float32 `out` for float16
+  operands, CuPy multiplies into a float16 temporary and casts it over (a launch more and a rounding
+  to float16 on the way). A weight gradient written straight into the float32 gradient buffer then
+  needs neither (issue 30: the unit's gradient is gathered in float32 on a GPU, no cast before its
+  reduce-scatter);
+- added to what `out` holds (cuBLAS's beta = 1): a projection's GEMM accumulates into its residual
+  plus bias, which the LayerNorm kernel before it wrote on its way (fused.Seed), so the add is not a
+  launch of its own;
+- from operands with a leading dimension wider than their rows, as they are: a LayerNorm output
+  padded with a column of ones, read with K + 1 columns against a weight with its bias as one more
+  row (fused.py's folded bias).
+
+16-bit products accumulate in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do; float32
+in float32 (no TF32), float64 in float64. Each (operand, output) type pair is checked once against a
+float64 product on the host before its first result is used. CuPy's cuBLAS bindings come through
+base/backend.py (cublas()); bench/cupy_standin.py provides them, on host memory, on a machine
+without a GPU.
 """
 
 from __future__ import annotations
@@ -21,14 +29,41 @@ from ..base import backend
 from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import accumulator, checked_once, device_address, error_bound
 
+_CUDA_NAMES = {
+    "float16": "CUDA_R_16F",
+    "bfloat16": "CUDA_R_16BF",
+    "float32": "CUDA_R_32F",
+    "float64": "CUDA_R_64F",
+}
+
 
 @functools.cache
 def widening(operands_dtype, out_dtype) -> bool:
-    """Whether gemm_into is what writes a product of `operands_dtype` into `out_dtype`: a 16-bit
-    float into its float32 accumulator (equal types are CuPy's matmul)."""
+    """Whether a product of `operands_dtype` goes into `out_dtype` wider than its operands: a 16-bit
+    float into its float32 accumulator (gemm_into writes it; CuPy's matmul would round it first)."""
     return np.dtype(operands_dtype).itemsize == 2 and np.dtype(out_dtype) == np.dtype(
         accumulator(operands_dtype)
     )
+
+
+def writes(operands_dtype, out_dtype) -> bool:
+    """Whether gemm_into writes a product of `operands_dtype` into `out_dtype`: the same float type,
+    or widening."""
+    same = np.dtype(out_dtype) == np.dtype(operands_dtype) and np.dtype(out_dtype).name in _CUDA_NAMES
+    return same or widening(operands_dtype, out_dtype)
+
+
+def stacked_rows(top, row):
+    """top (K, N) with row (N,) as its K+1-th row: a (K + 1, N) view where row follows top directly
+    in memory (a linear's weight and bias, or their gradients, in a unit's flat buffer: the bias
+    then goes into the GEMM as one more row of its weight), else None."""
+    fits = top.ndim == 2 and row.shape == top.shape[1:] and row.dtype == top.dtype
+    if not (fits and top.flags.c_contiguous and row.flags.c_contiguous):
+        return None
+    if device_address(row) != device_address(top) + top.nbytes:
+        return None
+    shape = (top.shape[0] + 1, top.shape[1])
+    return array_module_of(top).lib.stride_tricks.as_strided(top, shape, top.strides)
 
 
 def _operand(cublas, a, itemsize: int):
@@ -45,19 +80,24 @@ def _operand(cublas, a, itemsize: int):
 
 @functools.cache
 def _cuda_type(runtime, dtype) -> int:
-    name = np.dtype(dtype).name
-    return {"float16": runtime.CUDA_R_16F, "bfloat16": runtime.CUDA_R_16BF, "float32": runtime.CUDA_R_32F}[
-        name
-    ]
+    return getattr(runtime, _CUDA_NAMES[np.dtype(dtype).name])
 
 
-_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemmEx's alpha and beta, on the host
+@functools.cache
+def _compute(cublas, out_dtype) -> tuple:
+    """(cuBLAS compute type, alpha, beta 0, beta 1) for a product into out_dtype: float64 in float64,
+    the rest in float32; the scalars on the host, in the compute type."""
+    wide = np.dtype(out_dtype) == np.float64
+    scalar = np.float64 if wide else np.float32
+    scalars = (np.ones(1, scalar), np.zeros(1, scalar), np.ones(1, scalar))
+    return (cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F, *scalars)
 
 
-def _launch(a, b, out):
-    """out (M, N), C-contiguous = a (M, K) @ b (K, N). cuBLAS is column-major: it computes out's
-    transpose (N, M) = b^T a^T, each operand read as the transpose of its row-major self."""
+def _launch(a, b, out, accumulate: bool = False):
+    """out (M, N), C-contiguous = a (M, K) @ b (K, N) (+ out). cuBLAS is column-major: it computes
+    out's transpose (N, M) = b^T a^T, each operand read as the transpose of its row-major self."""
     cublas, runtime, handle = backend.cublas()
+    compute, one, zero, beta_one = _compute(cublas, out.dtype)
     itemsize = a.dtype.itemsize
     (M, K), N = a.shape, b.shape[1]
     b, op_b, ld_b = _operand(cublas, b, itemsize)
@@ -69,44 +109,48 @@ def _launch(a, b, out):
         N,
         M,
         K,
-        _ONE.ctypes.data,
+        one.ctypes.data,
         device_address(b),
         _cuda_type(runtime, b.dtype),
         ld_b,
         device_address(a),
         _cuda_type(runtime, a.dtype),
         ld_a,
-        _ZERO.ctypes.data,
+        (beta_one if accumulate else zero).ctypes.data,
         device_address(out),
         _cuda_type(runtime, out.dtype),
         N,
-        cublas.CUBLAS_COMPUTE_32F,
+        compute,
         cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP,
     )
 
 
-def gemm_into(a, b, out) -> None:
-    """out = a @ b for 16-bit 2-D device arrays a (M, K), b (K, N) (either may be a transposed view)
-    into a C-contiguous float32 out (M, N): one launch, no 16-bit temporary."""
+def gemm_into(a, b, out, accumulate: bool = False) -> None:
+    """out = a @ b (accumulate: out += a @ b) for 2-D device arrays a (M, K), b (K, N) of one float
+    type (either may be a transposed view, or rows of a wider array) into a C-contiguous out (M, N)
+    of their type or, for 16-bit operands, float32: one launch, no temporary."""
     if a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]) or not out.flags.c_contiguous:
         raise ValueError(f"gemm_into: {a.shape} @ {b.shape} cannot go into {out.shape} (C-contiguous)")
-    if a.dtype != b.dtype or not widening(a.dtype, out.dtype):
+    if a.dtype != b.dtype or not writes(a.dtype, out.dtype):
         raise TypeError(
-            f"gemm_into: {a.dtype} @ {b.dtype} into {out.dtype}: give 16-bit operands, float32 out"
+            f"gemm_into: {a.dtype} @ {b.dtype} into {out.dtype}: give operands of one float type, and "
+            "an out of theirs or (16-bit operands) float32"
         )
     xp = array_module_of(out)
-    checked_once(("gemm_into", a.dtype.type), lambda: _probe(xp, a.dtype))
-    _launch(a, b, out)
+    checked_once(("gemm_into", a.dtype.type, out.dtype.type), lambda: _probe(xp, a.dtype, out.dtype))
+    _launch(a, b, out, accumulate)
 
 
-def _probe(xp, dtype):
-    """The GEMM on 37 x 96 @ 96 x 53 in each operand layout against a float64 product of the same
-    (rounded) operands; bound: K roundings in float32 of terms up to the largest sum of |a||b|."""
+def _probe(xp, dtype, out_dtype):
+    """The GEMM on 37 x 96 @ 96 x 53 in each operand layout, written and accumulated, against a
+    float64 product of the same (rounded) operands; bound: K + 1 roundings in the arithmetic's type
+    of terms up to the largest sum of |a||b| (+ |out|), and the result's rounding to out's type."""
     rng = np.random.default_rng(5)
     host_a, host_b = rng.normal(0, 1, (37, 96)).astype(dtype), rng.normal(0, 1, (96, 53)).astype(dtype)
-    a64, b64 = host_a.astype(np.float64), host_b.astype(np.float64)
-    want = a64 @ b64
-    bound = error_bound(np.float32, 96, float(np.max(np.abs(a64) @ np.abs(b64))))
+    host_c = rng.normal(0, 1, (37, 53)).astype(out_dtype)
+    a64, b64, c64 = (m.astype(np.float64) for m in (host_a, host_b, host_c))
+    scale = float(np.max(np.abs(a64) @ np.abs(b64) + np.abs(c64)))
+    bound = error_bound(out_dtype, 97, scale)
     a, b = xp.asarray(host_a), xp.asarray(host_b)
     layouts = {
         "a @ b": (a, b),
@@ -114,7 +158,9 @@ def _probe(xp, dtype):
     }
     results = []
     for what, (left, right) in layouts.items():
-        out = xp.empty((37, 53), dtype=np.float32)
-        _launch(left, right, out)
-        results.append((what, to_numpy(out), want, bound))
+        for accumulate in (False, True):
+            out = xp.array(host_c)  # a copy: each launch starts from host_c
+            _launch(left, right, out, accumulate)
+            want = a64 @ b64 + (c64 if accumulate else 0)
+            results.append((what + (" + out" if accumulate else ""), to_numpy(out), want, bound))
     return results

@@ -27,9 +27,11 @@ MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) parti
 
 SOURCE = r"""
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
-                                              ELEM* mean, ELEM* rstd, const int C, const ACC eps,
-                                              const int flags) {
-    /* flags: 1 = has a bias */
+                                              ELEM* mean, ELEM* rstd, ELEM* seed, const ELEM* seed_bias,
+                                              const int C, const int ld, const ACC eps, const int flags) {
+    /* flags: 1 = has a bias; 2 = out[C] = 1 in every row (out's rows are ld apart: the next GEMM
+       reads C + 1 columns against a weight whose last row is its bias); 4 = seed = x + seed_bias
+       (the residual plus the bias of the projection that closes the branch: fused.Seed) */
     const ELEM* row = x + (size_t)blockIdx.x * C;
     ACC s = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) s += (ACC)row[j];
@@ -37,12 +39,18 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
     ACC q = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) { ACC d = (ACC)row[j] - m; q += d * d; }
     const ACC r = (ACC)1 / sqrt(block_reduce(q, false) / (ACC)C + eps);
-    ELEM* o = out + (size_t)blockIdx.x * C;
+    ELEM* o = out + (size_t)blockIdx.x * ld;
+    ELEM* seeded = seed + (size_t)blockIdx.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         ACC y = ((ACC)row[j] - m) * r * (ACC)w[j];
         o[j] = (ELEM)((flags & 1) ? y + (ACC)b[j] : y);
+        if (flags & 4) seeded[j] = (ELEM)((ACC)row[j] + (ACC)seed_bias[j]);
     }
-    if (threadIdx.x == 0) { mean[blockIdx.x] = (ELEM)m; rstd[blockIdx.x] = (ELEM)r; }
+    if (threadIdx.x == 0) {
+        mean[blockIdx.x] = (ELEM)m;
+        rstd[blockIdx.x] = (ELEM)r;
+        if (flags & 2) o[C] = (ELEM)1;
+    }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
                                                const ELEM* mean, const ELEM* rstd, ELEM* gx,
@@ -115,12 +123,18 @@ def source(dtype) -> str:
 
 
 def _forward_twin(grid, block, args, shared_mem=0):
-    x, w, b, out, mean, rstd, C, eps, flags = args
-    x64 = x.reshape(-1, int(C)).astype(np.float64)
+    x, w, b, out, mean, rstd, seed, seed_bias, C, ld, eps, flags = args
+    C, flags = int(C), int(flags)
+    x64 = x.reshape(-1, C).astype(np.float64)
     m = x64.mean(axis=1, keepdims=True)
     r = 1 / np.sqrt(((x64 - m) ** 2).mean(axis=1, keepdims=True) + float(eps))
     y = (x64 - m) * r * w.astype(np.float64)
-    out.reshape(x64.shape)[...] = y + b.astype(np.float64) if int(flags) & 1 else y
+    rows = out.reshape(-1)[: x64.shape[0] * int(ld)].reshape(-1, int(ld))
+    rows[:, :C] = y + b.astype(np.float64) if flags & 1 else y
+    if flags & 2:
+        rows[:, C] = 1
+    if flags & 4:
+        seed.reshape(x64.shape)[...] = x64 + seed_bias.astype(np.float64)
     mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
 
 
@@ -169,25 +183,26 @@ def _kernels(*arrays):
     return gk.compiled(array_module_of(arrays[0]), source(dtype), KERNELS, "fused LayerNorm")
 
 
-def _forward(kernels, x2, w, b, out, mean, rstd, eps):
+def _forward(kernels, x2, w, b, out, mean, rstd, eps, ones_column=False, seed=None, seed_bias=None):
     n, C = x2.shape
-    flags = int(b is not None)
+    flags = int(b is not None) | (2 if ones_column else 0) | (4 if seed is not None else 0)
     acc = gk.accumulator(x2.dtype.type)
-    kernels[0](
-        (n,),
-        (THREADS,),
-        (x2, w, w if b is None else b, out, mean, rstd, np.int32(C), acc(eps), np.int32(flags)),
-    )
+    absent = x2  # an argument a flag leaves unread
+    args = (x2, w, w if b is None else b, out, mean, rstd, absent if seed is None else seed)
+    sizes = (np.int32(C), np.int32(out.shape[1]), acc(eps), np.int32(flags))
+    kernels[0]((n,), (THREADS,), args + (w if seed_bias is None else seed_bias,) + sizes)
 
 
-def forward(x2, w, b, eps: float, out, mean, rstd) -> bool:
+def forward(x2, w, b, eps: float, out, mean, rstd, ones_column=False, seed=None, seed_bias=None) -> bool:
     """out = LayerNorm(x2) * w (+ b) over rows of x2 (n, C), and each row's mean and 1/std (n, 1)
-    into mean, rstd; False (nothing written) where the kernel cannot run."""
-    kernels = _kernels(x2, w, b, out, mean, rstd)
-    if kernels is None:
+    into mean, rstd; False (nothing written) where the kernel cannot run. out is (n, C), or with
+    ones_column (n, ld > C) with a 1 at column C of every row (a bias folded into the next GEMM).
+    seed (n, C): written x2 + seed_bias on the way (fused.Seed)."""
+    kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias)
+    if kernels is None or out.shape[1] < x2.shape[1] + ones_column:
         return False
     gk.checked_once(("layer_norm_forward", x2.dtype.type), lambda: _probe(array_module_of(x2), x2.dtype))
-    _forward(kernels, x2, w, b, out, mean, rstd, eps)
+    _forward(kernels, x2, w, b, out, mean, rstd, eps, ones_column, seed, seed_bias)
     return True
 
 
@@ -241,22 +256,29 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 def _probe(xp, dtype, backward: bool = False):
     """Both kernels on a small problem (37 rows of 96; the backward in 8 blocks of 5 rows, the last
     of 2, as a real batch runs: several rows a block) against their twins on host copies of the
-    same inputs."""
+    same inputs; the forward plain, and again with a ones column in rows 104 apart and a seed."""
     rng = np.random.default_rng(7)
     n, C = 37, 96
     host = {
         k: rng.normal(0, 1, shape).astype(dtype)
-        for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C), ("a", (n, C)))
+        for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C), ("a", (n, C)), ("s", C))
     }
-    x, g, w, b, add = (xp.asarray(host[k]) for k in "xgwba")
+    x, g, w, b, add, seed_bias = (xp.asarray(host[k]) for k in "xgwbas")
     out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
     kernels = _kernels(x, w, b, out, mean, rstd)
+    padded, seed = xp.empty((n, C + 8), dtype), xp.empty_like(x)
+    _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias)
+    got = {"padded": to_numpy(padded)[:, : C + 1], "seed": seed}
     _forward(kernels, x, w, b, out, mean, rstd, 1e-5)
-    want = {"out": np.empty((n, C)), "mean": np.empty((n, 1)), "rstd": np.empty((n, 1))}
+    want = {k: np.empty(shape) for k, shape in (("out", (n, C)), ("mean", (n, 1)), ("rstd", (n, 1)))}
+    want.update(padded=np.empty((n, C + 1)), seed=np.empty((n, C)))
+    inputs = (host["x"], host["w"], host["b"])
+    _forward_twin(None, None, (*inputs, want["out"], want["mean"], want["rstd"], None, None, C, C, 1e-5, 1))
+    unused_stats = (np.empty((n, 1)), np.empty((n, 1)))
     _forward_twin(
-        None, None, (host["x"], host["w"], host["b"], want["out"], want["mean"], want["rstd"], C, 1e-5, 1)
+        None, None, (*inputs, want["padded"], *unused_stats, want["seed"], host["s"], C, C + 1, 1e-5, 7)
     )
-    got = {"out": out, "mean": mean, "rstd": rstd}
+    got.update(out=out, mean=mean, rstd=rstd)
     if backward:
         gx, (gw, gb, gs) = xp.empty_like(x), (xp.empty(C, gk.accumulator(dtype)) for _ in range(3))
         _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, gs, max_blocks=8)  # add, sums

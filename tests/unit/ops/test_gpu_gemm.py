@@ -1,7 +1,7 @@
-"""The widening GEMM (ops/gpu_gemm.py: 16-bit operands, a float32 product written by cuBLAS's
-gemmEx) on host memory, through bench/cupy_standin.py's column-major gemmEx: the operand layouts
-and leading dimensions it hands cuBLAS give the product, and its check at first use names a GEMM
-that computes it wrong."""
+"""cuBLAS's gemmEx as ops/gpu_gemm.py calls it (16-bit operands into a float32 product, any float
+type into its own, written or added to out) on host memory, through bench/cupy_standin.py's
+column-major gemmEx: the operand layouts and leading dimensions it hands cuBLAS give the product,
+and its check at first use names a GEMM that computes it wrong."""
 
 import sys
 from pathlib import Path
@@ -24,15 +24,17 @@ def cublas(monkeypatch):
     """cuBLAS's bindings as the stand-in's, on host memory; each test's GEMMs checked afresh."""
     cublas, runtime = MODULES["cupy_backends.cuda.libs.cublas"], MODULES["cupy_backends.cuda.api.runtime"]
     monkeypatch.setattr(backend, "cublas", lambda: (cublas, runtime, 0))
-    for dtype in (np.float16, ml_dtypes.bfloat16):
-        kernels._checked.discard(("gemm_into", dtype))
+    for key in [k for k in kernels._checked if k[0] == "gemm_into"]:
+        kernels._checked.discard(key)
     return cublas
 
 
-def _bound(a, b):
-    """K roundings in float32 of sums of |a||b| terms (the probe's bound, derived the same way)."""
-    a64, b64 = (np.asarray(m, np.float64) for m in (a, b))
-    return kernels.error_bound(np.float32, a.shape[1], float(np.max(np.abs(a64) @ np.abs(b64))))
+def _bound(a, b, out):
+    """K + 1 roundings in the arithmetic's type of sums of |a||b| (+ |out|) terms, and one to out's
+    type (the probe's bound, derived the same way)."""
+    a64, b64, c64 = (np.asarray(m, np.float64) for m in (a, b, out))
+    scale = float(np.max(np.abs(a64) @ np.abs(b64) + np.abs(c64)))
+    return kernels.error_bound(out.dtype.type, a.shape[1] + 1, scale)
 
 
 def _layouts(m):
@@ -43,18 +45,32 @@ def _layouts(m):
     return {"rows": m, "transposed view": np.ascontiguousarray(m.T).T, "strided rows": wide[:, : m.shape[1]]}
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
-def test_the_widening_gemm_writes_the_float32_product_in_every_operand_layout(cublas, dtype):
+TYPES = [
+    (np.float16, np.float32),
+    (ml_dtypes.bfloat16, np.float32),
+    (np.float16, np.float16),
+    (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+    (np.float32, np.float32),
+    (np.float64, np.float64),
+]
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["written", "accumulated"])
+@pytest.mark.parametrize(
+    "dtype, out_dtype", TYPES, ids=[f"{np.dtype(a).name}->{np.dtype(o).name}" for a, o in TYPES]
+)
+def test_the_gemm_writes_the_product_in_every_operand_layout(cublas, dtype, out_dtype, accumulate):
     rng = np.random.default_rng(1)
     a, b = rng.normal(0, 1, (9, 13)).astype(dtype), rng.normal(0, 1, (13, 6)).astype(dtype)
-    want = a.astype(np.float64) @ b.astype(np.float64)
+    before = rng.normal(0, 1, (9, 6)).astype(out_dtype)
+    want = a.astype(np.float64) @ b.astype(np.float64) + (before.astype(np.float64) if accumulate else 0)
     for a_name, left in _layouts(a).items():
         for b_name, right in _layouts(b).items():
-            out = np.full((9, 6), np.nan, np.float32)
-            gpu_gemm.gemm_into(left, right, out)
-            err = float(np.max(np.abs(out - want)))
-            assert err <= _bound(a, b), (a_name, b_name, err)
-    assert ("gemm_into", dtype) in kernels._checked  # its first use checked it
+            out = before.copy()
+            gpu_gemm.gemm_into(left, right, out, accumulate=accumulate)
+            err = float(np.max(np.abs(out.astype(np.float64) - want)))
+            assert err <= _bound(a, b, before), (a_name, b_name, err)
+    assert ("gemm_into", dtype, out_dtype) in kernels._checked  # its first use checked it
 
 
 def test_a_gemm_that_computes_wrong_is_named_at_first_use(cublas, monkeypatch):
@@ -69,7 +85,7 @@ def test_a_gemm_that_computes_wrong_is_named_at_first_use(cublas, monkeypatch):
     a, b = np.ones((4, 3), np.float16), np.ones((3, 2), np.float16)
     with pytest.raises(RuntimeError, match=r"gemm_into \(float16\) computes .* wrong"):
         gpu_gemm.gemm_into(a, b, np.empty((4, 2), np.float32))
-    assert ("gemm_into", np.float16) not in kernels._checked
+    assert ("gemm_into", np.float16, np.float32) not in kernels._checked
 
 
 @pytest.mark.parametrize(
@@ -82,11 +98,44 @@ def test_a_gemm_that_computes_wrong_is_named_at_first_use(cublas, monkeypatch):
             np.empty((2, 4), np.float32).T,
             ValueError,
         ),
-        (np.ones((4, 3), np.float32), np.ones((3, 2), np.float32), np.empty((4, 2), np.float32), TypeError),
+        (np.ones((4, 3), np.float32), np.ones((3, 2), np.float32), np.empty((4, 2), np.float64), TypeError),
         (np.ones((4, 3), np.float16), np.ones((3, 2), np.float16), np.empty((4, 2), np.float64), TypeError),
+        (np.ones((4, 3), np.float16), np.ones((3, 2), np.float32), np.empty((4, 2), np.float32), TypeError),
+        (np.ones((4, 3), np.int32), np.ones((3, 2), np.int32), np.empty((4, 2), np.int32), TypeError),
     ],
-    ids=["shapes", "out not C-contiguous", "not 16-bit", "out not float32"],
+    ids=["shapes", "out not C-contiguous", "float32 widened", "float16 into float64", "mixed", "integers"],
 )
-def test_the_widening_gemm_refuses_what_it_cannot_write(cublas, a, b, out, error):
+def test_the_gemm_refuses_what_it_cannot_write(cublas, a, b, out, error):
     with pytest.raises(error, match="gemm_into"):
         gpu_gemm.gemm_into(a, b, out)
+
+
+def test_a_gemm_that_ignores_what_out_held_is_named_at_first_use(cublas, monkeypatch):
+    """A cuBLAS call that writes the product over out where it should add to it (beta taken as 0:
+    a projection would lose its residual and bias, fused.Seed) is caught by the probe."""
+    right = cublas.gemmEx
+
+    def beta_zero(*args):
+        args = list(args)
+        args[13] = gpu_gemm._compute(cublas, np.float32)[2].ctypes.data  # the host zero
+        return right(*args)
+
+    monkeypatch.setattr(cublas, "gemmEx", beta_zero)
+    a, b = np.ones((4, 3), np.float16), np.ones((3, 2), np.float16)
+    with pytest.raises(RuntimeError, match=r"gemm_into \(float16\) computes a @ b \+ out wrong"):
+        gpu_gemm.gemm_into(a, b, np.empty((4, 2), np.float32), accumulate=True)
+
+
+def test_stacked_rows_joins_a_weight_and_the_bias_right_after_it_only():
+    """A linear's weight (K, N) and bias (N,) side by side in a unit's flat buffer are one (K + 1, N)
+    matrix, the bias its last row (fused.py folds the bias into the GEMM so); anything else is not."""
+    flat = np.arange(40, dtype=np.float32)
+    w, b = flat[:12].reshape(3, 4), flat[12:16]
+    stacked = gpu_gemm.stacked_rows(w, b)
+    assert stacked.shape == (4, 4) and np.array_equal(stacked, flat[:16].reshape(4, 4))
+    stacked[-1] = -1  # a view: writing its last row writes the bias
+    assert (b == -1).all()
+    assert gpu_gemm.stacked_rows(w, flat[13:17]) is None  # a gap
+    assert gpu_gemm.stacked_rows(w, flat[12:15]) is None  # another width
+    assert gpu_gemm.stacked_rows(flat[:12].reshape(4, 3).T, flat[12:16]) is None  # not row-major
+    assert gpu_gemm.stacked_rows(w, flat.astype(np.float64)[12:16]) is None  # another type
