@@ -16,7 +16,8 @@
 - bfloat16 over host-staged MPI: gathered as 16-bit words, bit for bit the masters' cast, and a
   bfloat16 reduction refused by name (MPI has no bfloat16 sum);
 - a parameter a unit's backward never reaches gets a zero gradient, though the GPU's gradient
-  buffer is not zeroed before backward (the stand-in's fresh device memory is NaN).
+  buffer is not zeroed before backward (the stand-in's fresh device memory is NaN);
+- the planner's gathered bytes are the ledgers', and its activation bytes what the tape keeps.
 Prints one JSON line; exits 1 beyond the bound.
 
     python bench/standin_run.py bench/standin_checks.py
@@ -208,6 +209,23 @@ def planned_gathered_bytes_are_the_ledgers() -> bool:
     ]
 
 
+def planned_activations_are_the_tapes() -> bool:
+    """What the tape keeps after a forward of the sharded GPT on the GPU branch (a host batch: the
+    LayerNorm outputs kept, the first padded with a ones column for the folded qkv bias, the host
+    indices' device copies) is what gpt_activation_bytes(..., device="cuda") says, with and without
+    biases, to the byte."""
+    from mpifsdp.autodiff.tensor import graph_nbytes
+    from mpifsdp.planning.planner import gpt_activation_bytes
+
+    held = []
+    for bias in (True, False):
+        model, _, _ = _sharded_gpt("cuda", bias=bias)
+        x, y = random_batch(CONFIG, 4, seed=0)
+        want = gpt_activation_bytes(model.config, 4, 8, device="cuda")
+        held.append(graph_nbytes(model(x, y)) == want)
+    return all(held)
+
+
 def mixed_precision_grads(dtype) -> list[np.ndarray]:
     """Every unit's gradient shard after one backward of a float32 GPT gathering in `dtype` (float32:
     no mixed precision), reducing in float32."""
@@ -343,6 +361,7 @@ def main() -> int:
     result["failed_backward_leaves_nothing_bound_ahead"] = failed_backward_leaves_nothing_bound_ahead()
     result["an_update_beyond_float16_is_named_next_step"] = an_update_beyond_float16_is_named_next_step()
     result["planned_gathered_bytes_are_the_ledgers"] = planned_gathered_bytes_are_the_ledgers()
+    result["planned_activations_are_the_tapes"] = planned_activations_are_the_tapes()
     result["a_shard_written_after_the_step_is_what_is_gathered"] = (
         a_shard_written_after_the_step_is_what_is_gathered()
     )

@@ -133,19 +133,19 @@ class MLP(Module):
     def forward(self, x, norm: LayerNorm | None = None, residual=None):
         """norm: the block's LayerNorm, fused into c_fc (its output is not stored); residual: added
         to the output (fused into c_proj: project_into)."""
+        seed = branch_seed(norm, x, residual, self.c_proj, self.drop)
         if self.activation == "relu":
-            return project_into(
-                residual, self.c_proj, self.drop, ops.relu(norm_and_project(norm, self.c_fc, x))
-            )
+            h = ops.relu(norm_and_project(norm, self.c_fc, x, seed=seed))
+            return project_into(residual, self.c_proj, self.drop, h, seed=seed)
         if self._bias_in_gelu(x, residual):  # c_fc's bias added inside the GELU: a launch less
-            h = norm_and_project(norm, self.c_fc, x, with_bias=False)
+            h = norm_and_project(norm, self.c_fc, x, with_bias=False, seed=seed)
             proj = self.c_proj
             return ops.linear_add(
-                h, proj.weight, proj.bias, residual, gelu_input=True, gelu_bias=self.c_fc.bias
+                h, proj.weight, proj.bias, residual, gelu_input=True, gelu_bias=self.c_fc.bias, seed=seed
             )
         # c_proj(gelu(h)) as one op: gelu(h), the block's largest activation, is recomputed in backward.
-        h = norm_and_project(norm, self.c_fc, x)
-        return project_into(residual, self.c_proj, self.drop, h, gelu_input=True)
+        h = norm_and_project(norm, self.c_fc, x, seed=seed)
+        return project_into(residual, self.c_proj, self.drop, h, gelu_input=True, seed=seed)
 
     def _bias_in_gelu(self, x, residual) -> bool:
         """Where c_fc's bias goes into the GELU of c_proj's linear_add (fused.adds_bias_in_gelu):
@@ -172,10 +172,11 @@ class CausalSelfAttention(Module):
     def forward(self, x, norm: LayerNorm | None = None, residual=None):
         """norm: the block's LayerNorm, fused into c_attn (its output is not stored); residual: added
         to the output (fused into c_proj: project_into)."""
-        qkv = norm_and_project(norm, self.c_attn, x)  # (B, T, 3C): q, k, v side by side, n_head heads each
+        seed = branch_seed(norm, x, residual, self.c_proj, self.drop)
+        qkv = norm_and_project(norm, self.c_attn, x, seed=seed)  # (B, T, 3C): q, k, v side by side
         hs = x.shape[-1] // self.n_head
         y = ops.attention_qkv(qkv, self.n_head, scale=1.0 / math.sqrt(hs))  # (B, T, C), heads side by side
-        return project_into(residual, self.c_proj, self.drop, y)
+        return project_into(residual, self.c_proj, self.drop, y, seed=seed)
 
 
 class Block(Module):
@@ -219,17 +220,18 @@ def fusable(module: Module, cls: type) -> bool:
     return type(module).forward is cls.forward and module._forward_wrapper is None
 
 
-def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = False):
+def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = False, seed=None):
     """linear(norm(x), weight, bias): one op (layer_norm_linear: norm's output recomputed in backward,
-    not stored) where norm is fusable, else norm's own call first (a tied head's weight, say)."""
+    not stored) where norm is fusable, else norm's own call first (a tied head's weight, say). seed:
+    a fused.Seed its LayerNorm kernel writes (branch_seed)."""
     if fusable(norm, LayerNorm):
         return ops.layer_norm_linear(
-            x, norm.weight, norm.bias, weight, bias, eps=norm.eps, transpose_w=transpose_w
+            x, norm.weight, norm.bias, weight, bias, eps=norm.eps, transpose_w=transpose_w, seed=seed
         )
     return ops.linear(norm(x), weight, bias, transpose_w=transpose_w)
 
 
-def norm_and_project(norm: LayerNorm | None, linear: Linear, x, with_bias: bool = True):
+def norm_and_project(norm: LayerNorm | None, linear: Linear, x, with_bias: bool = True, seed=None):
     """linear(norm(x)), fused where both are fusable (norm_then_linear), else the two calls, so a
     subclass's forward sees what it always saw. with_bias=False: linear's bias left out (its caller
     adds it; a fusable linear only)."""
@@ -237,17 +239,34 @@ def norm_and_project(norm: LayerNorm | None, linear: Linear, x, with_bias: bool 
     if norm is None:
         return linear(x) if with_bias else ops.linear(x, linear.weight)
     if fusable(linear, Linear):
-        return norm_then_linear(norm, x, linear.weight, bias)
+        return norm_then_linear(norm, x, linear.weight, bias, seed=seed)
     return linear(norm(x))
 
 
-def project_into(residual, linear: Linear, dropout: Dropout, x, gelu_input: bool = False):
+def _closes_in_linear_add(linear: Linear, dropout: Dropout) -> bool:
+    """Whether project_into adds the residual in linear_add: the dropout off, the linear a plain
+    fusable one with a bias."""
+    return dropout.inactive() and linear.bias is not None and fusable(linear, Linear)
+
+
+def branch_seed(norm: LayerNorm | None, x, residual, linear: Linear, dropout: Dropout):
+    """A fused.Seed for a block's branch residual + dropout(linear(... norm(x) ...)) on a GPU: its
+    LayerNorm kernel writes x + linear's bias, and linear's GEMM adds into that (no launch for the
+    add). None elsewhere: the CPU, a residual other than x, a LayerNorm or a close not fused."""
+    fuses = norm is not None and residual is x and fusable(norm, LayerNorm)
+    if not (fuses and _closes_in_linear_add(linear, dropout)):
+        return None
+    return fused.Seed(linear.bias) if fused.seeds_residuals(array_module_of(x.data)) else None
+
+
+def project_into(residual, linear: Linear, dropout: Dropout, x, gelu_input: bool = False, seed=None):
     """residual + dropout(linear(x)): one op (linear_add) where the dropout is off and the linear is
-    a plain fusable one with a bias, else the calls (a LoRA adapter's forward, say)."""
+    a plain fusable one with a bias, else the calls (a LoRA adapter's forward, say). seed: where a
+    LayerNorm kernel wrote residual + bias (branch_seed)."""
     if residual is None:
         return dropout(linear(x, gelu_input=gelu_input))
-    if dropout.inactive() and linear.bias is not None and fusable(linear, Linear):
-        return ops.linear_add(x, linear.weight, linear.bias, residual, gelu_input=gelu_input)
+    if _closes_in_linear_add(linear, dropout):
+        return ops.linear_add(x, linear.weight, linear.bias, residual, gelu_input=gelu_input, seed=seed)
     return residual + dropout(linear(x, gelu_input=gelu_input))
 
 
@@ -262,5 +281,6 @@ __all__ = [
     "fusable",
     "norm_then_linear",
     "norm_and_project",
+    "branch_seed",
     "project_into",
 ]

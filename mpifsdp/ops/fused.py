@@ -18,7 +18,7 @@ import numpy as np
 from ..autodiff.tape import WROTE, Summed, SumsWritten
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
-from ..base.kernels import accumulator
+from ..base.kernels import accumulator, device_address
 from ..base.threads import for_row_blocks
 from . import gpu_cross_entropy, gpu_gemm, gpu_kernels, gpu_layer_norm
 
@@ -303,9 +303,10 @@ def _linear_add_vjp(
     needs=(True,) * 5,
     into=None,
     sums_into=None,
+    seed=None,
 ):
     """The linear's gradients, the residual's (g itself) and the GELU bias's (linear_add's fifth
-    input, where given)."""
+    input, where given); a seed changes nothing here."""
     into, sums_into = into or (None,) * 5, (sums_into or (None,) * 5)[:3]
     lin_needs = needs[:3] + needs[4:5]
     gx, gw, gb, *g_bias = _linear_vjp(
@@ -322,12 +323,17 @@ def _linear_add_vjp(
     gives_column_sums=True,
     bias_input=_bias_is_input_2,
 )
-def _linear_add(x, w, b, residual, gelu_bias=None, transpose_w=False, gelu_input=False):
+def _linear_add(x, w, b, residual, gelu_bias=None, transpose_w=False, gelu_input=False, seed=None):
     """residual + linear(x, w, b): a block's projection back into its residual stream. On a GPU the
-    bias and the residual are added to the GEMM's output in one pass (two otherwise); the bits of
-    linear then add, on the CPU as on a GPU. gelu_bias (with gelu_input): the input is
-    gelu(x + gelu_bias), the bias added inside the GELU (fused.adds_bias_in_gelu)."""
+    GEMM accumulates into residual + b where a LayerNorm kernel wrote that into `seed` (a Seed), else
+    the bias and the residual are added to its output in one pass; on the CPU the bits of linear,
+    then the add. gelu_bias (with gelu_input): the input is gelu(x + gelu_bias), the bias added
+    inside the GELU (fused.adds_bias_in_gelu)."""
     h = gelu_array(x, gelu_bias) if gelu_input else x
+    seeded = None if seed is None else seed.take(residual, b)
+    if seeded is not None:
+        gpu_gemm.gemm_into(_rows(h), w.T if transpose_w else w, _rows(seeded), accumulate=True)
+        return seeded, None
     out, _ = _linear.forward(h, w, None, transpose_w)
     if out.shape != residual.shape:
         raise ValueError(f"linear_add: the residual {residual.shape} must match the output {out.shape}")
@@ -338,6 +344,43 @@ def _linear_add(x, w, b, residual, gelu_bias=None, transpose_w=False, gelu_input
     out += b
     out += residual  # residual + out: one addition, commutative, so the add primitive's bits
     return out, None
+
+
+class Seed:
+    """linear_add's output begun early, on a GPU: the LayerNorm kernel that opens a block's branch
+    reads the residual x anyway, and also writes x + bias (the bias of the projection that closes
+    the branch); that projection's GEMM then accumulates into it (cuBLAS's beta = 1), so adding the
+    bias and the residual is not a launch of its own. Of the bias only its address is kept; taken,
+    the seed is empty again (a forward run again writes it afresh)."""
+
+    def __init__(self, bias):
+        self.bias = bias  # the closing linear's bias (a Param): its data is read when the kernel runs
+        self._written = None  # (the array, the x it was written from, the bias's address)
+
+    def target(self, x):
+        """(an array for x + bias, the bias's array) for a kernel about to read x; None where they
+        cannot go together (another width or type)."""
+        bias = self.bias.data
+        if bias.shape != x.shape[-1:] or bias.dtype != x.dtype:
+            return None
+        return array_module_of(x).empty_like(x), bias
+
+    def written(self, array, x, bias):
+        self._written = (array, x, device_address(bias))
+
+    def take(self, residual, bias):
+        """The array written residual + bias (from these very arrays), or None; empty afterwards."""
+        written, self._written = self._written, None
+        if written is None or written[1] is not residual or written[2] != device_address(bias):
+            return None
+        return written[0]
+
+
+def seeds_residuals(xp) -> bool:
+    """Whether a block's branch begins its closing projection's output in its LayerNorm kernel (Seed:
+    a GPU, a launch less) or adds the bias and the residual after the GEMM (the CPU, whose bits
+    stay the add's)."""
+    return xp is not np
 
 
 def adds_bias_in_gelu(xp) -> bool:
@@ -498,15 +541,24 @@ def _layer_norm_linear_vjp(
     into=None,
     pending=None,
     sums_into=None,
+    seed=None,
 ):
+    """The GPU's kept output padded with a ones column (a folded bias): one GEMM writes the weight's
+    and the bias's gradients where both go into zeroed gradients side by side (_folded_grads)."""
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
     needs = needs or (True,) * len(arrays)
     into = into or (None,) * len(arrays)
     n_ln = 2 + ln_bias
     mean, rstd, *kept = saved
-    y = kept[0] if kept else _layer_norm_again(x, mean, rstd, ln_w, ln_b, eps)
+    C = x.shape[-1]
+    y = _rows(kept[0])[:, :C] if kept else _layer_norm_again(x, mean, rstd, ln_w, ln_b, eps)
     linear_needs = (any(needs[:n_ln]), *needs[n_ln:])
-    gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=linear_needs, into=(None, *into[n_ln:]))
+    lin_into = (None, *into[n_ln:])
+    if kept and kept[0].shape[-1] > C and _folded_grads(kept[0], g, lin_into, linear_needs):
+        gy, _ = _linear_vjp(g, None, y, w, None, transpose_w, needs=(linear_needs[0], False))
+        lin = [WROTE, WROTE]
+    else:
+        gy, *lin = _linear_vjp(g, None, y, w, b, transpose_w, needs=linear_needs, into=lin_into)
     del y
     if gy is None:
         return (None,) * n_ln + tuple(lin)
@@ -523,13 +575,61 @@ def _layer_norm_linear_vjp(
     gives_column_sums=True,
     bias_input=lambda settings, inputs: inputs - 1 if settings.get("bias", True) else None,
 )
-def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False):
+def _layer_norm_linear(*arrays, ln_bias=True, bias=True, eps=1e-5, transpose_w=False, seed=None):
     """linear(layer_norm(x)) whose normalized x is kept only where keeps_norm_output says (inputs: x,
-    ln_w[, ln_b], w[, b])."""
+    ln_w[, ln_b], w[, b]); on a GPU its LayerNorm kernel also writes seed's x + bias (a Seed)."""
     x, ln_w, ln_b, w, b = _split_ln_linear(arrays, ln_bias, bias)
+    xp = array_module_of(x)
+    if xp is not np and x.flags.c_contiguous:
+        done = _gpu_layer_norm_linear(x, ln_w, ln_b, w, b, eps, transpose_w, seed)
+        if done is not None:
+            return done
     y, stats = _layer_norm.forward(x, ln_w, ln_b, eps)
     out, _ = _linear.forward(y, w, b, transpose_w)
-    return out, (*stats, y) if keeps_norm_output(array_module_of(x)) else stats
+    return out, (*stats, y) if keeps_norm_output(xp) else stats
+
+
+def folded_row_length(C: int) -> int:
+    """A LayerNorm output's row padded with a ones column: C + 1 elements rounded up to 8 (rows 16
+    bytes apart in 16-bit types, as cuBLAS's fastest kernels read them)."""
+    return -(-(C + 1) // 8) * 8
+
+
+def _gpu_layer_norm_linear(x, ln_w, ln_b, w, b, eps, transpose_w, seed):
+    """(out, saved) through the LayerNorm kernel, or None where it cannot run. Where b follows w in
+    memory (a unit's flat buffer: gpu_gemm.stacked_rows), the bias is folded into the GEMM: the
+    kernel pads its output with a ones column and one GEMM of K = C + 1 adds the bias, with no
+    launch of its own (in backward, the weight gradient's GEMM gives the bias's too)."""
+    xp, x2 = array_module_of(x), _rows(x)
+    n, C = x2.shape
+    stacked = None if b is None or transpose_w else gpu_gemm.stacked_rows(w, b)
+    folded = stacked is not None and gpu_gemm.writes(x.dtype, x.dtype)
+    padded = xp.empty((n, folded_row_length(C) if folded else C), x.dtype)
+    mean, rstd = (xp.empty((n, 1), x.dtype) for _ in range(2))
+    seeded, seed_bias = (None if seed is None else seed.target(x)) or (None, None)
+    rows_seeded = None if seeded is None else _rows(seeded)
+    if not gpu_layer_norm.forward(x2, ln_w, ln_b, eps, padded, mean, rstd, folded, rows_seeded, seed_bias):
+        return None
+    if seeded is not None:
+        seed.written(seeded, x, seed_bias)
+    if folded:
+        out = xp.empty((n, w.shape[1]), x.dtype)
+        gpu_gemm.gemm_into(padded[:, : C + 1], stacked, out)
+    else:
+        out, _ = _linear.forward(padded, w, b, transpose_w)
+    return out.reshape(*x.shape[:-1], out.shape[-1]), (mean, rstd, padded)
+
+
+def _folded_grads(padded, g, into, needs) -> bool:
+    """Whether one GEMM wrote the weight's and the bias's gradients, [dw; db] = [y, 1]^T g, into
+    their zeroed gradients, side by side in the unit's flat gradient (into[1], into[2]: the forward
+    folded the bias into its GEMM); False where it cannot (the GEMM and the column sum then run)."""
+    grads = into[1:3] if needs[1] and needs[2] else (None, None)
+    stacked = None if any(a is None for a in grads) else gpu_gemm.stacked_rows(*grads)
+    if stacked is None or not gpu_gemm.writes(padded.dtype, stacked.dtype):
+        return False
+    gpu_gemm.gemm_into(padded[:, : stacked.shape[0]].T, _rows(g), stacked)
+    return True
 
 
 # -- cross-entropy --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The GPU step's launches and host syncs, counted on a CPU (bench/gpu_budget.py, CuPy replaced by a
-NumPy stand-in). Issue 30's host-sync budget (none in forward and backward, the step's verdict and
-the loss: 2 a step) is met; its launch budget (<= 25 per layer) not yet. This holds today's figures,
-so that they only go down: a change that adds a host sync or a launch per layer fails here."""
+NumPy stand-in). Issue 30's budgets are met: host syncs (none in forward and backward, the step's
+verdict and the loss: 2 a step) and launches (<= 25 per layer). This holds today's figures, so that
+they only go down: a change that adds a host sync or a launch per layer fails here."""
 
 import json
 import subprocess
@@ -58,9 +58,13 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # float32 (no cast before the reduce-scatter): 31.5; the next unit's gradient bound before its
     # backward, so the LayerNorm that last uses a block's output writes that block's projection bias
     # gradient: 30.5; the MLP's first bias added inside its GELU: 29.5; AdamW's update kernel
-    # writing the next forward's float16 casts (no cast launch in the forward's gathers): 28.6
+    # writing the next forward's float16 casts (no cast launch in the forward's gathers): 28.6;
+    # the qkv bias folded into its GEMM as one more row of the weight, against a ones column the
+    # first LayerNorm pads its output with (no add forward, no column sum backward: the weight
+    # gradient's GEMM gives it), and each branch's closing projection accumulating into the residual
+    # plus its bias, which the branch's LayerNorm kernel wrote on its way (fused.Seed): 24.6
     # (budget: 25)
-    assert budget["launches_per_layer"] <= 28.6, budget
+    assert budget["launches_per_layer"] <= 24.6, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget

@@ -5,8 +5,10 @@ import pytest
 
 import mpifsdp
 from mpifsdp import Tensor
+from mpifsdp.autodiff.tensor import Param
 from mpifsdp.extend import check_grad
 from mpifsdp.nn.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, norm_and_project
+from mpifsdp.ops import fused
 
 F64 = dict(dtype=np.float64)
 
@@ -179,3 +181,25 @@ def test_a_subclass_with_its_own_forward_still_sees_the_normalized_input():
     block.mlp = OwnMLP(8, rng=rng, **F64)
     block(Tensor(rng.standard_normal((2, 3, 8))))
     assert np.allclose(seen[-1].mean(axis=-1), 0) and np.allclose(seen[-1].std(axis=-1), 1, atol=1e-3)
+
+
+def test_a_seed_is_taken_once_and_only_for_the_residual_and_bias_it_was_written_from():
+    """fused.Seed: a projection's GEMM adds into the array the LayerNorm kernel wrote x + bias into
+    only where its residual is that x and its bias that bias; taken, the seed is empty (a stale
+    sum is never added twice, or to another residual)."""
+    bias, other_bias = Param(np.zeros(4), name="b"), Param(np.ones(4), name="b2")
+    x, other_x = np.zeros((2, 4)), np.zeros((2, 4))
+    seed = fused.Seed(bias)
+    array, bias_array = seed.target(x)
+    assert array.shape == x.shape and bias_array is bias.data
+    assert seed.take(x, bias.data) is None  # nothing written yet
+    seed.written(array, x, bias_array)
+    assert seed.take(other_x, bias.data) is None  # another residual: empty now, too
+    assert seed.take(x, bias.data) is None
+    seed.written(array, x, bias_array)
+    assert seed.take(x, other_bias.data) is None  # another bias
+    seed.written(array, x, bias_array)
+    assert seed.take(x, bias.data) is array
+    assert seed.take(x, bias.data) is None  # once
+    assert fused.Seed(Param(np.zeros(3), name="c")).target(x) is None  # another width
+    assert fused.Seed(Param(np.zeros(4, np.float32), name="d")).target(x) is None  # another type

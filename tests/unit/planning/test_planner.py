@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-import mpifsdp.ops.causal_attention as attention
 import mpifsdp.ops.fused as fused
 from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff.tensor import graph_nbytes
@@ -101,23 +100,26 @@ def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
     assert graph_nbytes(model(x, y)) == gpt_activation_bytes(cfg, 2, 8, checkpoint)
 
 
-def test_activation_bytes_on_a_gpu_use_its_attention_block(monkeypatch):
-    """A GPU runs attention whole up to GPU_ATTENTION_BLOCK positions (nothing extra kept) and keeps
-    its LayerNorms' outputs: the prediction for device="cuda" is the tape's when the CPU's block is
-    made that large and the CPU keeps them too."""
+def test_activation_bytes_on_a_gpu_differ_from_the_cpus_by_what_each_keeps():
+    """The GPU's prediction is held to its tape on the GPU branches (bench/standin_checks.py,
+    planned_activations_are_the_tapes, run by tests/project/test_gpu_budget.py); against the CPU's it
+    differs by what each keeps: the CPU's blocked attention (beyond 256 positions) each block's
+    output and log-sum-exp; a GPU its LayerNorm outputs (two a block and the final one's, the first
+    padded with a ones column: the folded qkv bias) and int64 copies of the host token ids, targets
+    and positions instead of a one-byte mask."""
     cfg = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8)
-    monkeypatch.setattr(attention, "ATTENTION_BLOCK", attention.GPU_ATTENTION_BLOCK)
-    monkeypatch.setattr(fused, "keeps_norm_output", lambda xp: True)
-    model = GPT(cfg, seed=0, dtype=np.float64)
-    x = np.zeros((2, cfg.block_size), dtype=np.int64)
-    want = graph_nbytes(model(x, x))
-    assert gpt_activation_bytes(cfg, 2, 8, device="cuda") == want
-    monkeypatch.undo()
-    # the CPU's blocked path keeps each block's attention output and log-sum-exp; it keeps no
-    # LayerNorm output (two a block, and the final one's)
     B, T, C, H, L = 2, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer
-    attention_kept, norms_kept = L * (B * T * C + B * H * T), (2 * L + 1) * B * T * C
-    assert gpt_activation_bytes(cfg, 2, 8) - want == 8 * (attention_kept - norms_kept)
+    attention_kept = L * (B * T * C + B * H * T)
+    norms_kept = (2 * L + 1) * B * T * C + L * B * T * (fused.folded_row_length(C) - C)
+    indices = 8 * (2 * B * T + T) - B * T
+    cpu, gpu = (gpt_activation_bytes(cfg, 2, 8, device=d) for d in ("cpu", "cuda"))
+    assert cpu - gpu == 8 * (attention_kept - norms_kept) - indices
+    unbiased = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8, bias=False)
+    padding = 8 * L * B * T * (fused.folded_row_length(C) - C)  # no bias to fold
+    assert (
+        gpt_activation_bytes(cfg, 2, 8, device="cuda") - gpt_activation_bytes(unbiased, 2, 8, device="cuda")
+        == padding
+    )
     with pytest.raises(ValueError, match="'gpu' is not 'cpu' or 'cuda"):
         gpt_activation_bytes(cfg, 2, 8, device="gpu")
 
