@@ -210,6 +210,15 @@ def _poisoned(make):
 
 @on_device
 def _asarray(a, dtype=None, **_):
+    """cupy.asarray: a device array of the asked dtype is returned as it is (no launch), anything
+    else copied (or cast) into a new one."""
+    if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
+        return a
+    return _array(a, dtype)
+
+
+def _array(a, dtype=None, **_):
+    """cupy.array: always a new device array, a copy (or cast) of a."""
     _launch("copy" if isinstance(a, ndarray) else "host-to-device copy")
     return _fresh(np.asarray, False)(_host(a), dtype=dtype)
 
@@ -418,7 +427,7 @@ def install(with_cudnn: bool = True):
         setattr(cp, name, _fresh(_poisoned(getattr(np, name)), False))
     for name in ("zeros", "zeros_like", "ones", "ones_like", "full", "arange"):
         setattr(cp, name, _fresh(getattr(np, name), True))
-    cp.asarray = cp.array = _asarray
+    cp.asarray, cp.array = _asarray, _array
     cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
     as_strided = functools.partial(np.lib.stride_tricks.as_strided, subok=True)  # a view: no launch

@@ -62,9 +62,10 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # the qkv bias folded into its GEMM as one more row of the weight, against a ones column the
     # first LayerNorm pads its output with (no add forward, no column sum backward: the weight
     # gradient's GEMM gives it), and each branch's closing projection accumulating into the residual
-    # plus its bias, which the branch's LayerNorm kernel wrote on its way (fused.Seed): 24.6
-    # (budget: 25)
-    assert budget["launches_per_layer"] <= 24.6, budget
+    # plus its bias, which the branch's LayerNorm kernel wrote on its way (fused.Seed): 24.6; the
+    # stand-in's asarray returning a device array of the asked dtype as it is, as CuPy's does (it
+    # counted a copy): 24.5 (budget: 25)
+    assert budget["launches_per_layer"] <= 24.5, budget
     # the step's host share (wall time less the stand-in's device work): a figure, not a target here,
     # but the accounting must leave a positive remainder
     assert budget["host_ms_per_step"] > 0, budget
