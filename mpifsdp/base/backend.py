@@ -177,6 +177,12 @@ def nccl_available() -> bool:
 
 
 def nccl_dtype(dtype):
+    """NCCL's code for a dtype (looked up once per dtype: every collective asks)."""
+    return _nccl_code(np.dtype(dtype))
+
+
+@functools.cache
+def _nccl_code(dtype: np.dtype):
     mod = nccl()
     names = {
         "float32": "NCCL_FLOAT32",
@@ -185,7 +191,7 @@ def nccl_dtype(dtype):
         "int64": "NCCL_INT64",
         "bfloat16": "NCCL_BFLOAT16",
     }
-    return getattr(mod, names[np.dtype(dtype).name])
+    return getattr(mod, names[dtype.name])
 
 
 def new_stream():
