@@ -46,6 +46,7 @@ def widening(operands_dtype, out_dtype) -> bool:
     )
 
 
+@functools.cache
 def writes(operands_dtype, out_dtype) -> bool:
     """Whether gemm_into writes a product of `operands_dtype` into `out_dtype`: the same float type,
     or widening."""
@@ -85,19 +86,22 @@ def _cuda_type(runtime, dtype) -> int:
 
 @functools.cache
 def _compute(cublas, out_dtype) -> tuple:
-    """(cuBLAS compute type, alpha, beta 0, beta 1) for a product into out_dtype: float64 in float64,
-    the rest in float32; the scalars on the host, in the compute type."""
+    """(cuBLAS compute type, one, zero) for a product into out_dtype: float64 in float64, the rest in
+    float32; one and zero on the host, in the compute type (alpha = 1; beta = 1 to add, else 0)."""
     wide = np.dtype(out_dtype) == np.float64
     scalar = np.float64 if wide else np.float32
-    scalars = (np.ones(1, scalar), np.zeros(1, scalar), np.ones(1, scalar))
-    return (cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F, *scalars)
+    return (
+        cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F,
+        np.ones(1, scalar),
+        np.zeros(1, scalar),
+    )
 
 
 def _launch(a, b, out, accumulate: bool = False):
     """out (M, N), C-contiguous = a (M, K) @ b (K, N) (+ out). cuBLAS is column-major: it computes
     out's transpose (N, M) = b^T a^T, each operand read as the transpose of its row-major self."""
     cublas, runtime, handle = backend.cublas()
-    compute, one, zero, beta_one = _compute(cublas, out.dtype)
+    compute, one, zero = _compute(cublas, out.dtype)
     itemsize = a.dtype.itemsize
     (M, K), N = a.shape, b.shape[1]
     b, op_b, ld_b = _operand(cublas, b, itemsize)
@@ -116,7 +120,7 @@ def _launch(a, b, out, accumulate: bool = False):
         device_address(a),
         _cuda_type(runtime, a.dtype),
         ld_a,
-        (beta_one if accumulate else zero).ctypes.data,
+        (one if accumulate else zero).ctypes.data,
         device_address(out),
         _cuda_type(runtime, out.dtype),
         N,
