@@ -25,6 +25,7 @@ import numpy as np
 
 LAUNCHES: collections.Counter = collections.Counter()  # (phase, kind) -> count
 SYNCS: collections.Counter = collections.Counter()
+RECORD: list | None = None  # while a list: (phase, kind, what it takes from the host) per launch
 PHASE = ["setup"]
 DEVICE_S = [0.0]  # seconds spent doing what a GPU would (the NumPy work of every launch, copy, sync)
 _DEPTH = [0]
@@ -49,8 +50,37 @@ def on_device(work):
     return timed
 
 
-def _launch(kind: str):
+def _launch(kind: str, host=()):
+    """Count a launch; while RECORD is a list, also note what it takes from the host by value (its
+    scalars, the bytes a host-to-device copy reads): what a CUDA graph would freeze at capture."""
     LAUNCHES[(PHASE[0], kind)] += 1
+    if RECORD is not None:
+        RECORD.append((PHASE[0], kind, _host_values(host), _caller()))
+
+
+def _caller() -> str:
+    """The innermost mpifsdp (or models/) function on the stack: where a recorded launch comes from."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        for root in ("/mpifsdp/", "/models/"):
+            if root in path:
+                return f"{path.rsplit(root, 1)[1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def _host_values(values) -> tuple:
+    """Scalars as floats, host arrays as a digest of their bytes, device arrays left out."""
+    taken = []
+    for v in values:
+        if isinstance(v, ndarray) or v is None:
+            continue
+        if isinstance(v, (np.ndarray, list, tuple)):
+            taken.append(hash(np.ascontiguousarray(v).tobytes()))
+        elif isinstance(v, (int, float, np.generic)):
+            taken.append(float(v))
+    return tuple(taken)
 
 
 def _sync(kind: str):
@@ -104,7 +134,8 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         if ufunc is np.matmul and _all_bfloat16(inputs):
             return _bfloat16_matmul(*inputs, **kwargs)
         result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
-        _launch("matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method)
+        kind = "matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method
+        _launch(kind, inputs)
         return _device(result)
 
     @on_device
@@ -123,7 +154,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
 
     @on_device
     def __setitem__(self, index, value):
-        _launch("setitem")
+        _launch("setitem", (value,))
         np.ndarray.__setitem__(_host(self), _unwrap(index), _host(value))
 
     @on_device
@@ -171,7 +202,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
 def _kernel_method(name: str):
     @on_device
     def method(self, *args, **kwargs):
-        _launch("reduction" if name in ("sum", "max", "min", "any", "all", "mean") else name)
+        _launch("reduction" if name in ("sum", "max", "min", "any", "all", "mean") else name, args)
         return _device(getattr(_host(self), name)(*_unwrap(args), **_unwrap(kwargs)))
 
     return method
@@ -219,7 +250,7 @@ def _asarray(a, dtype=None, **_):
 
 def _array(a, dtype=None, **_):
     """cupy.array: always a new device array, a copy (or cast) of a."""
-    _launch("copy" if isinstance(a, ndarray) else "host-to-device copy")
+    _launch("copy" if isinstance(a, ndarray) else "host-to-device copy", (a,))
     return _fresh(np.asarray, False)(_host(a), dtype=dtype)
 
 
@@ -258,7 +289,7 @@ class ElementwiseKernel:
     def __call__(self, *arrays):
         from mpifsdp.ops.gpu_kernels import _C, _K
 
-        _launch(self.name)
+        _launch(self.name, arrays)
         a = [_host(x) for x in arrays]
 
         def sigmoid(x):
@@ -293,7 +324,7 @@ class RawModule:
 
         @on_device
         def launch(grid, block, args, shared_mem=0):
-            _launch(name)
+            _launch(name, args)
             TWINS[name](grid, block, tuple(_host(a) for a in args), shared_mem)
 
         return launch
@@ -365,8 +396,9 @@ def _gemm_ex(
     compute,
     algo,
 ):
-    _launch("matmul")
     acc, scalar = (np.float64, ctypes.c_double) if compute == 70 else (np.float32, ctypes.c_float)  # 64F, 32F
+    scale = [scalar.from_address(address).value for address in (alpha, beta)]  # host scalars
+    _launch("matmul", scale)
     ops = []
     for address, code, ld, trans, shape in (
         (A, a_type, lda, transa, (m, k)),
@@ -376,7 +408,6 @@ def _gemm_ex(
         rows, cols = shape if trans == 0 else shape[::-1]
         matrix = _column_major(address, dtype, rows, cols, ld).astype(acc)
         ops.append(matrix if trans == 0 else matrix.T)
-    scale = [scalar.from_address(address).value for address in (alpha, beta)]  # host scalars
     out = _column_major(C, _cuda_dtype(c_type), m, n, ldc)
     product = scale[0] * (ops[0] @ ops[1])
     if scale[1]:

@@ -52,6 +52,22 @@ def step(model, opt, scaler, x, y) -> float:
     return loss.item()
 
 
+def steady_step(**scaler_settings):
+    """(model, opt, scaler, x, y) of the budget's step, two steps in: the first builds and checks
+    kernels, and its loss scale overflows (skipped), so the second allocates AdamW's moments."""
+    comm = mpifsdp.Comm(device="cuda", transport="nccl", threads=None)
+    config = GPTConfig(vocab_size=2048, block_size=64, n_layer=LAYERS, n_head=16, n_embd=64)
+    model = GPT(config, seed=0, device=comm.device)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt, scaler = mpifsdp.AdamW(model, lr=1e-4), mpifsdp.LossScaler(**scaler_settings)
+    rng = np.random.default_rng(0)
+    # the batch as a data loader gives it, on the host: its checks read nothing back from the device
+    x, y = (rng.integers(0, config.vocab_size, (2, 64)) for _ in range(2))
+    for _ in range(2):
+        step(model, opt, scaler, x, y)
+    return model, opt, scaler, x, y
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -62,16 +78,7 @@ def main():
         help="add the N functions the host spends most of its time in (bench/host_profile.py)",
     )
     args = ap.parse_args()  # fmt: skip
-    comm = mpifsdp.Comm(device="cuda", transport="nccl", threads=None)
-    config = GPTConfig(vocab_size=2048, block_size=64, n_layer=LAYERS, n_head=16, n_embd=64)
-    model = GPT(config, seed=0, device=comm.device)
-    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
-    opt, scaler = mpifsdp.AdamW(model, lr=1e-4), mpifsdp.LossScaler()
-    rng = np.random.default_rng(0)
-    # the batch as a data loader gives it, on the host: its checks read nothing back from the device
-    x, y = (rng.integers(0, config.vocab_size, (2, 64)) for _ in range(2))
-    for _ in range(2):  # steady state: the first step builds and checks kernels, and its loss scale
-        step(model, opt, scaler, x, y)  # overflows (skipped), so the second allocates AdamW's moments
+    model, opt, scaler, x, y = steady_step()
     host_s = []
     for _ in range(HOST_STEPS):  # the last one's launches and syncs are counted
         cupy_standin.LAUNCHES.clear()

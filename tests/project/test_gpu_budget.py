@@ -71,6 +71,21 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     assert budget["host_ms_per_step"] > 0, budget
 
 
+def test_what_a_cuda_graph_of_the_step_would_freeze_is_found_and_does_not_grow(comm):
+    """bench/graph_readiness.py: two recorded steps launch the same sequence (one graph could fit
+    every step), and the launches that take a per-step value from the host are found by name: today
+    the AdamW groups table (lr, bias corrections) and its tokens, the loss scale's copy and the
+    root unit's overflow token; the batch's copies besides. These counts only go down."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    ready = _last_json_line(BENCH / "graph_readiness.py")
+    assert ready["same_sequence"] and ready["launches"] > 0, ready
+    per_step = ready["per_step_values"]
+    assert "optimizer host-to-device copy at optim/gpu_adamw.py:_launch_groups" in per_step, per_step
+    assert sum(per_step.values()) <= 4 and sum(ready["host_to_device_copies"].values()) <= 7, ready
+    assert ready["host_syncs_in_step"] <= 1, ready
+
+
 def test_the_host_profile_names_the_librarys_functions(comm):
     """gpu_budget.py --host-profile: where the step's host time goes, by mpifsdp function, sampled
     while the stand-in does no device work (a share per function, of the host's samples)."""

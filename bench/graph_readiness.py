@@ -1,0 +1,66 @@
+"""What a CUDA graph of the GPU step would freeze, found on a CPU (CuPy stood in by
+bench/cupy_standin.py). Two steady steps of bench/gpu_budget.py's step are recorded launch by
+launch, each with what it takes from the host by value (its scalars, the bytes a host-to-device copy
+reads); the lr changes every step (a schedule) and the loss scale doubles every good step, as they
+do in training. A graph replays its captured launches with the captured values, so:
+
+- the two steps must launch the same sequence (else no one graph fits every step);
+- a launch whose host values differ between the steps would replay stale ones: a per-step value a
+  graph needs in device memory instead (the lr, bias corrections, the loss scale, ...);
+- a host-to-device copy reads pageable host memory here, which a capture refuses;
+- a host sync inside the step cannot be captured at all.
+
+One JSON line (each entry "phase kind at module:function": launches):
+
+    python bench/graph_readiness.py
+    {"launches": ..., "same_sequence": ..., "host_syncs_in_step": ..., "per_step_values": {...},
+     "host_to_device_copies": {...}, "capturable": false}
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cupy_standin  # noqa: E402
+
+cupy_standin.install()
+import gpu_budget  # noqa: E402
+
+
+def recorded_step(model, opt, scaler, x, y) -> list:
+    """The step's launches as (phase, kind, host values, where), its syncs counted afresh."""
+    cupy_standin.RECORD, cupy_standin.SYNCS = [], collections.Counter()
+    gpu_budget.step(model, opt, scaler, x, y)
+    record, cupy_standin.RECORD = cupy_standin.RECORD, None
+    return record
+
+
+def _named(entries) -> dict:
+    return dict(collections.Counter(f"{phase} {kind} at {where}" for phase, kind, _, where in entries))
+
+
+def main():
+    model, opt, scaler, x, y = gpu_budget.steady_step(growth_interval=1)
+    steps = []
+    for lr in (1e-4, 2e-4):
+        opt.lr = lr
+        steps.append(recorded_step(model, opt, scaler, x, y))
+    in_step = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase != "logging")
+    first, second = steps
+    same = [(a[0], a[1], a[3]) for a in first] == [(b[0], b[1], b[3]) for b in second]
+    changed = [a for a, b in zip(first, second) if a[2] != b[2]] if same else []
+    copies = [a for a in first if a[1] == "host-to-device copy"]
+    print(json.dumps({
+        "bench": "graph_readiness", "launches": len(first), "same_sequence": same,
+        "host_syncs_in_step": in_step, "per_step_values": _named(changed),
+        "host_to_device_copies": _named(copies),
+        "capturable": same and not changed and not copies and in_step == 0,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
