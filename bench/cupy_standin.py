@@ -25,7 +25,7 @@ import numpy as np
 
 LAUNCHES: collections.Counter = collections.Counter()  # (phase, kind) -> count
 SYNCS: collections.Counter = collections.Counter()
-RECORD: list | None = None  # while a list: (phase, kind, what it takes from the host) per launch
+RECORD: list | None = None  # while a list: (phase, kind, what it takes from the host, where) a launch
 PHASE = ["setup"]
 DEVICE_S = [0.0]  # seconds spent doing what a GPU would (the NumPy work of every launch, copy, sync)
 _DEPTH = [0]
@@ -459,7 +459,7 @@ def install(with_cudnn: bool = True):
     for name in ("zeros", "zeros_like", "ones", "ones_like", "full", "arange"):
         setattr(cp, name, _fresh(getattr(np, name), True))
     cp.asarray, cp.array = _asarray, _array
-    cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _asarray(a)
+    cp.ascontiguousarray = lambda a: a if _host(a).flags.c_contiguous else _array(a)
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
     as_strided = functools.partial(np.lib.stride_tricks.as_strided, subok=True)  # a view: no launch
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
