@@ -6,7 +6,9 @@ collective until the watchdog fired (300 s). So each rank of the first Comm made
 says, at exit, that it leaves and why (the exception that ended it, if one did) and where (its last
 collective), then waits for every rank to leave too: at the normal end of a program all do at once
 and this takes milliseconds. A rank still running finds the notice while it waits for a collective
-(Schedule.wait polls here) and ends the job at once, naming the rank that left and where.
+(Schedule.wait polls here) and ends the job at once, naming the rank that left and where. A rank an
+exception ended, with no `-m mpi4py` to abort the job for it, ends the job itself a few seconds on
+unless the others have left too or ended it first: they may be at work, in no collective, for long.
 
 When the watchdog fires, the rank asks every other rank where it is (a roll call) and reports which
 ranks wait in a collective, and where, and which did not answer: those are the ones missing from the
@@ -33,6 +35,7 @@ MESSAGE_BYTES = 1024
 GRACE_S = 2.0  # how long a collective may still complete after a notice, and a roll call waits
 READ_S = 2.0  # how long a report may wait for the launcher to read it before the job is aborted
 FORWARD_S = 0.1  # and how long the launcher then gets to pass it on
+EXIT_WAIT_S = 3 * GRACE_S  # how long a rank an exception ended waits for the others to end the job
 _channel = None  # this process's Channel, made by the first Comm over several ranks
 
 
@@ -185,6 +188,8 @@ class Channel:
         message = _encode(f"{self.why}; its last collective: {self.where()}")
         sends = [self.comm.Isend(message, dest=r, tag=LEFT) for r in range(self.size) if r != self.rank]
         if self.failed:  # an exception: `-m mpi4py` aborts the job next, and must not be delayed
+            if "mpi4py.run" not in sys.modules:
+                self._end_unless_all_left()
             return
         everyone = self.comm.Ibarrier()
         said = time.monotonic() + self.timeout
@@ -201,6 +206,25 @@ class Channel:
         for _ in range(self.size - 1):  # every rank posted one notice to each other before the barrier
             self.comm.Recv(received, source=self.mpi.ANY_SOURCE, tag=LEFT)
         self.mpi.Request.Waitall(sends)
+
+    def _end_unless_all_left(self):
+        """A failed rank launched without `-m mpi4py`: nothing aborts the job for it, and a rank that
+        does not reach a collective soon (at work, or blocked outside mpifsdp's collectives) would
+        keep the job alive. Wait EXIT_WAIT_S for every other rank's notice (all failed, or ended:
+        the job ends as they exit), for one of them to end the job, naming this rank; else end it."""
+        left, deadline = set(), time.monotonic() + EXIT_WAIT_S
+        while len(left) < self.size - 1 and time.monotonic() < deadline:
+            self._answer_roll_calls(f"its exit ({self.why})")
+            if (status := self._probe(LEFT)) is not None:
+                self._receive(status)
+                left.add(status.Get_source())
+            else:
+                time.sleep(1e-3)
+        if len(left) < self.size - 1:
+            self._end(
+                f"mpifsdp: rank {self.rank} left the job ({self.why}) and no other rank ended the job "
+                f"within {EXIT_WAIT_S:.0f} s: ending it"
+            )
 
     def _end(self, text: str):
         report_and_abort(text, self.comm.Abort, 1)

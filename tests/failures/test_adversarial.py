@@ -349,6 +349,18 @@ SCENARIOS = {
         launcher="plain",
         seconds=15,
     ),
+    "exception-on-one-rank-while-another-computes-without-mpi4py": bad(
+        """
+        if rank == 1:
+            raise RuntimeError("a bug on rank 1")
+        import time
+        time.sleep(60)  # at work, in no collective: only rank 1 itself can end the job in time
+        comm.barrier()
+    """,
+        r"rank 1 left the job \(an exception ended it: RuntimeError: a bug on rank 1\) and no other rank",
+        launcher="plain",
+        seconds=15,
+    ),
     # -- no rank may silently diverge -----------------------------------------------------------------
     "different-seeds": bad("make(seed=rank)", r"starts from different parameter values on different ranks"),
     "different-seeds-synced": good("""
