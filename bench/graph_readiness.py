@@ -10,11 +10,16 @@ do in training. A graph replays its captured launches with the captured values, 
 - a host-to-device copy reads pageable host memory here, which a capture refuses;
 - a host sync inside the step cannot be captured at all.
 
+The step's verdict is read on the host (one sync, in the optimizer's step), so the part a graph
+could take today is the forward and backward: `forward_backward_capturable` says whether it takes
+no per-step value and syncs nothing, its host copies being the batch's (a graph's static inputs,
+written before each replay). The optimizer's few launches stay eager.
+
 One JSON line (each entry "phase kind at module:function": launches):
 
     python bench/graph_readiness.py
     {"launches": ..., "same_sequence": ..., "host_syncs_in_step": ..., "per_step_values": {...},
-     "host_to_device_copies": {...}, "capturable": false}
+     "host_to_device_copies": {...}, "capturable": false, "forward_backward_capturable": ...}
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import cupy_standin  # noqa: E402
 
 cupy_standin.install()
 import gpu_budget  # noqa: E402
+
+# where the batch (token ids, positions, targets) is copied from the host: a graph's static inputs
+BATCH_COPIES = ("ops/primitives.py:_embedding", "ops/fused.py:_cross_entropy")
 
 
 def recorded_step(model, opt, scaler, x, y) -> list:
@@ -54,11 +62,16 @@ def main():
     same = [(a[0], a[1], a[3]) for a in first] == [(b[0], b[1], b[3]) for b in second]
     changed = [a for a, b in zip(first, second) if a[2] != b[2]] if same else []
     copies = [a for a in first if a[1] == "host-to-device copy"]
+    passes = ("forward", "backward")
+    synced = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase in passes)
+    batch_only = all(where in BATCH_COPIES for phase, _, _, where in copies if phase in passes)
     print(json.dumps({
         "bench": "graph_readiness", "launches": len(first), "same_sequence": same,
         "host_syncs_in_step": in_step, "per_step_values": _named(changed),
         "host_to_device_copies": _named(copies),
         "capturable": same and not changed and not copies and in_step == 0,
+        "forward_backward_capturable": same and synced == 0 and batch_only
+        and not any(phase in passes for phase, *_ in changed),
     }))  # fmt: skip
 
 

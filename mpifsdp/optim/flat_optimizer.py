@@ -252,11 +252,19 @@ class FlatOptimizer:
         return [(group, taken) for group, taken in flags if taken is not None]
 
     def _note_overflow(self, flags: list, values):
-        """The first group whose flag holds its token (its gathers overflowed) is raised at _settle."""
+        """The first group whose flag holds its token (its gathers overflowed) is raised at _settle;
+        the flags found set are cleared (a launch each, on an overflow only), so the next gathers'
+        checks start afresh."""
         self._flags_read = True
-        hit = [group for (group, (_, token)), value in zip(flags, values) if int(np.ravel(value)[0]) == token]
+        hit = [
+            (group, flag)
+            for (group, (flag, token)), value in zip(flags, values)
+            if int(np.ravel(value)[0]) == token
+        ]
+        for _, flag in hit:
+            flag.fill(0)
         if hit and self._overflowed is None:
-            self._overflowed = hit[0]
+            self._overflowed = hit[0][0]
 
     def _read(self, arrays: list, purpose: str) -> list:
         """Small device arrays' values on the host: through the comm in one host sync that also settles

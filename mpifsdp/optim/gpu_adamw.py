@@ -263,16 +263,17 @@ def _launch_groups(kernel, xp, updates: list):
 
 
 def _tokens(xp, tokens: tuple):
-    """The groups' flag tokens on the device: copied each step where a group casts (its token
-    changes a step), one zeroed array kept otherwise."""
-    if any(tokens):
-        return xp.asarray(np.array(tokens, dtype=np.int32))
-    if len(_no_tokens) > 64:
-        _no_tokens.clear()
-    return _no_tokens.setdefault((xp, len(tokens)), xp.zeros(len(tokens), dtype=np.int32))
+    """The groups' flag tokens on the device (0: the group casts nothing), copied there once: a
+    unit's token is a constant (shard/unit.py OVERFLOWED), so the same few arrays serve every step."""
+    if len(_token_arrays) > 64:
+        _token_arrays.clear()
+    key = (xp, tokens)
+    if key not in _token_arrays:
+        _token_arrays[key] = xp.asarray(np.array(tokens, dtype=np.int32))
+    return _token_arrays[key]
 
 
-_no_tokens: dict = {}
+_token_arrays: dict = {}
 
 
 def _probe_groups(xp, dtype, kernel, cast=None):

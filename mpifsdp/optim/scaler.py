@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
+
+from ..autodiff.tensor import Tensor
+from ..base.backend import array_module_of
 from .flat_optimizer import clip_scale
 from .optimizers import FlatOptimizer, NonFiniteError
 
@@ -37,6 +41,7 @@ class LossScaler:
                 f"max_skips_in_a_row >= 1; got min_scale={min_scale}, init_scale={init_scale}, "
                 f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
             )
+        self._on_device: dict = {}  # dtype -> [0-d device array, the scale it holds]
         self.scale_value = float(init_scale)
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -46,7 +51,35 @@ class LossScaler:
         self.skips_in_a_row = 0
 
     def scale(self, loss):
-        return loss * self.scale_value
+        """loss * the scale. On a GPU the scale is a device scalar, rewritten whenever scale_value is
+        set: the multiply takes nothing from the host that changes by step, so a captured forward
+        and backward would replay with the scale of the day."""
+        if getattr(loss, "xp", np) is np:
+            return loss * self.scale_value
+        return loss * Tensor(self._device_scale(loss.xp, loss.dtype))
+
+    def _device_scale(self, xp, dtype):
+        """The scale as a 0-d device array of `dtype` (one per dtype), holding scale_value."""
+        key = np.dtype(dtype)
+        held = self._on_device.get(key)
+        if held is None:
+            held = self._on_device[key] = [xp.empty((), dtype=key), None]
+        if held[1] != self.scale_value:
+            held[0].fill(self.scale_value)
+            held[1] = self.scale_value
+        return held[0]
+
+    @property
+    def scale_value(self) -> float:
+        return self._scale
+
+    @scale_value.setter
+    def scale_value(self, value: float):
+        """A new scale: its device copies rewritten at once, before the next forward (a replayed one
+        included, which does not call scale())."""
+        self._scale = float(value)
+        for key, (array, _) in list(self._on_device.items()):
+            self._device_scale(array_module_of(array), key)
 
     def step(self, optimizer: FlatOptimizer, max_norm: float | None = None) -> bool:
         """Unscale, check, clip (max_norm) and step. Where the optimizer folds a gradient scale into

@@ -31,6 +31,11 @@ from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
 
+# What a device check writes into a unit's overflow flag: a constant, so no launch of a forward or a
+# backward takes a value from the host that changes by step (a CUDA graph would replay it stale);
+# the verdict that finds a flag set clears it (FlatOptimizer._note_overflow).
+OVERFLOWED = 1
+
 
 @dataclasses.dataclass
 class _Reduction:
@@ -110,10 +115,10 @@ class Unit:
         self._reducing: _Reduction | None = None  # a reduction in flight
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
         self._pending_sum: PendingSum | None = None  # their reduction in flight
-        # on a GPU: a device int32 that a gather overflowing param_dtype sets to the current token
-        # (no zeroing launch each step: a flag holding an older token is clear), and whether a
-        # gather was checked since the verdict last took it
-        self._overflow, self._token, self._checked = None, 1, False
+        # on a GPU: a device int32 that a gather overflowing param_dtype sets to OVERFLOWED (the
+        # verdict that reads it set clears it), and whether a gather was checked since the verdict
+        # last took it
+        self._overflow, self._checked = None, False
         self._kept_cast = None  # on a GPU: the checked param_dtype shard a forward's gather kept
 
     def _from_rank_0(self, array, comm):
@@ -162,13 +167,13 @@ class Unit:
         return self._shard
 
     def cast_target(self):
-        """(buffer, device flag, token): where an optimizer's update kernel may write the new shard's
+        """(buffer, device flag, OVERFLOWED): where an optimizer's update kernel may write the new shard's
         param_dtype cast and flag its overflow (the kept cast's buffer), so that the next forward's
         gather sends it with no cast launch of its own; None where there is none (the CPU, no kept
         cast). Then cast_written() says it was written."""
         if self._kept_cast is None or self.xp is np:
             return None
-        return self._kept_cast, self._overflow_flag(), self._token
+        return self._kept_cast, self._overflow_flag(), OVERFLOWED
 
     def cast_written(self):
         """The optimizer wrote the updated shard's cast into cast_target()'s buffer and flagged its
@@ -232,7 +237,7 @@ class Unit:
         verdict brings the ranks' flags together: FlatOptimizer._settle)."""
         if self.xp is not np and self._shard.dtype != self.param_dtype:
             copy = self._take("gathered_params", self.param_dtype, numel=self._shard.size)
-            if kernels.cast_flag_nonfinite(self._shard, copy, self._overflow_flag(), self._token):
+            if kernels.cast_flag_nonfinite(self._shard, copy, self._overflow_flag(), OVERFLOWED):
                 self._checked = True
                 return copy, True
             self._give("gathered_params", copy)  # no kernel: cast, and check once gathered
@@ -273,29 +278,28 @@ class Unit:
         gather would stall the host's queue 49 times a step."""
         if self.xp is not np:  # one int32 flag, set by one kernel per gather
             flag = self._overflow_flag()
-            if not kernels.flag_nonfinite(full, flag, self._token):
+            if not kernels.flag_nonfinite(full, flag, OVERFLOWED):
                 bad = ~self.xp.isfinite(full).all()
-                flag[...] = self.xp.where(bad, self._token, flag)
+                flag[...] = self.xp.where(bad, OVERFLOWED, flag)
             self._checked = True
             return
         if not bool(self.xp.isfinite(full).all()):
             self.raise_unrepresentable()
 
     def _overflow_flag(self):
-        """The one-element int32 device flag this unit's checks set to their step's token."""
+        """The one-element int32 device flag this unit's checks set to OVERFLOWED."""
         if self._overflow is None:
             self._overflow = self.xp.zeros(1, dtype=np.int32)
         return self._overflow
 
     def take_overflow_flag(self):
-        """(device flag, token) of the gathers checked since the last call, or None (none checked on a
-        device): they overflowed param_dtype if the flag holds the token. The next gathers check with
-        a new token; the optimizer reads every unit's flag at once."""
+        """(device flag, OVERFLOWED) of the gathers checked since the last call, or None (none checked
+        on a device): they overflowed param_dtype if the flag holds OVERFLOWED, and whoever reads it
+        so clears it. The optimizer reads every unit's flag at once."""
         if not self._checked:
             return None
-        token, self._checked = self._token, False
-        self._token = token % (2**31 - 2) + 1
-        return self._overflow, token
+        self._checked = False
+        return self._overflow, OVERFLOWED
 
     def raise_unrepresentable(self):
         raise FloatingPointError(
