@@ -1,8 +1,9 @@
 """What a CUDA graph of the GPU step would freeze, found on a CPU (CuPy stood in by
 bench/cupy_standin.py). Two steady steps of bench/gpu_budget.py's step are recorded launch by
 launch, each with what it takes from the host by value (its scalars, the bytes a host-to-device copy
-reads); the lr changes every step (a schedule) and the loss scale doubles every good step, as they
-do in training. A graph replays its captured launches with the captured values, so:
+reads); the lr changes every step (a schedule), the loss scale doubles every good step, and the
+batch (its count of valid targets too) is another, as in training. A graph replays its captured
+launches with the captured values, so:
 
 - the two steps must launch the same sequence (else no one graph fits every step);
 - a launch whose host values differ between the steps would replay stale ones: a per-step value a
@@ -29,14 +30,22 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).parent))
 import cupy_standin  # noqa: E402
 
 cupy_standin.install()
 import gpu_budget  # noqa: E402
 
-# where the batch (token ids, positions, targets) is copied from the host: a graph's static inputs
-BATCH_COPIES = ("ops/primitives.py:_embedding", "ops/fused.py:_cross_entropy")
+# where the batch (token ids, positions; targets with their valid count) is copied from the host: a
+# graph's static inputs
+BATCH_COPIES = ("ops/primitives.py:_embedding", "ops/gpu_cross_entropy.py:targets_with_count")
+
+
+def _batch_copy(launch) -> bool:
+    phase, kind, _, where = launch
+    return kind == "host-to-device copy" and where in BATCH_COPIES
 
 
 def recorded_step(model, opt, scaler, x, y) -> list:
@@ -53,18 +62,20 @@ def _named(entries) -> dict:
 
 def main():
     model, opt, scaler, x, y = gpu_budget.steady_step(growth_interval=1)
+    other_x, other_y = (np.random.default_rng(1).permutation(a.reshape(-1)).reshape(a.shape) for a in (x, y))
+    other_y[0, :5] = -1  # ignored targets: another count of valid ones
     steps = []
-    for lr in (1e-4, 2e-4):
+    for lr, batch in ((1e-4, (x, y)), (2e-4, (other_x, other_y))):
         opt.lr = lr
-        steps.append(recorded_step(model, opt, scaler, x, y))
+        steps.append(recorded_step(model, opt, scaler, *batch))
     in_step = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase != "logging")
     first, second = steps
     same = [(a[0], a[1], a[3]) for a in first] == [(b[0], b[1], b[3]) for b in second]
-    changed = [a for a, b in zip(first, second) if a[2] != b[2]] if same else []
+    changed = [a for a, b in zip(first, second) if a[2] != b[2] and not _batch_copy(a)] if same else []
     copies = [a for a in first if a[1] == "host-to-device copy"]
     passes = ("forward", "backward")
     synced = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase in passes)
-    batch_only = all(where in BATCH_COPIES for phase, _, _, where in copies if phase in passes)
+    batch_only = all(_batch_copy(a) for a in copies if a[0] in passes)
     print(json.dumps({
         "bench": "graph_readiness", "launches": len(first), "same_sequence": same,
         "host_syncs_in_step": in_step, "per_step_values": _named(changed),

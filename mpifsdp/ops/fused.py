@@ -678,13 +678,17 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
             f"and is not the ignore_index {ignore_index}"
         )
     count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
-    copied = None
+    copied = on_device = None
     if xp is not np and array_module_of(t) is np:  # host targets: checked above with no device read
-        t = copied = xp.asarray(t)
+        t, on_device = gpu_cross_entropy.targets_with_count(xp, t, count)
+        copied = t
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
+        if on_device is None:  # device targets: their count was read back above
+            on_device = xp.asarray(np.array([count], dtype=np.int64))
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
-        return xp.asarray(losses.sum() / count, dtype=loss_dtype), (lse, None, count, copied)
+        loss = xp.divide(losses.sum(), on_device.reshape(()), dtype=loss_dtype)  # as losses.sum() / count
+        return loss, (lse, None, on_device, copied)
     if copied is not None:  # the passes below need the mask on the device
         valid = t != ignore_index
     lse = xp.empty(flat.shape[0], dtype=logits.dtype)

@@ -43,11 +43,12 @@ extern "C" __global__ void cross_entropy_forward(const ELEM* logits, const long 
 extern "C" __global__ void cross_entropy_backward(const ELEM* logits, const long long* targets,
                                                   const ACC* lse, const ACC* upstream, ELEM* grad,
                                                   const int V, const long long ignore_index,
-                                                  const ACC inv_count) {
-    /* d loss / d logits = (softmax - one-hot) * upstream / count, 0 on an ignored row */
+                                                  const long long* count) {
+    /* d loss / d logits = (softmax - one-hot) * upstream / count, 0 on an ignored row; the count
+       read on the device (it changes with the batch: a captured launch must not hold it) */
     const size_t r = blockIdx.x;
     const long long t = targets[r];
-    const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * inv_count;
+    const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * (ACC)(1.0 / (double)count[0]);
     const ACC l = lse[r];
     const ELEM* row = logits + r * V;
     ELEM* out = grad + r * V;
@@ -77,10 +78,11 @@ def _forward_twin(grid, block, args, shared_mem=0):
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
-    logits, targets, lse, upstream, grad, V, ignore_index, inv_count = args
+    logits, targets, lse, upstream, grad, V, ignore_index, count = args
     rows = logits.reshape(-1, int(V)).astype(np.float64)
     t = targets.reshape(-1)
-    weight = np.where(t == int(ignore_index), 0.0, float(upstream.reshape(-1)[0]) * float(inv_count))
+    scale = float(upstream.reshape(-1)[0]) / float(np.ravel(count)[0])
+    weight = np.where(t == int(ignore_index), 0.0, scale)
     d = np.exp(rows - lse.reshape(-1, 1).astype(np.float64))
     valid = np.flatnonzero((t >= 0) & (t < int(V)))
     d[valid, t[valid]] -= 1
@@ -107,6 +109,14 @@ def _kernels(logits2, targets):
     if not usable:
         return None
     return gk.compiled(array_module_of(logits2), source(dtype), KERNELS, "fused cross-entropy")
+
+
+def targets_with_count(xp, targets, count: int):
+    """(targets, count) on the device from host int64 targets, in one copy: the count rides at the
+    end of the targets' copy. Both change with the batch, so a captured forward and backward read
+    them from device memory (a graph's static inputs), never from a launch's arguments."""
+    both = xp.asarray(np.append(targets.astype(np.int64, copy=False), np.int64(count)))
+    return both[:-1], both[-1:]
 
 
 def usable(logits2, targets) -> bool:
@@ -136,13 +146,14 @@ def _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index: int, c
     acc = gk.accumulator(logits2.dtype.type)
     grad = xp.empty_like(logits2)
     args = (logits2, targets, lse, xp.asarray(upstream, dtype=acc).reshape(1), grad)
-    kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), acc(1.0 / count)))
+    kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), count))
     return grad
 
 
 def backward(logits2, targets, lse, upstream, ignore_index: int, count):
     """d loss / d logits2 in logits2's dtype: (softmax - one-hot) * upstream / count on valid rows;
-    `upstream` is the loss's gradient, a one-element device array (never read on the host)."""
+    `upstream` is the loss's gradient, a one-element device array (never read on the host), and
+    `count` a one-element int64 device array (targets_with_count)."""
     kernels, xp = _kernels(logits2, targets), array_module_of(logits2)
     key = ("cross_entropy_backward", logits2.dtype.type)
     gk.checked_once(key, lambda: _probe(xp, logits2.dtype, backward=True))
@@ -168,9 +179,10 @@ def _probe(xp, dtype, backward: bool = False):
     got = {"lse": lse, "loss": loss}
     if backward:
         upstream = xp.asarray(np.array([0.75], dtype=gk.accumulator(dtype)))
-        got["grad"] = _backward(kernels, xp, logits, targets, lse, upstream, -1, 8)
+        count = xp.asarray(np.array([8], dtype=np.int64))
+        got["grad"] = _backward(kernels, xp, logits, targets, lse, upstream, -1, count)
         want["grad"] = np.empty((n, V))
-        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, 1 / 8)
+        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, [8])
         _backward_twin(None, None, twin)
     scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
     return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * V, scale[k])) for k in want]

@@ -73,7 +73,7 @@ def gpt_activation_bytes(
     output and one log-sum-exp per head and token (the blocked path keeps them); outside them the
     final LayerNorm's input (and on a GPU its output), the logits, and per token two statistics and
     the log-sum-exp; on the CPU a one-byte mask per token, on a GPU the int64 device copies of the
-    host batch (token ids and targets) and positions. Checkpointed blocks keep only their input
+    host batch (token ids, and targets with their valid count) and positions. Checkpointed blocks keep only their input
     (B·T·C). Equal to autodiff.graph_nbytes (tests/unit/planning/test_planner.py; on a GPU's
     branches, sharded, bench/standin_checks.py)."""
     if device != "cpu" and not device.startswith("cuda"):
@@ -88,7 +88,7 @@ def gpt_activation_bytes(
     block = 10 * B * T * C + norm_outputs + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
     per_block = B * T * C if recompute else block
     outside = B * T * C + (B * T * C if gpu else 0) + B * T * config.vocab_size + 3 * B * T
-    indices = 8 * (2 * B * T + T) if gpu else B * T
+    indices = 8 * (2 * B * T + T + 1) if gpu else B * T  # the targets' copy ends with their count
     return itemsize * (config.n_layer * per_block + outside) + indices
 
 

@@ -76,9 +76,11 @@ def test_what_a_cuda_graph_of_the_step_would_freeze_is_found_and_does_not_grow(c
     """bench/graph_readiness.py: two recorded steps launch the same sequence (one graph could fit
     every step), and the launches that take a per-step value from the host are found by name: the
     AdamW groups table (lr, bias corrections), and the loss scale's rewrite when it changes, both in
-    the optimizer's step; the forward and backward take none (the loss scale a device scalar, the
-    overflow flags' token a constant: were 2) and sync nothing, their host copies the batch's, so a
-    graph could capture them. These counts only go down."""
+    the optimizer's step. The forward and backward take none, the two steps' batches differing
+    (their valid-target counts too): the loss scale is a device scalar, the overflow flags' token a
+    constant, the count read on the device from the end of the targets' copy (were 3); they sync
+    nothing, and their host copies are the batch's, so a graph could capture them. These counts
+    only go down."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     ready = _last_json_line(BENCH / "graph_readiness.py")
