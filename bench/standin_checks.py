@@ -10,7 +10,9 @@
 - float16 gathers whose backward sends the cast its forward kept against ones that cast again: the
   same parameters after 3 steps, bit for bit;
 - a master beyond float16 named at the step through the NaN/Inf flag kernel, and the next step,
-  the master back in range, not (the flag keeps its old token: it is never zeroed);
+  the master back in range, not (the verdict that found the flag set cleared it);
+- cross_entropy under a count share that is not whole (the global valid count / N), its count
+  read on the device: the CPU's loss and gradient;
 - float16 and bfloat16 gathers (raw kernels in that type) against float32: the gradient shards
   after one backward within the 16-bit type's rounding along the model's path;
 - bfloat16 over host-staged MPI: gathered as 16-bit words, bit for bit the masters' cast, and a
@@ -327,6 +329,26 @@ def failed_backward_leaves_nothing_bound_ahead() -> bool:
     return not held and _relative_error(again, shards("cuda", 1)) == 0.0
 
 
+def fractional_count_share() -> float:
+    """cross_entropy's loss and gradient under a count share that is not whole (ranks holding
+    different numbers of valid targets divide by the global count / N), host targets with some
+    ignored: the GPU's (the count read on the device, from the end of the targets' copy) against the
+    CPU's, as their relative error."""
+    from mpifsdp.ops.loss import cross_entropy, mean_over_ranks
+
+    rng = np.random.default_rng(5)
+    logits, targets = rng.normal(0, 2, (3, 5, 11)), rng.integers(0, 11, (3, 5))
+    targets[0, :3] = -1
+    results = []
+    for device in ("cuda", "cpu"):
+        x = mpifsdp.Tensor(mpifsdp.array_module(device).asarray(logits), requires_grad=True)
+        with mean_over_ranks(lambda local: local / 2 + 0.25):
+            loss = cross_entropy(x, targets)
+        loss.backward()
+        results.append([np.ravel(to_numpy(loss.data)), to_numpy(x.grad).ravel()])
+    return _relative_error(*results)
+
+
 def _relative_error(gpu, cpu) -> float:
     return max(float(np.abs(g - c).max()) for g, c in zip(gpu, cpu)) / max(
         float(np.abs(c).max()) for c in cpu
@@ -348,6 +370,8 @@ def main() -> int:
     result["float16_kept_casts_against_fresh_casts"] = {"max_rel_err": err, "bound": 0.0}
     err = _relative_error(scaled_steps("cuda"), scaled_steps("cpu"))
     result["params_after_3_scaled_clipped_steps"] = {"max_rel_err": err, "bound": BOUND}
+    err = fractional_count_share()
+    result["loss_and_grad_under_a_fractional_count_share"] = {"max_rel_err": err, "bound": BOUND}
     result["overflow_named_then_cleared"] = overflow_named_once()
     full = mixed_precision_grads(np.float32)
     for dtype in (np.float16, bfloat16()):

@@ -684,7 +684,7 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
         copied = t
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
         if on_device is None:  # device targets: their count was read back above
-            on_device = xp.asarray(np.array([count], dtype=np.int64))
+            on_device = xp.asarray(np.array([count], dtype=np.float64))
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
         loss = xp.divide(losses.sum(), on_device.reshape(()), dtype=loss_dtype)  # as losses.sum() / count

@@ -43,12 +43,12 @@ extern "C" __global__ void cross_entropy_forward(const ELEM* logits, const long 
 extern "C" __global__ void cross_entropy_backward(const ELEM* logits, const long long* targets,
                                                   const ACC* lse, const ACC* upstream, ELEM* grad,
                                                   const int V, const long long ignore_index,
-                                                  const long long* count) {
+                                                  const double* count) {
     /* d loss / d logits = (softmax - one-hot) * upstream / count, 0 on an ignored row; the count
        read on the device (it changes with the batch: a captured launch must not hold it) */
     const size_t r = blockIdx.x;
     const long long t = targets[r];
-    const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * (ACC)(1.0 / (double)count[0]);
+    const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * (ACC)(1.0 / count[0]);
     const ACC l = lse[r];
     const ELEM* row = logits + r * V;
     ELEM* out = grad + r * V;
@@ -111,12 +111,14 @@ def _kernels(logits2, targets):
     return gk.compiled(array_module_of(logits2), source(dtype), KERNELS, "fused cross-entropy")
 
 
-def targets_with_count(xp, targets, count: int):
-    """(targets, count) on the device from host int64 targets, in one copy: the count rides at the
-    end of the targets' copy. Both change with the batch, so a captured forward and backward read
-    them from device memory (a graph's static inputs), never from a launch's arguments."""
-    both = xp.asarray(np.append(targets.astype(np.int64, copy=False), np.int64(count)))
-    return both[:-1], both[-1:]
+def targets_with_count(xp, targets, count: float):
+    """(int64 targets, float64 count) on the device from host targets, in one copy: the count (a
+    share of the global one, not always whole) rides at the end of the targets' copy, as the int64
+    that holds its bits. Both change with the batch, so a captured forward and backward read them
+    from device memory (a graph's static inputs), never from a launch's arguments."""
+    bits = np.array([count], dtype=np.float64).view(np.int64)
+    both = xp.asarray(np.concatenate([targets.astype(np.int64, copy=False), bits]))
+    return both[:-1], both[-1:].view(np.float64)
 
 
 def usable(logits2, targets) -> bool:
@@ -153,7 +155,7 @@ def _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index: int, c
 def backward(logits2, targets, lse, upstream, ignore_index: int, count):
     """d loss / d logits2 in logits2's dtype: (softmax - one-hot) * upstream / count on valid rows;
     `upstream` is the loss's gradient, a one-element device array (never read on the host), and
-    `count` a one-element int64 device array (targets_with_count)."""
+    `count` a one-element float64 device array (targets_with_count)."""
     kernels, xp = _kernels(logits2, targets), array_module_of(logits2)
     key = ("cross_entropy_backward", logits2.dtype.type)
     gk.checked_once(key, lambda: _probe(xp, logits2.dtype, backward=True))
@@ -179,10 +181,10 @@ def _probe(xp, dtype, backward: bool = False):
     got = {"lse": lse, "loss": loss}
     if backward:
         upstream = xp.asarray(np.array([0.75], dtype=gk.accumulator(dtype)))
-        count = xp.asarray(np.array([8], dtype=np.int64))
+        count = xp.asarray(np.array([7.5]))  # a share of a global count need not be whole
         got["grad"] = _backward(kernels, xp, logits, targets, lse, upstream, -1, count)
         want["grad"] = np.empty((n, V))
-        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, [8])
+        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, [7.5])
         _backward_twin(None, None, twin)
     scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
     return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * V, scale[k])) for k in want]

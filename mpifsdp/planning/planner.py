@@ -73,9 +73,9 @@ def gpt_activation_bytes(
     output and one log-sum-exp per head and token (the blocked path keeps them); outside them the
     final LayerNorm's input (and on a GPU its output), the logits, and per token two statistics and
     the log-sum-exp; on the CPU a one-byte mask per token, on a GPU the int64 device copies of the
-    host batch (token ids, and targets with their valid count) and positions. Checkpointed blocks keep only their input
-    (B·T·C). Equal to autodiff.graph_nbytes (tests/unit/planning/test_planner.py; on a GPU's
-    branches, sharded, bench/standin_checks.py)."""
+    host batch (token ids, and targets with their valid count) and positions. Checkpointed blocks
+    keep only their input (B·T·C). Equal to autodiff.graph_nbytes (tests/unit/planning/test_planner.py;
+    on a GPU's branches, sharded, bench/standin_checks.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     refuse_below("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))

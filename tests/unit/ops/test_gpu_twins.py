@@ -164,7 +164,7 @@ def test_the_cross_entropy_twins_compute_fused_cross_entropy():
     _close(lse, saved[0], V)
     _close(rows.sum() / 10, loss, n * V)  # 10 valid targets
     grad = np.empty((n, V))
-    count = np.array([10])  # read on the device: it changes with the batch
+    count = np.array([10.0])  # read on the device (float64): it changes with the batch
     twins["cross_entropy_backward"]((n,), None, (logits, targets, lse, np.array([0.5]), grad, V, -1, count))
     _close(grad, want_grad, V)
     assert (grad[[2, 7]] == 0).all()
