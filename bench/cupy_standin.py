@@ -110,6 +110,15 @@ def _device(r):
     return r
 
 
+def _wrapped(parts: tuple, shape: tuple) -> tuple:
+    """Integer-array indices wrapped into their axes, as CuPy's indexing does (NumPy raises on an index
+    out of bounds; a device batch's ids are checked later, so the stand-in must index as a GPU does)."""
+    return tuple(
+        np.mod(_host(p), shape[axis]) if isinstance(p, np.ndarray) and p.dtype.kind in "iu" else p
+        for axis, p in enumerate(parts)
+    )
+
+
 def _all_bfloat16(inputs) -> bool:
     return all(getattr(a, "dtype", None) is not None and a.dtype.name == "bfloat16" for a in inputs)
 
@@ -129,13 +138,16 @@ def _bfloat16_matmul(a, b, out=None):
 class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
     @on_device
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        if "out" in kwargs:
-            kwargs["out"] = tuple(_host(o) for o in kwargs["out"])
+        outs = kwargs.get("out")
+        if outs is not None:
+            kwargs["out"] = tuple(_host(o) for o in outs)
         if ufunc is np.matmul and _all_bfloat16(inputs):
             return _bfloat16_matmul(*inputs, **kwargs)
         result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
         kind = "matmul" if ufunc is np.matmul else "elementwise" if method == "__call__" else method
         _launch(kind, inputs)
+        if outs is not None and method == "__call__":  # `a /= b` is `a` itself, as in CuPy
+            return outs[0] if len(outs) == 1 else outs
         return _device(result)
 
     @on_device
@@ -150,6 +162,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
             _sync("boolean-mask index")
         if any(isinstance(p, (np.ndarray, list)) for p in parts):
             _launch("gather")
+            index = _wrapped(parts, self.shape)
         return _device(np.ndarray.__getitem__(self, _unwrap(index)))
 
     @on_device
@@ -346,6 +359,11 @@ class _Nccl:
         _launch("nccl reduceScatter")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
 
+    @on_device
+    def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802
+        _launch("nccl allReduce")
+        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+
     def check_async_error(self):
         pass
 
@@ -488,7 +506,7 @@ def install(with_cudnn: bool = True):
     @on_device
     def scatter_add(target, index, values):
         _launch("scatter_add")
-        np.add.at(_host(target), _host(index), _host(values))
+        np.add.at(_host(target), np.mod(_host(index), target.shape[0]), _host(values))  # CuPy wraps
 
     cupyx.scatter_add = scatter_add
     cupyx.empty_pinned = np.empty

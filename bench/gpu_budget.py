@@ -5,13 +5,15 @@ by bench/cupy_standin.py. One JSON line:
 
     python bench/gpu_budget.py [--host-profile 20]
     {"launches_per_step": ..., "launches_per_layer": ..., "host_syncs_per_step": ...,
-     "host_syncs_in_step": ..., "syncs": {phase: {kind: n}}, "launches_by_phase": {...}}
+     "host_syncs_in_step": ..., "syncs": {phase: {kind: n}}, "launches_by_phase": {...},
+     "device_batch_syncs_in_passes": ...}
 
 host_syncs_in_step: inside forward, backward and the optimizer step (the issue 30 budget: 0);
 host_syncs_per_step adds reading the loss for logging (budget: 2 in all). host_ms_per_step: the
 step's Python on the host (its wall time less the stand-in's NumPy work, which a GPU would do), on
 this machine: what the host needs to issue one step, whatever the GPU's speed; CuPy's own cost per
-call (a few microseconds, a device's figure) comes on top.
+call (a few microseconds, a device's figure) comes on top. device_batch_syncs_in_passes: forward
+and backward's host syncs when the batch is already on the device (its checks run there; budget 0).
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def steady_step(**scaler_settings):
     return model, opt, scaler, x, y
 
 
+def _syncs_in_passes_with_a_device_batch(model, opt, scaler, x, y) -> int:
+    """Host syncs in forward and backward of one step whose batch is already on the device: its ids
+    and targets are checked there, the verdict read with the step's (base/deferred.py)."""
+    import cupy
+
+    cupy_standin.SYNCS.clear()
+    step(model, opt, scaler, cupy.asarray(x), cupy.asarray(y))
+    return sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase in ("forward", "backward"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -95,6 +107,7 @@ def main():
     for (phase, _), n in cupy_standin.LAUNCHES.items():
         by_phase[phase] += n
     in_step = sum(n for (phase, _), n in cupy_standin.SYNCS.items() if phase != "logging")
+    device_batch = _syncs_in_passes_with_a_device_batch(model, opt, scaler, x, y)
     profile = {}
     if args.host_profile:  # after the counted and timed steps: the sampler's thread slows the host
         run = lambda: [step(model, opt, scaler, x, y) for _ in range(PROFILED_STEPS)]  # noqa: E731
@@ -104,6 +117,7 @@ def main():
         "launches_per_layer": round(launches / LAYERS, 1),
         "host_syncs_per_step": sum(cupy_standin.SYNCS.values()), "host_syncs_in_step": in_step,
         "syncs": syncs, "launches_by_phase": dict(by_phase),
+        "device_batch_syncs_in_passes": device_batch,
         "host_ms_per_step": round(1000 * statistics.median(host_s), 1), **profile,
     }))  # fmt: skip
 

@@ -11,6 +11,8 @@
   same parameters after 3 steps, bit for bit;
 - a master beyond float16 named at the step through the NaN/Inf flag kernel, and the next step,
   the master back in range, not (the verdict that found the flag set cleared it);
+- a device batch checked on the device, its verdict read with the step's (or the loss's): a token
+  id or a target beyond the vocabulary named then, and the next good batch steps;
 - cross_entropy under a count share that is not whole (the global valid count / N), its count
   read on the device: the CPU's loss and gradient;
 - float16 and bfloat16 gathers (raw kernels in that type) against float32: the gradient shards
@@ -138,6 +140,49 @@ def _step_outcome(opt) -> str:
         return "named" if "unit 'big'" in str(exc) else str(exc)
     finally:
         opt.zero_grad()
+
+
+def bad_batch_outcomes(comm) -> list[str]:
+    """This rank's outcomes of two steps of a sharded GPT fed device batches (checked on the device,
+    read with the step's verdict: base/deferred.py): the first with a token id beyond the vocabulary
+    on the last rank only, the second good. ["named", "stepped"] where every rank raises at the
+    first step's verdict (the last rank naming the id, the others its rank) and steps at the next."""
+    xp = mpifsdp.array_module("cuda")
+    config = GPTConfig(vocab_size=64, n_embd=16, n_layer=2, n_head=2, block_size=8)
+    model = GPT(config, seed=0, device="cuda")
+    mpifsdp.fully_shard(model, comm, units=model.blocks)
+    opt = mpifsdp.AdamW(model, lr=1e-3)
+    rng = np.random.default_rng(comm.rank)
+    outcomes = []
+    for step in range(2):
+        x, y = (xp.asarray(rng.integers(0, 64, (2, 8))) for _ in range(2))
+        if step == 0 and comm.rank == comm.size - 1:
+            x[1, 3] = 64
+        model(x, y).backward()
+        try:
+            opt.step()
+            outcomes.append("stepped")
+        except ValueError as exc:
+            mine = "idx (token ids) holds 64, outside [0, 64)" in str(exc)
+            outcomes.append("named" if mine or f"rank(s) [{comm.size - 1}]" in str(exc) else str(exc))
+        opt.zero_grad()
+    return outcomes
+
+
+def a_bad_device_target_is_named_when_the_loss_is_read() -> bool:
+    """A device batch's target beyond the vocabulary, forward only (no optimizer step to read the
+    verdict): reading the loss raises, naming it; the next good batch's loss reads."""
+    xp = mpifsdp.array_module("cuda")
+    model = GPT(GPTConfig(vocab_size=64, n_embd=16, n_layer=1, n_head=2, block_size=8), seed=0, device="cuda")
+    x, y = (xp.asarray(np.random.default_rng(3).integers(0, 64, (2, 8))) for _ in range(2))
+    bad = y.copy()
+    bad[0, 0] = 70
+    try:
+        model(x, bad).item()
+        return False
+    except ValueError as exc:
+        named = "targets holds 70" in str(exc)
+    return named and bool(np.isfinite(model(x, y).item()))
 
 
 def overflow_named_once() -> bool:
@@ -373,6 +418,11 @@ def main() -> int:
     err = fractional_count_share()
     result["loss_and_grad_under_a_fractional_count_share"] = {"max_rel_err": err, "bound": BOUND}
     result["overflow_named_then_cleared"] = overflow_named_once()
+    comm = mpifsdp.Comm(device="cuda", transport="nccl")
+    result["a_bad_device_batch_is_named_at_the_verdict"] = bad_batch_outcomes(comm) == ["named", "stepped"]
+    result["a_bad_device_target_is_named_when_the_loss_is_read"] = (
+        a_bad_device_target_is_named_when_the_loss_is_read()
+    )
     full = mixed_precision_grads(np.float32)
     for dtype in (np.float16, bfloat16()):
         err = _relative_error(mixed_precision_grads(dtype), full)

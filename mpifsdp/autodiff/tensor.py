@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..base.backend import array_module_of, to_numpy
+from ..base import deferred
+from ..base.backend import array_module_of, host_values, to_numpy
 from ..base.checks import is_floating
 from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order, timed
 
@@ -138,7 +139,11 @@ class Tensor:
         return array_module_of(self.data)
 
     def numpy(self) -> np.ndarray:
-        return to_numpy(self.data)
+        """The values on the host; a device batch's input checks still pending (base/deferred.py)
+        are read too, and a failed one raises: a loss is not reported from a bad batch."""
+        value = to_numpy(self.data)
+        deferred.raise_failed(*deferred.read_pending(host_values))
+        return value
 
     def item(self) -> float:
         return float(self.numpy().reshape(()))

@@ -282,6 +282,21 @@ class Comm:
         """In-place sum over ranks."""
         self.wait(self.iall_reduce(array, unit=unit, phase=phase))
 
+    def all_reduce_on_device(self, array, *, what: str, phase: str = "other"):
+        """`array` (a small device array) summed over ranks in place, ordered on the device: the
+        host does not wait (NCCL). None, nothing done, where the transport cannot (MPI: the caller
+        reads the value back and reduces it on the host)."""
+        reduce = getattr(self.transport, "iall_reduce", None)
+        if reduce is None or array_module_of(array) is np:
+            return None
+        self._announce(what, phase, "all_reduce", array.size, array.dtype)
+        request = reduce(array)
+        self.ledger.record(
+            what, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
+        )
+        self.wait(request)
+        return array
+
     def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:
         """The sum over ranks of one float. `what` names its purpose in the collective's fingerprint, so
         two ranks reducing different quantities (a gradient norm here, a loss there) are caught."""

@@ -118,6 +118,15 @@ class NCCLTransport:
         )
         return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
+    def iall_reduce(self, array):
+        """array summed over ranks in place (a small one: a count), on the comm stream."""
+        backend.stream_wait_current(self.stream)
+        dtype = backend.nccl_dtype(array.dtype)
+        self.comm.allReduce(
+            array.data.ptr, array.data.ptr, array.size, dtype, self.nccl.NCCL_SUM, self.stream.ptr
+        )
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
+
 
 def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
     """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else host."""

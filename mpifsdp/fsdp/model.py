@@ -21,10 +21,13 @@ import contextlib
 import weakref
 from collections import deque
 
+import numpy as np
+
 from .. import ops
 from ..autodiff.tape import grad_enabled, scope
 from ..autodiff.tensor import Tensor
 from ..base.accounting import MemoryLedger
+from ..base.backend import host_value
 from ..base.checks import is_count
 from ..comm.communicator import CollectiveError, Comm
 from ..shard.pool import BufferPool
@@ -182,6 +185,14 @@ class ShardedModel:
         """
         if self.chunk_state.index is not None:  # deterministic mode: weighed by the exact sum instead
             return self.chunk_state.count(local)
+        if not isinstance(local, int):  # a device batch's count: summed on the device where it can
+            what = "the count of valid targets"
+            summed = self.comm.all_reduce_on_device(
+                local.astype(np.float64).reshape(1), what=what, phase="forward"
+            )
+            if summed is not None:
+                return summed.reshape(()) / self.comm.size
+            local = int(host_value(local, what))
         counts = self.comm.gather_ints(local, phase="forward", op="valid_target_count")[:, 0]
         return int(counts.sum()) / self.comm.size
 

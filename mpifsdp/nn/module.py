@@ -15,7 +15,8 @@ from collections import OrderedDict
 import numpy as np
 
 from ..autodiff.tensor import Param, Tensor
-from ..base.backend import device_of, host_value, to_device, to_numpy
+from ..base import deferred
+from ..base.backend import array_module_of, device_of, to_device, to_numpy
 from ..base.checks import is_count
 
 _deferring = threading.local()
@@ -74,7 +75,9 @@ def constant_param(value: float, shape, dtype, device: str) -> Param:
 
 def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None) -> str | None:
     """What is wrong with `ids` as a `ndim`-D integer array of ids in [0, count) (or `ignore`), or
-    None: a cheap check that names the argument, the bad value and the valid range."""
+    None: a cheap check that names the argument, the bad value and the valid range. The values of
+    ids on a GPU are checked there, and a bad one raises the ValueError at the next read (the step's
+    verdict, a loss: base/deferred.py), not with a host sync in the forward."""
     ids = ids.data if isinstance(ids, Tensor) else ids
     if not hasattr(ids, "dtype") or ids.dtype.kind not in "iu":
         kind = f"{ids.dtype} array" if hasattr(ids, "dtype") else type(ids).__name__
@@ -84,10 +87,12 @@ def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None
     outside = (ids < 0) | (ids >= count)
     if ignore is not None:
         outside &= ids != ignore
-    if host_value(outside.any(), "an input check"):  # one read on a GPU; the details only if bad
-        also = "" if ignore is None else f" (and is not the ignore index {ignore})"
-        return f"{name} holds {int(ids[outside][0])}, outside [0, {count}){also}"
-    return None
+    also = "" if ignore is None else f" (and is not the ignore index {ignore})"
+    message = lambda: f"{name} holds {int(ids[outside][0])}, outside [0, {count}){also}"  # noqa: E731
+    if array_module_of(ids) is not np:  # a device batch: read with the step's verdict, no sync here
+        deferred.defer(outside.any(), ValueError, message)
+        return None
+    return message() if outside.any() else None
 
 
 def _holds_parameters(value) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..autodiff.tape import WROTE, Summed, SumsWritten
 from ..autodiff.tensor import primitive
+from ..base import deferred
 from ..base.backend import array_module_of
 from ..base.kernels import accumulator, device_address
 from ..base.threads import for_row_blocks
@@ -659,6 +660,26 @@ def _cross_entropy_vjp(g, saved, logits, targets, ignore_index=-1, count=None):
     return (grad.reshape(logits.shape),)
 
 
+def _checked_count(t, valid, classes: int, ignore_index: int, count):
+    """The count the loss divides by (default: the valid targets'; 1 where it is 0: all ignored,
+    a loss of 0), once the targets are checked in [0, classes). Device targets are checked on the
+    device, read with the step's verdict (base/deferred.py), and their count stays there too: no
+    host sync in the forward."""
+    outside = valid & ((t < 0) | (t >= classes))
+    message = lambda: (  # noqa: E731
+        f"cross_entropy: target {int(t[outside][0])} is outside [0, {classes}) "
+        f"and is not the ignore_index {ignore_index}"
+    )
+    xp = array_module_of(t)
+    if xp is not np:
+        deferred.defer(outside.any(), IndexError, message)
+        count = xp.asarray(valid.sum() if count is None else count, dtype=np.float64)
+        return xp.where(count == 0, 1.0, count)
+    if outside.any():
+        raise IndexError(message())
+    return (count if count is not None else int(valid.sum())) or 1
+
+
 @primitive("cross_entropy", vjp=_cross_entropy_vjp)
 def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     """Sum over non-ignored positions of -log softmax(logits)[target], divided by `count` (default:
@@ -671,20 +692,14 @@ def _cross_entropy(logits, targets, ignore_index=-1, count=None):
     if t.dtype.kind not in "iu":
         raise TypeError(f"cross_entropy: targets must be integer class ids, got {targets.dtype}")
     valid = t != ignore_index
-    outside = valid & ((t < 0) | (t >= flat.shape[1]))
-    if outside.any():
-        raise IndexError(
-            f"cross_entropy: target {int(t[outside][0])} is outside [0, {flat.shape[1]}) "
-            f"and is not the ignore_index {ignore_index}"
-        )
-    count = (count if count is not None else int(valid.sum())) or 1  # all ignored: a loss of 0
+    count = _checked_count(t, valid, flat.shape[1], ignore_index, count)
     copied = on_device = None
     if xp is not np and array_module_of(t) is np:  # host targets: checked above with no device read
         t, on_device = gpu_cross_entropy.targets_with_count(xp, t, count)
         copied = t
     if xp is not np and logits.flags.c_contiguous and gpu_cross_entropy.usable(flat, t):  # one kernel
-        if on_device is None:  # device targets: their count was read back above
-            on_device = xp.asarray(np.array([count], dtype=np.float64))
+        if on_device is None:  # device targets: their count is on the device too
+            on_device = count.reshape(1)
         lse, losses = gpu_cross_entropy.forward(flat, t, ignore_index)
         loss_dtype = np.promote_types(logits.dtype, np.float32)
         loss = xp.divide(losses.sum(), on_device.reshape(()), dtype=loss_dtype)  # as losses.sum() / count

@@ -31,8 +31,15 @@ def cross_entropy(logits, targets, ignore_index=-1) -> Tensor:
     if logits.dtype != wide and not _read_as_they_are(logits.data, targets):
         logits = logits.astype(wide)  # float16 logits: the loss in float32
     share = _count_share.get()
-    count = None if share is None else share(int((targets != ignore_index).sum()))
+    count = None if share is None else share(_valid_count(targets, ignore_index))
     return apply("cross_entropy", logits, targets=targets, ignore_index=ignore_index, count=count)
+
+
+def _valid_count(targets, ignore_index: int):
+    """How many targets are not ignore_index: an int for host targets, a device scalar for device
+    ones (no host sync in the forward; fsdp's count_share sums it on the device where it can)."""
+    count = (targets != ignore_index).sum()
+    return int(count) if array_module_of(targets) is np else count
 
 
 def _read_as_they_are(logits, targets) -> bool:

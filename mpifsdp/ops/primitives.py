@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ..autodiff.tensor import primitive
+from ..base import deferred
 from ..base.backend import array_module_of, host_values, scatter_add
 from .causal_attention import swap_last  # importing attention (and fused) registers their primitives
 
@@ -253,20 +254,25 @@ def _embedding_vjp(g, idx_on_device, w, idx):
     return (scatter_add(gw, idx.reshape(-1), g.reshape(-1, w.shape[1])),)
 
 
+def _out_of_range(ends, rows: int) -> str:
+    low, high = int(ends[0]), int(ends[1])
+    return f"embedding index out of range: indices span [{low}, {high}] but the table has {rows} rows"
+
+
 @primitive("embedding", vjp=_embedding_vjp)
 def _embedding(w, idx):
     """w[idx]. Host (NumPy) indices into a GPU table are checked on the host and copied once (kept
-    for backward): the check reads nothing back from the device."""
+    for backward): the check reads nothing back from the device; device indices are checked there,
+    read with the step's verdict (base/deferred.py)."""
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding indices must be integers, got {idx.dtype}")
-    if idx.size:  # both ends in one read (of device indices: a host sync)
-        ends = host_values(array_module_of(idx).stack([idx.min(), idx.max()]), "an input check")
-        low, high = int(ends[0]), int(ends[1])
-        if low < 0 or high >= w.shape[0]:
-            raise IndexError(
-                f"embedding index out of range: indices span [{low}, {high}] but the table has "
-                f"{w.shape[0]} rows"
-            )
+    if idx.size:
+        ends = array_module_of(idx).stack([idx.min(), idx.max()])
+        message = lambda: _out_of_range(host_values(ends, "an input check"), w.shape[0])  # noqa: E731
+        if array_module_of(idx) is not np:  # device indices: read with the step's verdict, no sync here
+            deferred.defer((ends[0] < 0) | (ends[1] >= w.shape[0]), IndexError, message)
+        elif ends[0] < 0 or ends[1] >= w.shape[0]:
+            raise IndexError(message())
     xp = array_module_of(w)
     if xp is not np and array_module_of(idx) is np:
         idx = xp.asarray(idx)

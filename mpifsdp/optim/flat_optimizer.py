@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from ..autodiff.tensor import Param
+from ..base import deferred
 from ..base.backend import array_module_of, host_values
 from ..shard.exact import exact_squared_norm
 from . import gpu_norm
@@ -107,6 +108,7 @@ class FlatOptimizer:
         self._norm = None  # the global grad norm of this step, once computed
         self._overflowed = None  # a group whose gather overflowed param_dtype, read with the norm
         self._flags_read = False  # this step read device overflow flags: the ranks' must agree
+        self._input_failed = None  # a device batch's failed input check, read with the verdict
         self.step_count = 0  # steps taken (skipped ones not counted)
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
@@ -225,31 +227,47 @@ class FlatOptimizer:
         (one host sync); here what it did not read, once the caller gave the norm."""
         if self.comm is not None and hasattr(self.comm, "settle"):
             self.comm.settle()
-        flags = self._overflow_flags()
-        if flags:
-            (read,) = self._read([_stacked(flags)], "the step's verdict")
-            self._note_overflow(flags, read)
+        flags, checks = self._overflow_flags(), deferred.take()
+        if flags or checks:
+            self._note_read(flags, checks, self._read(_verdict_arrays(flags, checks), "the step's verdict"))
         overflowed, self._overflowed = self._overflowed, None
+        failed, self._input_failed = self._input_failed, None
         if self._flags_read:
             self._flags_read = False
-            overflowed = self._agreed(overflowed)
+            overflowed, failed = self._agreed(overflowed, failed)
+        if failed is not None:
+            failed()
         if overflowed is not None:
             overflowed.raise_unrepresentable()
 
-    def _agreed(self, overflowed):
-        """The first group any rank's flags named (collective): a GPU's gathers check each rank's
-        own shard as they cast it, so one rank may hold the overflow the others must raise too."""
+    def _agreed(self, overflowed, failed):
+        """(the first group any rank's flags named, the input check to raise) (collective): a GPU's
+        gathers check each rank's own shard as they cast it, and a device batch is checked on its
+        rank, so one rank may hold the overflow or the bad batch the others must raise too."""
         if self.comm is None or self.comm.size == 1:
-            return overflowed
+            return overflowed, failed
         mine = len(self.groups) if overflowed is None else self.groups.index(overflowed)
-        first = int(self.comm.gather_ints(mine, phase="optimizer", op="overflow_verdict")[:, 0].min())
-        return self.groups[first] if first < len(self.groups) else None
+        everyone = self.comm.gather_ints(
+            mine, int(failed is not None), phase="optimizer", op="overflow_verdict"
+        )
+        first, bad = int(everyone[:, 0].min()), [r for r, hit in enumerate(everyone[:, 1]) if hit]
+        if bad and failed is None:
+            failed = lambda: _refuse_batch_of(bad)  # noqa: E731
+        return (self.groups[first] if first < len(self.groups) else None), failed
 
     def _overflow_flags(self) -> list:
         """(group, (device flag, token)) of each group whose gathers were checked on a device, taken:
         each is read once."""
         flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
         return [(group, taken) for group, taken in flags if taken is not None]
+
+    def _note_read(self, flags: list, checks: list, read: list):
+        """What the step's verdict read of the overflow flags and the deferred input checks."""
+        if flags:
+            self._note_overflow(flags, read[0])
+        if checks:
+            self._flags_read = True
+            self._input_failed = self._input_failed or deferred.first_failure(checks, read[-1])
 
     def _note_overflow(self, flags: list, values):
         """The first group whose flag holds its token (its gathers overflowed) is raised at _settle;
@@ -283,7 +301,9 @@ class FlatOptimizer:
         return False
 
     def zero_grad(self):
-        self._norm = self._overflowed = None  # this step's verdict goes with its gradients
+        self._norm = self._overflowed = self._input_failed = (
+            None  # this step's verdict goes with its gradients
+        )
         self._flags_read = False
         for group in self.groups:
             group.zero_grad()
@@ -308,13 +328,11 @@ class FlatOptimizer:
         xp = array_module_of(grads[0])
         if xp is np:
             return float(sum((g @ g).astype(np.float64) for g in grads))
-        flags = self._overflow_flags()
+        flags, checks = self._overflow_flags(), deferred.take()
         dots = gpu_norm.sums_of_squares(grads)  # two launches for every group
         dots = xp.stack([g @ g for g in grads]) if dots is None else dots
-        arrays = [dots] + ([_stacked(flags)] if flags else [])
-        read = self._read(arrays, "the step's verdict")
-        if flags:
-            self._note_overflow(flags, read[1])
+        read = self._read([dots, *_verdict_arrays(flags, checks)], "the step's verdict")
+        self._note_read(flags, checks, read[1:])
         return float(sum(read[0].astype(np.float64)))
 
     def scale_grads(self, factor: float):
@@ -347,6 +365,19 @@ class FlatOptimizer:
         if self.weight_decay:
             for start, stop in self.decay_segments[i]:
                 g[start:stop] += self.weight_decay * p[start:stop]
+
+
+def _verdict_arrays(flags: list, checks: list) -> list:
+    """What the step's verdict reads besides the norm: the groups' overflow flags, the deferred
+    input checks' flags (base/deferred.py), each stacked, where there are any."""
+    return ([_stacked(flags)] if flags else []) + ([deferred.stacked(checks)] if checks else [])
+
+
+def _refuse_batch_of(ranks: list):
+    raise ValueError(
+        f"the batch of rank(s) {ranks} failed an input check on the device (their own errors name the "
+        "value): every rank stops here"
+    )
 
 
 def _stacked(flags: list):

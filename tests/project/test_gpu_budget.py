@@ -36,6 +36,10 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # forward: no collective waits (was 25), and with the batch on the host its checks read nothing
     # back from the device (was 9, then 6 with a device batch)
     assert "forward" not in syncs, syncs
+    # a batch already on the device: its ids and targets checked there, the verdict read with the
+    # step's, and its valid count summed there (was 5: two id checks, the embedding's range, the
+    # targets' range, the count)
+    assert budget["device_batch_syncs_in_passes"] == 0, budget
     # raw kernels for LayerNorm, cross-entropy, AdamW (decay, unscale and clip in it) and the NaN flag;
     # the norm's dots read at once; VJPs writing into zeroed gradients: 167.5 -> 62.7; cuDNN's fused
     # attention (one launch each way): 50.7; the host batch's positions copied, not made: 49.8; the
