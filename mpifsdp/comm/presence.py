@@ -114,7 +114,9 @@ class Channel:
             timeout,
         )
         self.why, self.failed = "its program ended", False
-        self._sends = []  # roll-call answers: small messages, never waited for (sent eagerly)
+        # (request, message) of sends never waited for (roll calls and their answers: small, sent
+        # eagerly); each message is kept with its request, as MPI may read it until it completes
+        self._sends = []
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.leave)
@@ -142,7 +144,8 @@ class Channel:
     def _answer_roll_calls(self, where: str):
         while (asked := self._probe(ROLL)) is not None:
             self._receive(asked)
-            self._sends.append(self.comm.Isend(_encode(where), dest=asked.Get_source(), tag=HERE))
+            message = _encode(where)
+            self._sends.append((self.comm.Isend(message, dest=asked.Get_source(), tag=HERE), message))
 
     def check(self, request):
         self._answer_roll_calls(self.where())  # a watchdog elsewhere asks: say where this rank waits
@@ -170,7 +173,7 @@ class Channel:
                 answers[status.Get_source()] = self._receive(status)
             else:
                 time.sleep(1e-3)
-        self._sends += sends  # the silent ranks never receive theirs: the job ends before that matters
+        self._sends += [(send, message) for send in sends]  # the silent ranks never receive theirs
         waiting = "; ".join(f"rank {r} waits in {where}" for r, where in sorted(answers.items()))
         silent = [r for r in range(self.size) if r != self.rank and r not in answers]
         missing = (
@@ -188,6 +191,7 @@ class Channel:
         message = _encode(f"{self.why}; its last collective: {self.where()}")
         sends = [self.comm.Isend(message, dest=r, tag=LEFT) for r in range(self.size) if r != self.rank]
         if self.failed:  # an exception: `-m mpi4py` aborts the job next, and must not be delayed
+            self._sends += [(send, message) for send in sends]  # in flight past this function
             if "mpi4py.run" not in sys.modules:
                 self._end_unless_all_left()
             return

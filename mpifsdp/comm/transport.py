@@ -26,15 +26,18 @@ log = logging.getLogger(__name__)
 
 
 class CopyBack:
-    """An MPI request on host buffers whose result is copied to the device once it completes."""
+    """An MPI request on host buffers whose result is copied to the device once it completes.
+    `sent`, the host copy of what is sent, is kept until then: MPI reads it while the request is in
+    flight, and mpi4py keeps no reference to a nonblocking call's buffers (a temporary freed at
+    once had Open MPI reduce freed memory: garbage gradients over host staging)."""
 
-    def __init__(self, request, host, device):
-        self.request, self.host, self.device, self.finished = request, host, device, False
+    def __init__(self, request, host, device, sent):
+        self.request, self.host, self.device, self.sent, self.finished = request, host, device, sent, False
 
     def Test(self):
         if not self.finished and self.request.Test():
             self.device[...] = backend.to_device(self.host, backend.device_of(self.device))
-            self.finished = True
+            self.finished, self.sent = True, None
         return self.finished
 
     def Wait(self):
@@ -80,16 +83,16 @@ class HostStagingTransport(MPITransport):
 
     def iall_gather(self, send, recv):
         backend.synchronize(send)
-        host = np.empty(recv.shape, dtype=recv.dtype)
-        return CopyBack(self.mpi.Iallgather(words(backend.to_numpy(send)), words(host)), host, recv)
+        host, sent = np.empty(recv.shape, dtype=recv.dtype), backend.to_numpy(send)
+        return CopyBack(self.mpi.Iallgather(words(sent), words(host)), host, recv, sent)
 
     def ireduce_scatter(self, send, recv):
         from mpi4py import MPI
 
         check_summable(self.name, send.dtype, "reduce_dtype")
         backend.synchronize(send)
-        host = np.empty(recv.shape, dtype=recv.dtype)
-        return CopyBack(self.mpi.Ireduce_scatter_block(backend.to_numpy(send), host, op=MPI.SUM), host, recv)
+        host, sent = np.empty(recv.shape, dtype=recv.dtype), backend.to_numpy(send)
+        return CopyBack(self.mpi.Ireduce_scatter_block(sent, host, op=MPI.SUM), host, recv, sent)
 
 
 class NCCLTransport:

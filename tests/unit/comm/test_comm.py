@@ -103,6 +103,40 @@ def test_host_staging_transport_gathers_and_reduces_like_mpi(comm):
     agree(comm, bool(ok), f"host staging gave {full} and {shard}")
 
 
+def test_host_staging_keeps_what_it_sends_until_the_request_completes(comm, monkeypatch):
+    """MPI reads a nonblocking collective's send buffer while the request is in flight, and mpi4py
+    keeps no reference to it: host staging's host copy of the device array (CuPy's asnumpy makes a
+    new one) must stay alive until the request completes, or MPI reads freed memory (Open MPI
+    reduced garbage into the gradients). An MPI stand-in checks, when tested, that it still lives."""
+    import weakref
+
+    from mpifsdp.base import backend
+    from mpifsdp.comm.transport import HostStagingTransport
+
+    class Request:
+        def __init__(self, sent):
+            self.sent = weakref.ref(sent)
+
+        def Test(self):
+            assert self.sent() is not None, "the send buffer was freed while the request was in flight"
+            return True
+
+    class MPI:
+        def Iallgather(self, send, recv):
+            return Request(send)
+
+        def Ireduce_scatter_block(self, send, recv, op):
+            return Request(send)
+
+    monkeypatch.setattr(backend, "to_numpy", lambda array: np.array(array))  # a copy, as CuPy's
+    staging = HostStagingTransport(MPI())
+    for request in (
+        staging.iall_gather(np.ones(3), np.empty(3)),
+        staging.ireduce_scatter(np.ones(3), np.empty(3)),
+    ):
+        assert request.Test()
+
+
 def test_transport_choices_are_checked(comm):
     from mpifsdp.comm.transport import choose_transport
 
