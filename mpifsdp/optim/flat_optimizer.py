@@ -301,9 +301,8 @@ class FlatOptimizer:
         return False
 
     def zero_grad(self):
-        self._norm = self._overflowed = self._input_failed = (
-            None  # this step's verdict goes with its gradients
-        )
+        # this step's verdict goes with its gradients
+        self._norm = self._overflowed = self._input_failed = None
         self._flags_read = False
         for group in self.groups:
             group.zero_grad()
