@@ -7,6 +7,8 @@ nothing outside an array is touched.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .backend import array_module_of, host_values
 
 LIMIT = 64  # checks pending at most: past it they are read at once (a forward-only loop reads nothing)
@@ -20,6 +22,15 @@ def defer(failed, error: type, message):
     _pending.append((failed, error, message))
     if len(_pending) > LIMIT:
         raise_failed(*read_pending(host_values))
+
+
+def check(failed, error: type, message):
+    """Raise error(message()) where `failed` holds: at once for a host value, at the next read for
+    a device one (defer)."""
+    if array_module_of(failed) is not np:
+        defer(failed, error, message)
+    elif failed:
+        raise error(message())
 
 
 def take() -> list:
@@ -60,4 +71,4 @@ def _raise(error: type, message):
     raise error(message() + LATER)
 
 
-__all__ = ["defer", "first_failure", "raise_failed", "read_pending", "stacked", "take"]
+__all__ = ["check", "defer", "first_failure", "raise_failed", "read_pending", "stacked", "take"]

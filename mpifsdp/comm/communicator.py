@@ -271,8 +271,13 @@ class Comm:
     def iall_reduce(self, array, *, unit: str = "", phase: str = "other", hot: bool = False):
         """Start the in-place sum over ranks of a contiguous array; returns a request (see wait).
         hot=True: a unit's per-step traffic (HSDP's gradient shards), not compared before it runs."""
+        launch = lambda: self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)  # noqa: E731
+        return self._start_all_reduce(launch, array, unit, phase, hot)
+
+    def _start_all_reduce(self, launch, array, unit: str, phase: str, hot: bool = False):
+        """An in-place all-reduce of `array`, announced, started by launch() and counted."""
         self._announce(unit, phase, "all_reduce", array.size, array.dtype, hot=hot)
-        request = self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)
+        request = launch()
         self.ledger.record(
             unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
         )
@@ -289,12 +294,7 @@ class Comm:
         reduce = getattr(self.transport, "iall_reduce", None)
         if reduce is None or array_module_of(array) is np:
             return None
-        self._announce(what, phase, "all_reduce", array.size, array.dtype)
-        request = reduce(array)
-        self.ledger.record(
-            what, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
-        )
-        self.wait(request)
+        self.wait(self._start_all_reduce(lambda: reduce(array), array, what, phase))
         return array
 
     def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:

@@ -670,13 +670,11 @@ def _checked_count(t, valid, classes: int, ignore_index: int, count):
         f"cross_entropy: target {int(t[outside][0])} is outside [0, {classes}) "
         f"and is not the ignore_index {ignore_index}"
     )
+    deferred.check(outside.any(), IndexError, message)
     xp = array_module_of(t)
     if xp is not np:
-        deferred.defer(outside.any(), IndexError, message)
         count = xp.asarray(valid.sum() if count is None else count, dtype=np.float64)
         return xp.where(count == 0, 1.0, count)
-    if outside.any():
-        raise IndexError(message())
     return (count if count is not None else int(valid.sum())) or 1
 
 

@@ -269,10 +269,7 @@ def _embedding(w, idx):
     if idx.size:
         ends = array_module_of(idx).stack([idx.min(), idx.max()])
         message = lambda: _out_of_range(host_values(ends, "an input check"), w.shape[0])  # noqa: E731
-        if array_module_of(idx) is not np:  # device indices: read with the step's verdict, no sync here
-            deferred.defer((ends[0] < 0) | (ends[1] >= w.shape[0]), IndexError, message)
-        elif ends[0] < 0 or ends[1] >= w.shape[0]:
-            raise IndexError(message())
+        deferred.check((ends[0] < 0) | (ends[1] >= w.shape[0]), IndexError, message)
     xp = array_module_of(w)
     if xp is not np and array_module_of(idx) is np:
         idx = xp.asarray(idx)

@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 from ..autodiff.tensor import Tensor
-from ..base.backend import array_module_of
 from .flat_optimizer import clip_scale
 from .optimizers import FlatOptimizer, NonFiniteError
 
@@ -41,7 +40,7 @@ class LossScaler:
                 f"max_skips_in_a_row >= 1; got min_scale={min_scale}, init_scale={init_scale}, "
                 f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
             )
-        self._on_device: dict = {}  # dtype -> [0-d device array, the scale it holds]
+        self._on_device: dict = {}  # dtype -> the scale as a 0-d device array of that dtype
         self.scale_value = float(init_scale)
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -59,15 +58,12 @@ class LossScaler:
         return loss * Tensor(self._device_scale(loss.xp, loss.dtype))
 
     def _device_scale(self, xp, dtype):
-        """The scale as a 0-d device array of `dtype` (one per dtype), holding scale_value."""
+        """The scale as a 0-d device array of `dtype` (one per dtype, made at its first use; the
+        scale_value setter keeps it current)."""
         key = np.dtype(dtype)
-        held = self._on_device.get(key)
-        if held is None:
-            held = self._on_device[key] = [xp.empty((), dtype=key), None]
-        if held[1] != self.scale_value:
-            held[0].fill(self.scale_value)
-            held[1] = self.scale_value
-        return held[0]
+        if key not in self._on_device:
+            self._on_device[key] = xp.full((), self.scale_value, dtype=key)
+        return self._on_device[key]
 
     @property
     def scale_value(self) -> float:
@@ -78,8 +74,8 @@ class LossScaler:
         """A new scale: its device copies rewritten at once, before the next forward (a replayed one
         included, which does not call scale())."""
         self._scale = float(value)
-        for key, (array, _) in list(self._on_device.items()):
-            self._device_scale(array_module_of(array), key)
+        for array in self._on_device.values():
+            array.fill(self._scale)
 
     def step(self, optimizer: FlatOptimizer, max_norm: float | None = None) -> bool:
         """Unscale, check, clip (max_norm) and step. Where the optimizer folds a gradient scale into
