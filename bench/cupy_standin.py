@@ -10,16 +10,26 @@ boolean-mask index (its size is read back) and an eventQuery. NCCL on one rank c
 kernels run as their NumPy twins, our elementwise kernels as NumPy formulas of the same math,
 cuDNN's attention as bench/cudnn_standin.py's twin. The time all that takes is the device's
 (`on_device`, DEVICE_S): the rest of a step's wall time is its host's.
+
+CUDA graphs (Stream.begin_capture / end_capture, Graph.launch) as a GPU runs them: while a stream
+captures, every launch is recorded as a thunk (the same call, on the same arrays: a graph binds
+addresses and freezes the values it took by value) and nothing it did stays done (the device's
+memory is restored at end_capture, and what the capture allocated is poisoned: a graph's work happens
+at launch). What a capture refuses raises CaptureError: a host sync, a copy from pageable host
+memory, a collective on a stream the capture does not reach, work forked onto another stream and not
+joined back. Graph.launch replays the thunks in order.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import sys
 import time
 import types
+import weakref
 
 import numpy as np
 
@@ -29,6 +39,13 @@ RECORD: list | None = None  # while a list: (phase, kind, what it takes from the
 PHASE = ["setup"]
 DEVICE_S = [0.0]  # seconds spent doing what a GPU would (the NumPy work of every launch, copy, sync)
 _DEPTH = [0]
+_ROOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> every device buffer alive
+_CAPTURE: list = [None]  # the stream capture in progress, if any
+_REPLAYING = [False]
+
+
+class CaptureError(RuntimeError):
+    """What CUDA refuses while a stream captures (cudaErrorStreamCaptureUnsupported and kin)."""
 
 
 def on_device(work):
@@ -42,7 +59,11 @@ def on_device(work):
         _DEPTH[0] += 1
         start = time.perf_counter()
         try:
-            return work(*args, **kwargs)
+            result = work(*args, **kwargs)
+            _keep_roots(result)
+            if _CAPTURE[0] is not None:
+                _CAPTURE[0].record(work, args, kwargs, result)
+            return result
         finally:
             DEVICE_S[0] += time.perf_counter() - start
             _DEPTH[0] -= 1
@@ -53,6 +74,12 @@ def on_device(work):
 def _launch(kind: str, host=()):
     """Count a launch; while RECORD is a list, also note what it takes from the host by value (its
     scalars, the bytes a host-to-device copy reads): what a CUDA graph would freeze at capture."""
+    if _REPLAYING[0]:  # a graph's launches were counted as one
+        return
+    if _CAPTURE[0] is not None and kind == "host-to-device copy":
+        raise CaptureError(
+            "a copy from pageable host memory cannot be captured (the host's bytes are read now)"
+        )
     LAUNCHES[(PHASE[0], kind)] += 1
     if RECORD is not None:
         RECORD.append((PHASE[0], kind, _host_values(host), _caller()))
@@ -84,7 +111,24 @@ def _host_values(values) -> tuple:
 
 
 def _sync(kind: str):
+    if _CAPTURE[0] is not None:
+        raise CaptureError(f"a host sync ({kind}) while a stream captures: nothing has run yet")
     SYNCS[(PHASE[0], kind)] += 1
+
+
+def _root(a):
+    """The array that owns `a`'s buffer."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _keep_roots(result):
+    """Note the buffers of a launch's results: the device's memory, as a capture must restore it."""
+    for a in result if isinstance(result, tuple) else (result,):
+        if isinstance(a, np.ndarray):
+            root = _root(a)
+            _ROOTS[id(root)] = root
 
 
 def _host(x):
@@ -167,6 +211,8 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
 
     @on_device
     def __setitem__(self, index, value):
+        if isinstance(value, np.ndarray) and not isinstance(value, ndarray) and value.ndim:
+            _launch("host-to-device copy", (value,))  # CuPy copies host values over first
         _launch("setitem", (value,))
         np.ndarray.__setitem__(_host(self), _unwrap(index), _host(value))
 
@@ -176,6 +222,12 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         if not np.shares_memory(_host(result), _host(self)):
             _launch("copy")
         return _device(result)
+
+    @on_device
+    def set(self, arr, stream=None):
+        """A host array copied in (cudaMemcpy from pageable memory)."""
+        _launch("host-to-device copy", (arr,))
+        np.copyto(_host(self), arr)
 
     def __float__(self):
         _sync("float()")
@@ -268,26 +320,149 @@ def _array(a, dtype=None, **_):
 
 
 class _Event:
-    ptr = 0
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.after = stream.launches if stream is not None else 0  # its stream's work before it
+        self.captured = _CAPTURE[0] is not None  # a node of a graph, not an event a host can query
+        self.ptr = id(self)
+        _EVENTS[self.ptr] = self
 
     def synchronize(self):
         _sync("event.synchronize()")
 
 
 class _Stream:
-    ptr = 0
+    """A stream: the current one inside `with`, capturing between begin_capture and end_capture."""
+
+    def __init__(self):
+        self.ptr = id(self)
+        self.launches = 0  # collectives queued on it (what a capture must see joined back)
+        _STREAMS[self.ptr] = self
 
     def record(self, *_):
-        return _Event()
+        return _Event(self)
 
     def wait_event(self, event):
-        pass
+        capture = _CAPTURE[0]
+        if capture is not None and event.stream is not None:
+            capture.ordered(self, event)
 
     def synchronize(self):
         _sync("stream.synchronize()")
 
+    def __enter__(self):
+        _CURRENT.append(self)
+        return self
+
+    def __exit__(self, *_):
+        _CURRENT.pop()
+
+    def begin_capture(self, mode=None):
+        if _CAPTURE[0] is not None:
+            raise CaptureError("a stream is capturing already")
+        _CAPTURE[0] = _Capture(self)
+
+    def end_capture(self):
+        capture, _CAPTURE[0] = _CAPTURE[0], None
+        if capture is None or capture.stream is not self:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        return capture.end()
+
+    def is_capturing(self):
+        return _CAPTURE[0] is not None and _CAPTURE[0].stream is self
+
+
+_STREAMS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # ptr -> stream
+_EVENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # ptr -> event
+_CURRENT: list = []  # the streams entered, innermost last
+
+
+def _current_stream():
+    if not _CURRENT:
+        _CURRENT.append(_Stream())  # the default stream, made once
+    return _CURRENT[-1]
+
+
+class _Capture:
+    """One stream capture: the launches recorded as thunks, what the device held before, and which
+    streams its work reaches (forked by waiting on its events, joined back by its stream waiting
+    on theirs)."""
+
+    def __init__(self, stream):
+        self.stream, self.thunks = stream, []
+        self.saved = [(root, root.copy()) for root in list(_ROOTS.values())]
+        self.before = set(_ROOTS.keys())
+        self.reached = {stream}
+        self.joined: dict = {}  # forked stream -> its launches the capture stream waited for
+
+    def record(self, work, args, kwargs, result):
+        self.thunks.append((work, args, dict(kwargs), result))
+
+    def ordered(self, stream, event):
+        """`stream` waits for `event`: a fork into the capture, or a join back into its stream."""
+        if event.stream in self.reached:
+            self.reached.add(stream)
+        if stream is self.stream and event.stream is not stream:
+            self.joined[event.stream] = max(self.joined.get(event.stream, 0), event.after)
+
+    def launch_on(self, stream):
+        if stream not in self.reached:
+            raise CaptureError(
+                "a collective on a stream the capture does not reach would run now, not in the graph"
+            )
+        stream.launches += 1
+
+    def end(self):
+        for stream in self.reached - {self.stream}:
+            if stream.launches > self.joined.get(stream, 0):
+                raise CaptureError(
+                    "work forked onto another stream was not joined back into the capturing stream "
+                    "(cudaErrorStreamCaptureUnjoined)"
+                )
+        for root, saved in self.saved:  # nothing ran: the device holds what it held
+            np.copyto(root, saved)
+        for key, root in list(_ROOTS.items()):  # what the capture allocated holds nothing yet
+            if key not in self.before and (root.dtype.kind == "f" or root.dtype.name == "bfloat16"):
+                root.fill(np.nan)
+        return _Graph(self.thunks)
+
+
+class _Graph:
+    """A captured graph: launch() runs its thunks again, in order, on the arrays they were given."""
+
+    def __init__(self, thunks):
+        self.thunks = thunks
+
+    def upload(self, stream=None):
+        pass
+
+    @on_device
+    def launch(self, stream=None):
+        LAUNCHES[(PHASE[0], "graph launch")] += 1
+        _REPLAYING[0] = True
+        try:
+            for work, args, kwargs, recorded in self.thunks:
+                _copy_result(recorded, work(*args, **kwargs))
+        finally:
+            _REPLAYING[0] = False
+
+
+def _copy_result(recorded, fresh):
+    """A replayed launch's output into the buffer its capture returned (a graph writes there)."""
+    if isinstance(recorded, tuple):
+        for r, f in zip(recorded, fresh):
+            _copy_result(r, f)
+    elif isinstance(recorded, np.ndarray) and not np.may_share_memory(recorded, fresh):
+        np.copyto(_host(recorded), _host(fresh))
+
 
 def _event_query(ptr):
+    if _CAPTURE[0] is not None:
+        raise CaptureError("eventQuery while a stream captures: the event's work is not queued yet")
+    if _EVENTS[ptr].captured:
+        raise CaptureError(
+            "eventQuery of an event recorded inside a capture: it marks a graph node, not work"
+        )
     _sync("eventQuery")
     return 0
 
@@ -343,6 +518,25 @@ class RawModule:
         return launch
 
 
+class _MemoryPool:
+    """cupy.cuda.MemoryPool: a private pool (a capture's); here every buffer is NumPy's."""
+
+    def malloc(self, nbytes):
+        raise NotImplementedError("the stand-in allocates with NumPy")
+
+    def used_bytes(self):
+        return 0
+
+    def total_bytes(self):
+        return 0
+
+
+def _on_stream(stream_ptr):
+    """A collective queued on the stream at stream_ptr: a capture must reach that stream."""
+    if _CAPTURE[0] is not None:
+        _CAPTURE[0].launch_on(_STREAMS[stream_ptr])
+
+
 class _Nccl:
     """NCCL on one rank: the collectives copy."""
 
@@ -351,16 +545,19 @@ class _Nccl:
 
     @on_device
     def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 - NCCL's names
+        _on_stream(stream)
         _launch("nccl allGather")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
 
     @on_device
     def reduceScatter(self, send, recv, count, dtype, op, stream):  # noqa: N802
+        _on_stream(stream)
         _launch("nccl reduceScatter")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
 
     @on_device
     def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802
+        _on_stream(stream)
         _launch("nccl allReduce")
         ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
 
@@ -392,7 +589,6 @@ def _column_major(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndar
     return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
 
 
-@on_device
 def _gemm_ex(
     handle,
     transa,
@@ -414,9 +610,19 @@ def _gemm_ex(
     compute,
     algo,
 ):
-    acc, scalar = (np.float64, ctypes.c_double) if compute == 70 else (np.float32, ctypes.c_float)  # 64F, 32F
-    scale = [scalar.from_address(address).value for address in (alpha, beta)]  # host scalars
+    """cublas.gemmEx: alpha and beta are read from host memory when it is called (a graph keeps the
+    values it was captured with), the product when it runs."""
+    scalar = ctypes.c_double if compute == 70 else ctypes.c_float  # 64F, 32F
+    scale = tuple(scalar.from_address(address).value for address in (alpha, beta))
+    _gemm(transa, transb, m, n, k, scale, (A, a_type, lda), (B, b_type, ldb), (C, c_type, ldc), compute)
+
+
+@on_device
+def _gemm(transa, transb, m, n, k, scale, a, b, c, compute):
+    """C = scale[0] * op(A) op(B) + scale[1] * C, each matrix given as (address, type, leading dim)."""
+    acc = np.float64 if compute == 70 else np.float32
     _launch("matmul", scale)
+    (A, a_type, lda), (B, b_type, ldb), (C, c_type, ldc) = a, b, c
     ops = []
     for address, code, ld, trans, shape in (
         (A, a_type, lda, transa, (m, k)),
@@ -490,8 +696,10 @@ def install(with_cudnn: bool = True):
         )
 
     cp.cuda = types.SimpleNamespace(
-        get_current_stream=_Stream,
+        get_current_stream=_current_stream,
         Stream=lambda **_: _Stream(),
+        MemoryPool=_MemoryPool,
+        using_allocator=lambda allocator=None: contextlib.nullcontext(),
         runtime=runtime,
         Device=device,
         device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
