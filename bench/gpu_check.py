@@ -5,7 +5,7 @@ python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds,
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
-python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16] [--prefetch 0]
+python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16] [--prefetch 0] [--graph]
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
@@ -155,13 +155,19 @@ def speed(args):
     x, y = (rank_slice(a, comm.rank, comm.size) for a in random_batch(cfg, cfg["batch_size"] * comm.size))
     synchronize = synchronizer(xp)
 
-    def step():
+    def passes(x, y):
         loss = model(x, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        return loss
+
+    # --graph: forward and backward replayed from one CUDA graph (its first two calls run eagerly)
+    run = mpifsdp.GraphedPasses(model, passes) if args.graph else passes
+
+    def step():
+        loss = run(x, y)
         if scaler:
-            scaler.scale(loss).backward()
             scaler.step(opt, max_norm=1.0)
         else:
-            loss.backward()
             if dtype is not None:
                 opt.clip_grad_norm(1.0)
             opt.step()
@@ -169,13 +175,13 @@ def speed(args):
         synchronize()
         return loss
 
-    times = []
-    for i in range(args.steps + 1):
+    times, warm = [], 2 if args.graph else 1
+    for i in range(args.steps + warm):
         synchronize()
         comm.barrier()
         t0 = time.perf_counter()
         loss = step()
-        if i:
+        if i >= warm:
             times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     tokens = cfg["batch_size"] * cfg["block_size"] * comm.size
@@ -194,6 +200,7 @@ def speed(args):
         "ranks": comm.size,
         "transport": comm.transport.name,
         "prefetch": args.prefetch,
+        "graph": args.graph,
         "params": plan["params"],
         "step_s": round(step_s, 4),
         "steps_s": [round(t, 4) for t in times],
@@ -353,6 +360,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (0: no overlap)")
     ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
+    ap.add_argument("--graph", action="store_true", help="speed: forward and backward in one CUDA graph")
     args = ap.parse_args()
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
     checks["roofline"] = roofline

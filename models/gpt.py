@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
-from mpifsdp.base.backend import array_module, to_numpy
+from mpifsdp.base.backend import array_module, array_module_of, to_numpy
 from mpifsdp.base.checks import is_count
 from mpifsdp.nn.layers import Block, Dropout, Embedding, LayerNorm, Linear, norm_and_project, norm_then_linear
 from mpifsdp.nn.module import Module, deferred_init, ids_problem
@@ -80,8 +80,9 @@ class GPT(Module):
         """idx (B, T) int tokens -> logits (B, T, vocab), or the mean cross-entropy given targets."""
         idx = idx.data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
-        # host positions (and host token ids, when given) are checked on the host and copied once
-        x = self.drop(self.wte(idx) + self.wpe(np.arange(T)))  # (B, T, C)
+        # positions where the token ids are: host ones are checked on the host and copied once, device
+        # ones made there (a captured forward copies nothing from the host: fsdp/graphed.py)
+        x = self.drop(self.wte(idx) + self.wpe(array_module_of(idx).arange(T)))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         if self.lm_head is None:  # tied, the final LayerNorm fused into the head where it can be

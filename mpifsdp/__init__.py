@@ -22,6 +22,7 @@ from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
 from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
 from .fsdp import (  # noqa: E402
+    GraphedPasses,
     ShardedModel,
     full_state_dict,
     fully_shard,
@@ -57,6 +58,7 @@ __all__ = [
     "fully_shard",
     "ShardedModel",
     "sharded_model",
+    "GraphedPasses",
     "no_sync",
     "report",
     "StepMetrics",

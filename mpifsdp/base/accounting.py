@@ -42,6 +42,15 @@ class MemoryLedger:
             raise AssertionError(f"memory ledger: freed more {category} bytes than were allocated")
         self._record(category)
 
+    def held(self) -> dict:
+        """The bytes each category holds now (a CUDA graph's replays put them back as its captured pass
+        left them, with the buffers: fsdp/graphed.py)."""
+        return dict(self.current)
+
+    def restore_held(self, held: dict):
+        self.current.clear()
+        self.current.update(held)
+
     def start_timeline(self):
         """From now on, record [seconds since now, category, its bytes after, process RSS bytes] at
         every allocation and free, after one such entry per category for where it starts. The RSS

@@ -198,9 +198,13 @@ def new_stream():
     return _cupy().cuda.Stream(non_blocking=True)
 
 
+def current_stream():
+    return _cupy().cuda.get_current_stream()
+
+
 def stream_wait_current(stream):
     """Make `stream` wait for all work queued so far on the current stream."""
-    stream.wait_event(_cupy().cuda.get_current_stream().record())
+    stream.wait_event(current_stream().record())
 
 
 _CUDA_ERROR_NOT_READY = 600  # cudaErrorNotReady: the event's work is still running

@@ -33,6 +33,17 @@ def check(failed, error: type, message):
         raise error(message())
 
 
+def mark() -> int:
+    """Where the pending checks stand now: since(mark()) later gives the checks deferred in between."""
+    return len(_pending)
+
+
+def since(position: int) -> list:
+    """The checks deferred since mark() gave `position` (still pending: a captured pass's, which a
+    graph's replays defer again)."""
+    return list(_pending[position:])
+
+
 def take() -> list:
     """The pending checks, taken: whoever takes them reads their flags (stacked) and raises the
     first failure, or hands it on (FlatOptimizer: every rank learns of it)."""
@@ -71,4 +82,14 @@ def _raise(error: type, message):
     raise error(message() + LATER)
 
 
-__all__ = ["check", "defer", "first_failure", "raise_failed", "read_pending", "stacked", "take"]
+__all__ = [
+    "check",
+    "defer",
+    "first_failure",
+    "mark",
+    "raise_failed",
+    "read_pending",
+    "since",
+    "stacked",
+    "take",
+]

@@ -13,6 +13,7 @@ counted in the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -72,6 +73,7 @@ class Comm:
         self.rank, self.size = base.Get_rank(), base.Get_size()
         self.ledger = CommLedger()
         self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
+        self._captured: list | None = None  # device collectives noted while a CUDA graph captures
         self.schedule = Schedule(
             self.rank, base.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
         )
@@ -208,8 +210,36 @@ class Comm:
         # covers them); the same collectives elsewhere (full_state_dict, a user's gather) are compared
         self._announce(unit, phase, op, full.size, full.dtype, hot=phase in ("forward", "backward"))
         request = launch()
-        self.ledger.record(unit, phase, op, (self.size - 1) * shard.size, shard.itemsize)
+        self._count(unit, phase, op, full.size, full.dtype, (self.size - 1) * shard.size, shard.itemsize)
         return request
+
+    def _count(self, unit: str, phase: str, op: str, count: int, dtype, elements: int, itemsize: int):
+        """A collective started: counted in the ledger (and noted, while a graph captures)."""
+        self.ledger.record(unit, phase, op, elements, itemsize)
+        if self._captured is not None:
+            self._captured.append((unit, phase, op, count, dtype, elements, itemsize))
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """Inside: the collectives started are noted as well as run (a CUDA graph's capture, whose
+        replays run them again with no Python: fsdp/graphed.py); yields the list of them."""
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+
+    def replayed(self, collectives: list):
+        """A graph ran `collectives` again (as capturing() noted them): in the schedule and the
+        ledger as if started again."""
+        for unit, phase, op, count, dtype, elements, itemsize in collectives:
+            self.schedule.announce(unit, phase, op, count, dtype)
+            self.ledger.record(unit, phase, op, elements, itemsize)
+
+    def await_current(self):
+        """The next settle or read waits (under the watchdog) for all work queued so far on the
+        current stream: a replayed graph, its collectives in it."""
+        self._in_flight = (self.transport.request_after_current(), self.schedule.current)
 
     def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
         """Start full[r*n:(r+1)*n] = shard of rank r (n = shard.size) on every rank; returns a request."""
@@ -278,9 +308,8 @@ class Comm:
         """An in-place all-reduce of `array`, announced, started by launch() and counted."""
         self._announce(unit, phase, "all_reduce", array.size, array.dtype, hot=hot)
         request = launch()
-        self.ledger.record(
-            unit, phase, "all_reduce", 2 * (self.size - 1) * array.size // self.size, array.itemsize
-        )
+        elements = 2 * (self.size - 1) * array.size // self.size
+        self._count(unit, phase, "all_reduce", array.size, array.dtype, elements, array.itemsize)
         return request
 
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):

@@ -121,6 +121,11 @@ class NCCLTransport:
         )
         return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
+    def request_after_current(self):
+        """Completion of all work queued so far on the current stream, as a request (a replayed
+        graph's collectives are in it: fsdp/graphed.py)."""
+        return backend.StreamRequest(backend.current_stream(), self.comm.check_async_error)
+
     def iall_reduce(self, array):
         """array summed over ranks in place (a small one: a count), on the comm stream."""
         backend.stream_wait_current(self.stream)

@@ -1,14 +1,17 @@
 """The FSDP runtime: fully_shard builds units from a Module (build.py, with partition.py's checks),
 each unit's stages in a step are a UnitLifecycle (lifecycle.py), and the ShardedModel (model.py) is
-the outermost scope of every step: input check, prefetch, end of backward.
+the outermost scope of every step: input check, prefetch, end of backward. GraphedPasses
+(graphed.py) replays a step's forward and backward from one CUDA graph.
 
 May import: nn, ops, autodiff, shard, comm, base.
 """
 
 from .build import full_state_dict, fully_shard, no_sync, report, sharded_model, state_dict
+from .graphed import GraphedPasses
 from .model import ShardedModel
 
 __all__ = [
+    "GraphedPasses",
     "ShardedModel",
     "full_state_dict",
     "fully_shard",

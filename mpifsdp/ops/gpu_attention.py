@@ -170,6 +170,12 @@ def graphs_for(qkv, n_head: int, scale: float):
     return graphs
 
 
+def workspace():
+    """The workspace cuDNN's graphs execute with now (None before the first): a CUDA graph that
+    captured them keeps it alive, since a larger shape met later replaces it (fsdp/graphed.py)."""
+    return _LIBRARY.workspace
+
+
 def _execute(xp, graph, pointers: dict, workspace_bytes: int):
     """One launch of `graph` on the current stream, tensors bound by device address."""
     if _LIBRARY.workspace is None or _LIBRARY.workspace.size < workspace_bytes:

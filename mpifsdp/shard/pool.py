@@ -33,3 +33,12 @@ class BufferPool:
     def give(self, view):
         base = view if view.base is None else view.base
         self._free[np.dtype(base.dtype)].append(base)
+
+    def state(self) -> tuple:
+        """Which buffers are free (and the bytes held): a CUDA graph's replays put the pool back as
+        its captured pass left it (fsdp/graphed.py), with the buffers it wrote kept out."""
+        return {dtype: list(free) for dtype, free in self._free.items()}, self.nbytes
+
+    def restore(self, state: tuple):
+        free, self.nbytes = state
+        self._free = {dtype: list(buffers) for dtype, buffers in free.items()}

@@ -621,6 +621,27 @@ class Unit:
         self._grad_zeroed_lazily = self.trainable
         self.has_grad = False
 
+    # -- a CUDA graph's replays (fsdp/graphed.py) ----------------------------------------------------
+    # what a pass reads and leaves on the host: a graph replays one pass's launches with no Python, so
+    # it is right only from the state it was captured in, and must leave the host as that pass did
+    HOST_STATE = tuple(
+        "has_grad _grad_zeroed_lazily _checked _cast_current _kept_cast _shard _grad _overflow full "
+        "full_grad _gathering _reducing _exact _pending_sum".split()
+    )
+
+    def cast_afresh(self):
+        """The next gather casts the shard again rather than send a cast an optimizer wrote: a graph
+        captured so casts at every replay, whatever was written in between."""
+        self._cast_current = False
+
+    def host_state(self) -> dict:
+        """The HOST_STATE fields by name (arrays by identity: a graph reads and writes fixed addresses)."""
+        return {name: getattr(self, name) for name in self.HOST_STATE}
+
+    def restore_host_state(self, state: dict):
+        for name, value in state.items():
+            setattr(self, name, value)
+
     # -- consolidation (tests, export) ------------------------------------------------------------
     def gather(self, shard_like) -> dict:
         """Full name -> array of any shard-shaped vector (parameters, grads, moments): a new buffer."""

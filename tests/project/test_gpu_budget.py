@@ -133,6 +133,22 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
 
 
+def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold(comm):
+    """bench/standin_graphs.py: a sharded GPT's forward and backward captured in a CUDA graph and
+    replayed (the stand-in records launches as a capture does and refuses host syncs, host copies
+    and collectives it does not reach): float16 gathers, a loss scale and an lr changing every step,
+    host or device batches, eager evaluations in between give every loss and parameter of the eager
+    steps bit for bit; a bad device batch is named at the verdict; a host value that changes per
+    call fails the capture's self-check; a forgotten zero_grad, dropout, MPI transports and
+    deterministic mode are refused by name; the host issues a few launches a step, not hundreds."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    result = _last_json_line(STANDIN, BENCH / "standin_graphs.py")
+    assert result["ok"], result
+    work = result["host_work_per_step"]
+    assert work["graphed"]["launches"] * 10 < work["eager"]["launches"], work
+
+
 def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     """bench/standin_ranks.py on 2 ranks (MPI with host staging): a GPU's gathers check each rank's
     own shard as they cast it (one kernel), so a master beyond float16 on the last rank only is
@@ -159,12 +175,19 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
 
 
 @pytest.mark.parametrize(
-    "check", [["attention"], ["roofline"], ["speed", "--dtype", "bfloat16", "--steps", "1"]], ids=" ".join
+    "check",
+    [
+        ["attention"],
+        ["roofline"],
+        ["speed", "--dtype", "bfloat16", "--steps", "1"],
+        ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--transport", "nccl"],
+    ],
+    ids=" ".join,
 )
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
-    """make gpu-check's attention, roofline and bfloat16 speed checks run to their JSON line with the
-    stand-in (a crash would cost a lent device's minutes; their figures mean something on a device
-    only)."""
+    """make gpu-check's attention, roofline and bfloat16 speed checks (eager, and replayed from a CUDA
+    graph) run to their JSON line with the stand-in (a crash would cost a lent device's minutes;
+    their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     result = _last_json_line(STANDIN, BENCH / "gpu_check.py", *check, "--config", "tiny")

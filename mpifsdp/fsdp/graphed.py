@@ -1,0 +1,286 @@
+"""A sharded model's forward and backward replayed from one CUDA graph: GraphedPasses.
+
+Why: Python issues a GPU step's ~590 launches one call at a time, 40-60 ms of host work a step on
+the stand-in (bench/gpu_budget.py, host_ms_per_step): more than the 370M model's whole step at the
+issue's target (42.6 ms). A graph issues the passes' launches, collectives included, as one.
+
+    graphed = mpifsdp.GraphedPasses(model, passes)  # passes(*batch): forward and backward
+    for x, y in batches:
+        loss = graphed(x, y)  # what passes returned, holding this batch's values
+        scaler.step(opt, max_norm=1.0)
+        opt.zero_grad()
+
+The first call runs `passes` eagerly on static device copies of the batch: every kernel is built and
+checked and every lazy buffer allocated (a capture can neither compile-and-check nor read back). The
+second runs them eagerly once more as a reference, captures them on a stream of their own (allocating
+from a private memory pool, so nothing outside the graph ever lands where its intermediates live),
+replays the graph and compares the replay with the reference: a value the capture froze that should
+change shows there, and the call raises, naming what differs. Later calls copy the batch into the
+static inputs and replay. After a replay the host is put where the eager passes leave it: each unit's
+gradient and gather state, the input checks read with the step's verdict (base/deferred.py), the
+collectives in the schedule and ledger, the request the optimizer's verdict waits for (Comm.replayed).
+
+Refused by name: a model not on a GPU, collectives not over NCCL (MPI runs on the host: nothing a
+graph can hold), HSDP (its all-reduce across groups is MPI's), deterministic mode (its exact sums
+agree a scale over MPI), dropout > 0 (the mask's seed is the host's, frozen in a graph), no_sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..autodiff.tensor import Tensor
+from ..base import backend, deferred
+from ..base.backend import array_module_of, host_value
+from ..nn.layers import Dropout
+from ..ops import gpu_attention
+from .build import sharded_model
+
+
+class GraphedPasses:
+    """A forward and backward of `model` replayed from one CUDA graph: `passes(*batch)` runs them and
+    returns what the caller reads (a loss Tensor, a tuple of them, or None). The first call runs
+    eagerly; the second captures, checking the replay against an eager reference pass; later calls
+    copy the batch into the graph's inputs and replay. Every batch must have the first call's shapes
+    and dtypes, and the optimizer's zero_grad() must run between calls. Needs a GPU model whose
+    collectives run over NCCL (docs/design.md, "CUDA graphs")."""
+
+    def __init__(self, model, passes):
+        self._sharded = sharded_model(model)
+        problem = _refusal(model, self._sharded)
+        if problem:
+            raise ValueError(f"GraphedPasses: {problem}")
+        self._passes = passes
+        self._static: list | None = None  # the batch as the graph reads it: device arrays, or frozen values
+        self._graph = self._outputs = None
+        self._before = self._after = None  # the units' host state a replay starts from, and leaves
+        self._checks: list = []  # the input checks the captured forward deferred
+        self._collectives: list = []  # per communicator, the device collectives in the graph
+        self._kept: tuple = ()  # what the graph addresses that nothing else keeps: its pool, its stream, ...
+
+    def __call__(self, *batch):
+        if self._static is None:
+            self._static = [_static_copy(value, self._sharded.units[0].xp) for value in batch]
+            return self._passes(*self._static)
+        _check_like(batch, self._static)
+        if self._graph is None:
+            _copy_into(self._static, batch)
+            return self._capture()
+        return self._replay(batch)
+
+    # -- the second call: capture ---------------------------------------------------------------------
+    def _capture(self):
+        """Run the passes eagerly (the reference), capture them, replay once and compare."""
+        sharded = self._sharded
+        _require_zeroed(sharded)
+        for unit in sharded.units:  # the graph casts each shard for its gathers at every replay
+            unit.cast_afresh()
+        self._before = _host_state(sharded)
+        reference = _values(self._passes(*self._static), sharded)
+        _restore(sharded, self._before)  # as before the reference: the capture takes the same path
+        self._record()
+        self._launch()
+        try:
+            _compare(
+                reference, _values(self._outputs, sharded), max(getattr(a, "size", 1) for a in self._static)
+            )
+        except RuntimeError:
+            self._graph = None  # never replayed: a later call captures again
+            raise
+        return self._outputs
+
+    def _record(self):
+        """Capture the passes into self._graph, on a stream of their own, from a private pool."""
+        xp = self._sharded.units[0].xp
+        pool, stream = xp.cuda.MemoryPool(), backend.new_stream()
+        mark = deferred.mark()
+        with contextlib.ExitStack() as inside:
+            noted = [inside.enter_context(comm.capturing()) for comm in self._sharded.levels()]
+            inside.enter_context(xp.cuda.using_allocator(pool.malloc))
+            inside.enter_context(stream)
+            stream.begin_capture()
+            try:
+                outputs = self._passes(*self._static)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"GraphedPasses: the passes raised while captured ({type(exc).__name__}: {exc}). Inside "
+                    "a CUDA graph nothing may read the device from the host (float(), .item(), a NumPy "
+                    "copy) or copy host arrays in: read the loss from what passes returns, after the call"
+                ) from exc
+            finally:
+                graph = stream.end_capture()  # (a pass that raised leaves no graph to replay)
+        self._graph, self._outputs = graph, outputs
+        self._after, self._checks = _host_state(self._sharded), deferred.since(mark)
+        self._collectives, self._kept = noted, (pool, stream, gpu_attention.workspace())
+
+    def _launch(self):
+        """Replay the graph on the current stream; the optimizer's verdict waits for it."""
+        self._graph.launch(backend.current_stream())
+        _restore(self._sharded, self._after)
+        for comm in self._sharded.levels():
+            comm.await_current()
+
+    # -- later calls: replay --------------------------------------------------------------------------
+    def _replay(self, batch):
+        sharded = self._sharded
+        _require_state(sharded, self._before)
+        # every rank at the same collective before the graph's (the batch's checks are in the graph)
+        sharded.comm.check_schedule(phase="forward", when="before a CUDA graph's replay")
+        _copy_into(self._static, batch)
+        for comm, collectives in zip(sharded.levels(), self._collectives):
+            comm.replayed(collectives)
+        self._launch()
+        for check in self._checks:
+            deferred.defer(*check)
+        return self._outputs
+
+
+def _refusal(model, sharded) -> str | None:
+    """Why this model's passes cannot be captured, or None."""
+    if sharded is None:
+        return f"needs a model fully_shard() was called on, got a {type(model).__name__}"
+    if sharded.units[0].xp is np:
+        return "CUDA graphs need a GPU: this model's shards are NumPy arrays (Comm(device='cuda'))"
+    for comm in sharded.levels():
+        if comm.transport.name != "nccl":
+            return (
+                f"collectives over {comm.transport.name!r} run through MPI on the host, which no CUDA graph "
+                "can hold: use Comm(device='cuda', transport='nccl')"
+            )
+    if sharded.replicas is not None:
+        return "HSDP's all-reduce across groups runs through MPI on the host: capture plain FSDP"
+    if sharded.deterministic:
+        return "deterministic mode agrees its fixed-point scale over MPI on the host, chunk by chunk"
+    dropouts = [name or "model" for name, m in model.named_modules() if isinstance(m, Dropout) and m.p > 0]
+    if dropouts:
+        return (
+            f"dropout {dropouts[0]!r} draws each mask from a seed the host computes per call: a graph would "
+            "replay the captured mask at every step (train with dropout 0, or without the graph)"
+        )
+    if not sharded.requires_gradient_sync:
+        return "no_sync() keeps gradients unreduced across backward passes: capture with gradient sync on"
+    return None
+
+
+def _static_copy(value, xp):
+    """A batch argument as the graph reads it: an array's device copy, any other value frozen."""
+    if not hasattr(value, "shape"):
+        return value
+    return xp.asarray(np.ascontiguousarray(value)) if array_module_of(value) is np else value.copy()
+
+
+def _check_like(batch, static):
+    """Refuse a batch the graph was not captured for, naming the argument."""
+    if len(batch) != len(static):
+        raise TypeError(f"GraphedPasses: {len(batch)} arguments, the graph was captured with {len(static)}")
+    for i, (value, fixed) in enumerate(zip(batch, static)):
+        if hasattr(fixed, "shape"):
+            if getattr(value, "shape", None) != fixed.shape or getattr(value, "dtype", None) != fixed.dtype:
+                raise ValueError(
+                    f"GraphedPasses: argument {i} is {_describe(value)}, the graph was captured with "
+                    f"{_describe(fixed)}: a graph's shapes are fixed (pad the batch to that shape, or "
+                    "build another GraphedPasses for this one)"
+                )
+        elif value is not fixed and value != fixed:
+            raise ValueError(
+                f"GraphedPasses: argument {i} is {value!r}, the graph was captured with {fixed!r}: "
+                "values that are not arrays are frozen in it"
+            )
+
+
+def _describe(value) -> str:
+    if hasattr(value, "shape"):
+        return f"a {tuple(value.shape)} {value.dtype} array"
+    return repr(value)
+
+
+def _copy_into(static, batch):
+    for fixed, value in zip(static, batch):
+        if hasattr(fixed, "shape") and value is not fixed:
+            if array_module_of(value) is np:
+                fixed.set(np.ascontiguousarray(value))
+            else:
+                fixed[...] = value
+
+
+# -- the host's side of a pass ------------------------------------------------------------------------
+# the units' arrays a graph reads and writes by address, and their fields that hold a pass under way
+_ADDRESSES = ("_shard", "_grad", "_overflow")
+_UNDER_WAY = ("full", "full_grad", "_gathering", "_reducing", "_exact", "_pending_sum")
+
+
+def _host_state(sharded) -> tuple:
+    """The host's side of the pass a graph holds: each unit's fields, the buffer pool's lists, the
+    bytes the memory ledger counts as held."""
+    return [unit.host_state() for unit in sharded.units], sharded.pool.state(), sharded.ledger.held()
+
+
+def _restore(sharded, state: tuple):
+    """Put the host where the pass left it (or, before a capture, where it began): whatever eager
+    pass ran between replays (an evaluation) leaves nothing the graph's buffers collide with."""
+    units, pool, held = state
+    for unit, fields in zip(sharded.units, units):
+        unit.restore_host_state(fields)
+    sharded.pool.restore(pool)
+    sharded.ledger.restore_held(held)
+
+
+def _require_zeroed(sharded):
+    for unit in sharded.units:
+        if unit.has_grad or unit.full_grad is not None:
+            raise RuntimeError(
+                f"GraphedPasses: unit {unit.name!r} holds gradients: call the optimizer's zero_grad() "
+                "after each step (a replayed backward writes the gradients, it does not add to them)"
+            )
+
+
+def _require_state(sharded, captured: tuple):
+    """Refuse a replay the graph cannot run: gradients not zeroed, a pass under way, or a unit's
+    arrays replaced since the capture (the graph would write into the old ones)."""
+    _require_zeroed(sharded)
+    for unit, fields in zip(sharded.units, captured[0]):
+        now = unit.host_state()
+        if any(now[name] is not None for name in _UNDER_WAY):
+            raise RuntimeError(f"GraphedPasses: a pass of unit {unit.name!r} is still under way")
+        if any(now[name] is not fields[name] for name in _ADDRESSES):
+            raise RuntimeError(
+                f"GraphedPasses: unit {unit.name!r}'s arrays were replaced since the capture (a checkpoint "
+                "loaded into the model?): build a new GraphedPasses"
+            )
+
+
+# -- the self-check -----------------------------------------------------------------------------------
+def _values(outputs, sharded) -> list:
+    """Copies of what a pass produced: its outputs' values, then every unit's gradient shard."""
+    tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    arrays = [t.data for t in tensors if isinstance(t, Tensor)]
+    arrays += [unit.flat_grad() for unit in sharded.trainable_units]
+    return [None if a is None else a.copy() for a in arrays]
+
+
+def _compare(reference: list, replayed: list, elements: int):
+    """Raise unless the replay computed what the eager passes did. The same kernels on the same
+    inputs differ only where atomic adds reorder a float32 sum (an embedding's gradient rows, at most
+    one term per batch element): relative to the largest value, at most elements * float32's eps. A
+    value the capture froze that should have changed is off by far more."""
+    bound = elements * float(np.finfo(np.float32).eps)
+    for i, (want, got) in enumerate(zip(reference, replayed)):
+        if (want is None) != (got is None):
+            raise RuntimeError(f"CUDA graph self-check: value {i} is None in one of replay and eager pass")
+        if want is None:
+            continue
+        want, got = (a.astype(np.float64) for a in (want, got))
+        scale = host_value(abs(want).max(), "the graph self-check") if want.size else 0.0
+        error = host_value(abs(got - want).max(), "the graph self-check") if want.size else 0.0
+        if not error <= bound * max(scale, np.finfo(np.float64).tiny):
+            raise RuntimeError(
+                f"CUDA graph self-check: the replayed passes differ from the eager ones in value {i} (the "
+                f"outputs, then each unit's gradient shard): max error {error:.3g} against {scale:.3g}, "
+                f"bound {bound:.2g} relative. A value the capture froze changes between steps: train "
+                "without the graph, and report this"
+            )
+
+
+__all__ = ["GraphedPasses"]
