@@ -687,7 +687,9 @@ def install(with_cudnn: bool = True):
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
     as_strided = functools.partial(np.lib.stride_tricks.as_strided, subok=True)  # a view: no launch
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
-    cp.get_default_memory_pool = lambda: types.SimpleNamespace(total_bytes=lambda: 0, used_bytes=lambda: 0)
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(
+        total_bytes=lambda: 0, used_bytes=lambda: 0, free_all_blocks=lambda: None
+    )
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
 
     def device(i=0):

@@ -202,6 +202,11 @@ def current_stream():
     return _cupy().cuda.get_current_stream()
 
 
+def free_cached_blocks():
+    """Give the device back what CuPy's default pool holds unused (its cache of freed blocks)."""
+    _cupy().get_default_memory_pool().free_all_blocks()
+
+
 def stream_wait_current(stream):
     """Make `stream` wait for all work queued so far on the current stream."""
     stream.wait_event(current_stream().record())

@@ -89,6 +89,7 @@ class GraphedPasses:
         except RuntimeError:
             self._graph = None  # never replayed: a later call captures again
             raise
+        backend.free_cached_blocks()  # the eager passes' activations: the graph's own are in its pool
         return self._outputs
 
     def _record(self):
