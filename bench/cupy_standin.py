@@ -26,6 +26,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import os
 import sys
 import time
 import types
@@ -37,6 +38,7 @@ LAUNCHES: collections.Counter = collections.Counter()  # (phase, kind) -> count
 SYNCS: collections.Counter = collections.Counter()
 RECORD: list | None = None  # while a list: (phase, kind, what it takes from the host, where) a launch
 PHASE = ["setup"]
+GPUS = [1]  # GPUs on the stand-in's node: set to the ranks' count for one rank per GPU (NCCL)
 DEVICE_S = [0.0]  # seconds spent doing what a GPU would (the NumPy work of every launch, copy, sync)
 _DEPTH = [0]
 _ROOTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> every device buffer alive
@@ -538,28 +540,58 @@ def _on_stream(stream_ptr):
 
 
 class _Nccl:
-    """NCCL on one rank: the collectives copy."""
+    """NCCL over MPI on host memory: the ranks' buffers gathered through an MPI communicator of the
+    NCCL communicator's ranks (split from COMM_WORLD by the unique id: every rank must make its NCCL
+    communicators in the same order, as Comm does), reductions summed in rank order (float32 for
+    16-bit types, as NCCL accumulates them); on one rank the collectives copy."""
 
     def __init__(self, n, uid, rank):
-        pass
+        self.size, self.mpi = n, None
+        if n > 1:
+            from mpi4py import MPI
+
+            self.mpi = MPI.COMM_WORLD.Split(int.from_bytes(uid[:3], "little"), rank)
+
+    def _everyone(self, send, count: int, dtype) -> np.ndarray:
+        """Every rank's `count` elements at `send`, as a (ranks, count) array."""
+        from mpifsdp.base.kernels import host_array
+
+        mine = host_array(send, _nccl_dtype(dtype), count)
+        if self.mpi is None:
+            return mine.reshape(1, -1).copy()
+        everyone = np.empty((self.size, count), dtype=mine.dtype)
+        self.mpi.Allgather(mine.view(np.uint8), everyone.view(np.uint8))
+        return everyone
+
+    def _write(self, recv, values, dtype):
+        from mpifsdp.base.kernels import host_array
+
+        np.copyto(host_array(recv, _nccl_dtype(dtype), values.size), values.reshape(-1), casting="unsafe")
+
+    @staticmethod
+    def _sum(everyone):
+        acc = np.float64 if everyone.dtype.itemsize == 8 else np.float32
+        return everyone.astype(acc).sum(axis=0) if everyone.dtype.kind != "i" else everyone.sum(axis=0)
 
     @on_device
     def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 - NCCL's names
         _on_stream(stream)
         _launch("nccl allGather")
-        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+        self._write(recv, self._everyone(send, count, dtype), dtype)
 
     @on_device
     def reduceScatter(self, send, recv, count, dtype, op, stream):  # noqa: N802
         _on_stream(stream)
         _launch("nccl reduceScatter")
-        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+        rank = 0 if self.mpi is None else self.mpi.Get_rank()
+        total = self._sum(self._everyone(send, count * self.size, dtype))
+        self._write(recv, total[rank * count : (rank + 1) * count], dtype)
 
     @on_device
     def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802
         _on_stream(stream)
         _launch("nccl allReduce")
-        ctypes.memmove(recv, send, count * _NCCL_ITEMSIZE[dtype])
+        self._write(recv, self._sum(self._everyone(send, count, dtype)), dtype)
 
     def check_async_error(self):
         pass
@@ -667,7 +699,14 @@ def _cublas_modules() -> dict:
 
 
 _NCCL_TYPES = ["NCCL_INT64", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_BFLOAT16"]
-_NCCL_ITEMSIZE = dict(enumerate([8, 2, 4, 8, 2]))
+
+
+def _nccl_dtype(code: int):
+    """The NumPy dtype of an NCCL type code (their order in _NCCL_TYPES)."""
+    from mpifsdp.base.checks import bfloat16
+
+    name = _NCCL_TYPES[code].removeprefix("NCCL_").lower()
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def install(with_cudnn: bool = True):
@@ -690,7 +729,7 @@ def install(with_cudnn: bool = True):
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(
         total_bytes=lambda: 0, used_bytes=lambda: 0, free_all_blocks=lambda: None
     )
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, eventQuery=_event_query)
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: GPUS[0], eventQuery=_event_query)
 
     def device(i=0):
         return types.SimpleNamespace(
@@ -710,7 +749,7 @@ def install(with_cudnn: bool = True):
     for i, name in enumerate(_NCCL_TYPES):
         setattr(nccl, name, i)
     nccl.NCCL_SUM, nccl.available, nccl.NcclCommunicator = 0, True, _Nccl
-    nccl.get_unique_id, nccl.get_version = (lambda: b"\0" * 128), (lambda: 22800)
+    nccl.get_unique_id, nccl.get_version = (lambda: os.urandom(128)), (lambda: 22800)
     cupyx = types.ModuleType("cupyx")
 
     @on_device

@@ -152,15 +152,21 @@ def a_bad_device_batch_replayed_is_named(model_checks: bool) -> bool:
     return outcomes == ["stepped", "stepped", "named", "stepped"]
 
 
-def a_replay_without_zero_grad_is_refused() -> bool:
-    """A step that forgot zero_grad: the replay (whose backward writes gradients, never adds) names it."""
+def graphed_after_capture(batches: int):
+    """(model, opt, scaler, GraphedPasses, batches): its first two steps taken (eager, captured)."""
     model, opt, scaler = _build()
     graphed = mpifsdp.GraphedPasses(model, _passes(model, scaler))
-    batches = _batches(4, on_device=False)
+    batches = _batches(batches, on_device=False)
     for batch in batches[:2]:
         graphed(*batch)
         scaler.step(opt)
         opt.zero_grad()
+    return model, opt, scaler, graphed, batches
+
+
+def a_replay_without_zero_grad_is_refused() -> bool:
+    """A step that forgot zero_grad: the replay (whose backward writes gradients, never adds) names it."""
+    _, opt, scaler, graphed, batches = graphed_after_capture(4)
     graphed(*batches[2])
     scaler.step(opt)  # zero_grad forgotten
     return _raised(lambda: graphed(*batches[3]), "zero_grad()")

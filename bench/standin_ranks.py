@@ -3,7 +3,11 @@
   shard as they cast it, so the others learn it at the optimizer's verdict; every rank raises at
   that step, naming the unit, and the next step, the master back in range, steps on every rank;
 - a bad token id in the last rank's device batch only (checked on the device, read with the step's
-  verdict): every rank raises at that step's verdict, and the next step, a good batch, steps.
+  verdict): every rank raises at that step's verdict, and the next step, a good batch, steps;
+- over NCCL (the stand-in's, through MPI), a GPT's forward and backward replayed from a CUDA graph
+  (GraphedPasses) give the eager steps' losses and parameters bit for bit on every rank; and a rank
+  that runs an evaluation the others do not is named on every rank by the schedule check before
+  the replay, not left to pair the graph's collectives with another's.
 Prints one JSON line (rank 0); exits 1 where a rank saw otherwise.
 
     mpiexec -n 2 python -m mpi4py bench/standin_run.py bench/standin_ranks.py
@@ -14,18 +18,38 @@ from __future__ import annotations
 import json
 import sys
 
+import cupy_standin
 from standin_checks import bad_batch_outcomes, overflow_outcomes
+from standin_graphs import _evaluate, graphed_after_capture, replays_equal_eager_steps
 
 import mpifsdp
 
 
+def a_rank_ahead_is_named_before_the_replay(comm) -> str:
+    """ "named" where this rank raised ScheduleError: the last rank runs an evaluation (a forward
+    under no_grad) that the others do not, then every rank calls the graph."""
+    model, _, _, graphed, batches = graphed_after_capture(3)
+    try:
+        if comm.rank == comm.size - 1:
+            _evaluate(model, None, 0)
+        graphed(*batches[2])
+    except mpifsdp.ScheduleError:
+        return "named"
+    return "replayed"
+
+
 def main() -> int:
     comm = mpifsdp.Comm(device="cuda", transport="host")
+    cupy_standin.GPUS[0] = comm.size  # one GPU a rank: NCCL
     everyone = comm.allgather_object(overflow_outcomes(comm, fsdp_gather=True))
     bad_batch = comm.allgather_object(bad_batch_outcomes(comm))
+    graphed = comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate))
+    ahead = comm.allgather_object(a_rank_ahead_is_named_before_the_replay(comm))
     ok = all(outcomes == ["named", "stepped"] for outcomes in everyone + bad_batch)
+    ok = ok and all(all(r.values()) for r in graphed) and ahead == ["named"] * comm.size
     if comm.rank == 0:
-        report = {"overflow_outcomes": everyone, "bad_batch_outcomes": bad_batch, "ok": ok}
+        report = {"overflow_outcomes": everyone, "bad_batch_outcomes": bad_batch}
+        report = {**report, "graphed_steps": graphed, "a_rank_ahead": ahead, "ok": ok}
         print(json.dumps({"check": "standin_ranks", "ranks": comm.size, **report}))
     return 0 if ok else 1
 

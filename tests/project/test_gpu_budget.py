@@ -153,7 +153,9 @@ def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     """bench/standin_ranks.py on 2 ranks (MPI with host staging): a GPU's gathers check each rank's
     own shard as they cast it (one kernel), so a master beyond float16 on the last rank only is
     raised at the optimizer's verdict on both, naming the unit, and the next step, back in range,
-    steps on both."""
+    steps on both. Over the stand-in's NCCL, forward and backward replayed from a CUDA graph equal
+    the eager steps on both ranks, and a rank that ran an evaluation alone is named on both by the
+    schedule check before the replay (without it the graph's collectives would hang)."""
     if comm.size > 1:
         pytest.skip("starts its own 2-rank job: the plain-pytest pass covers it")
     result, _ = run_job(STANDIN, 2, BENCH / "standin_ranks.py")
