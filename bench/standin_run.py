@@ -6,6 +6,10 @@ what the GPU path computes (the wiring of every kernel) before a device sees it:
     python bench/standin_run.py bench/gpu_check.py parity --sharded --transport nccl
 
 --no-cudnn leaves cudnn out (as on a GPU without it): attention then runs as batched passes.
+--gpus N gives the stand-in's node N GPUs (one a rank: NCCL across ranks, through MPI):
+
+    mpiexec -n 2 python -m mpi4py bench/standin_run.py --gpus 2 bench/gpu_check.py parity \
+        --sharded --transport nccl
 """
 
 import runpy
@@ -17,8 +21,12 @@ sys.path.insert(0, str(HERE))
 import cupy_standin  # noqa: E402
 
 if __name__ == "__main__":
-    no_cudnn = "--no-cudnn" in sys.argv[1:2]
+    args = sys.argv[1:]
+    no_cudnn = args[:1] == ["--no-cudnn"]
+    args = args[no_cudnn:]
+    if args[:1] == ["--gpus"]:
+        cupy_standin.GPUS[0], args = int(args[1]), args[2:]
     cupy_standin.install(with_cudnn=not no_cudnn)
-    script, *args = sys.argv[1 + no_cudnn :]
-    sys.argv = [script, *args]
+    script, *rest = args
+    sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")

@@ -164,6 +164,18 @@ def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     assert report["ok"] and report["ranks"] == 2, report
 
 
+def test_the_gpu_paths_training_over_nccl_at_two_ranks_is_the_cpus(comm):
+    """bench/gpu_check.py parity on 2 ranks over the stand-in's NCCL (through MPI): the sharded GPT's
+    losses over 3 steps on the GPU branches equal the CPU's at N = 2 (float64 within 1e-10)."""
+    if comm.size > 1:
+        pytest.skip("starts its own 2-rank job: the plain-pytest pass covers it")
+    check = ["--gpus", "2", BENCH / "gpu_check.py", "parity", "--sharded", "--transport", "nccl"]
+    result, _ = run_job(STANDIN, 2, *check)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["ranks"] == 2 and report["transport"] == "nccl", report
+
+
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
 def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     """bench/standin_attention.py: float16 attention_qkv forward and backward on the GPU branch against
