@@ -46,9 +46,8 @@ run 60 $CHECK preflight --device "$DEVICE"
 # against the dense peak, the pool against the plan), and that model's GEMMs and the copy bandwidth
 [ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3
-[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3
-# the same step with forward and backward replayed from one CUDA graph (GraphedPasses: NCCL)
-[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3 --graph --transport nccl
+# bfloat16: eager, then the same model's steps with forward and backward from one CUDA graph (NCCL)
+[ "$DEVICE" != cpu ] && run 120 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3 --graph --transport nccl
 [ "$DEVICE" != cpu ] && run 45 $CHECK roofline --config gpu350m
 # every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
 run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/

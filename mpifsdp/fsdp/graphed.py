@@ -70,6 +70,11 @@ class GraphedPasses:
             return self._capture()
         return self._replay(batch)
 
+    def pool_bytes(self) -> int:
+        """Device bytes the graph's private pool holds (its passes' activations and temporaries),
+        held for the graph's lifetime; 0 before the capture."""
+        return self._kept[0].total_bytes() if self._kept else 0
+
     # -- the second call: capture ---------------------------------------------------------------------
     def _capture(self):
         """Run the passes eagerly (the reference), capture them, replay once and compare."""
