@@ -7,6 +7,8 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
   steps; device arrays, their gradients read after Comm.settle (which waits for the replay), AdamW's
   plain step, a write into every shard between steps (the next replay must gather it): every loss
   (and gradient sum) and the parameters after the steps, bit for bit;
+- the same in other configurations: checkpointed blocks, units kept gathered for backward, prefetch
+  0 and 2, float32, bfloat16 gathers, an untied GPT without biases;
 - the ledger counts each replay's gathers and reduce-scatters (the eager run's, plus the one
   reference pass the capture runs);
 - a bad device batch replayed is named at the step's verdict, and the next good one steps: by the
@@ -34,6 +36,7 @@ import cupy_standin
 import numpy as np
 
 import mpifsdp
+from mpifsdp.base.checks import bfloat16
 from mpifsdp.models import GPT, GPTConfig
 
 SMALL = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -43,9 +46,8 @@ STEPS = 5
 def _build(config=SMALL, transport="nccl", model_class=GPT, **shard):
     comm = mpifsdp.Comm(device="cuda", transport=transport, threads=None)
     model = model_class(config, seed=0, device=comm.device)
-    mpifsdp.fully_shard(
-        model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32, **shard
-    )
+    shard = {"param_dtype": np.float16, "reduce_dtype": np.float32, **shard}
+    mpifsdp.fully_shard(model, comm, units=model.blocks, **shard)
     return model, mpifsdp.AdamW(model, lr=1e-3), mpifsdp.LossScaler(init_scale=256.0, growth_interval=1)
 
 
@@ -79,12 +81,12 @@ def _edit_shards(model, units, step: int) -> list:
     return []
 
 
-def _train(graphed: bool, on_device: bool, scaled: bool, between) -> tuple[list, list, tuple]:
+def _train(graphed: bool, on_device: bool, scaled: bool, between, **build) -> tuple[list, list, tuple]:
     """(losses, parameter shards after the steps, (the ledger's gathers and reduce-scatters in
     backward, its schedule checks in forward)) of STEPS steps; scaled: through the LossScaler,
     clipped (else the gradients read first, after Comm.settle, and AdamW's plain step);
-    between(model, units, step) after every step."""
-    model, opt, scaler = _build()
+    between(model, units, step) after every step; build: _build's arguments."""
+    model, opt, scaler = _build(**build)
     scaler = scaler if scaled else None
     run = _passes(model, scaler)
     if graphed:
@@ -107,12 +109,12 @@ def _train(graphed: bool, on_device: bool, scaled: bool, between) -> tuple[list,
     return losses, params, (calls, ledger.total("calls", op="schedule_check", phase="forward"))
 
 
-def replays_equal_eager_steps(on_device: bool, scaled: bool, between) -> dict:
+def replays_equal_eager_steps(on_device: bool, scaled: bool, between, **build) -> dict:
     """Every loss and the parameters after the steps, bit for bit; the ledger counts each replay's
     collectives (the eager steps', and the capture's one reference pass) and the schedule check
     before each replay (the one exchange that keeps the ranks in step: the rest is in the graph)."""
     (eager_losses, eager, (eager_calls, _)), (losses, params, (calls, checks)) = (
-        _train(graphed, on_device, scaled, between) for graphed in (False, True)
+        _train(graphed, on_device, scaled, between, **build) for graphed in (False, True)
     )
     return {
         "losses_equal": losses == eager_losses,
@@ -162,6 +164,31 @@ def graphed_after_capture(batches: int):
         scaler.step(opt)
         opt.zero_grad()
     return model, opt, scaler, graphed, batches
+
+
+def _no_steps_between(model, units, step) -> list:
+    return []
+
+
+# sharding and model options the replays must follow too (each against its own eager steps)
+CONFIGURATIONS = {
+    "checkpointed_blocks": dict(recompute=True),
+    "kept_gathered_for_backward": dict(reshard_after_forward=False),
+    "prefetch_0": dict(prefetch=0),
+    "prefetch_2": dict(prefetch=2),
+    "float32": dict(param_dtype=None, reduce_dtype=None),
+    "bfloat16_gathers": dict(param_dtype=bfloat16()),
+    "untied_without_biases": dict(
+        config=GPTConfig(**{**SMALL.__dict__, "tie_weights": False, "bias": False})
+    ),
+}
+
+
+def replays_equal_eager_steps_in_every_configuration() -> dict:
+    return {
+        name: all(replays_equal_eager_steps(False, True, _no_steps_between, **build).values())
+        for name, build in CONFIGURATIONS.items()
+    }
 
 
 def a_replay_without_zero_grad_is_refused() -> bool:
@@ -268,6 +295,7 @@ def main() -> int:
     result["replays_equal_eager_steps_device_batches_plain_with_shard_writes"] = replays_equal_eager_steps(
         True, False, _edit_shards
     )
+    result["replays_equal_eager_steps_in"] = replays_equal_eager_steps_in_every_configuration()
     for model_checks, by in ((True, "the_models_check"), (False, "the_graphs_own_check")):
         result[f"a_bad_device_batch_replayed_is_named_by_{by}"] = a_bad_device_batch_replayed_is_named(
             model_checks

@@ -133,17 +133,19 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
 
 
-def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold(comm):
+@pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
+def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold(comm, cudnn):
     """bench/standin_graphs.py: a sharded GPT's forward and backward captured in a CUDA graph and
     replayed (the stand-in records launches as a capture does and refuses host syncs, host copies
     and collectives it does not reach): float16 gathers, a loss scale and an lr changing every step,
-    host or device batches, eager evaluations in between give every loss and parameter of the eager
-    steps bit for bit; a bad device batch is named at the verdict; a host value that changes per
-    call fails the capture's self-check; a forgotten zero_grad, dropout, MPI transports and
-    deterministic mode are refused by name; the host issues a few launches a step, not hundreds."""
+    host or device batches, eager evaluations in between, several sharding configurations, with
+    cuDNN's attention or without: every loss and parameter of the eager steps, bit for bit. A bad
+    device batch is named at the verdict; a host value that changes per call fails the capture's
+    self-check; a forgotten zero_grad, dropout, MPI transports and deterministic mode are refused
+    by name; the host issues a few launches a step, not hundreds."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    result = _last_json_line(STANDIN, BENCH / "standin_graphs.py")
+    result = _last_json_line(STANDIN, *cudnn, BENCH / "standin_graphs.py")
     assert result["ok"], result
     work = result["host_work_per_step"]
     assert work["graphed"]["launches"] * 10 < work["eager"]["launches"], work
