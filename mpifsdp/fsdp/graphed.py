@@ -234,6 +234,12 @@ def _restore(sharded, state: tuple):
 
 
 def _require_zeroed(sharded):
+    """Refuse a pass the graph's backward would get wrong: it writes reduced gradients, never adds."""
+    if not sharded.requires_gradient_sync:
+        raise RuntimeError(
+            "GraphedPasses: called inside no_sync(): a graph's backward reduce-scatters its gradients at "
+            "every replay (gradient accumulation is not captured)"
+        )
     for unit in sharded.units:
         if unit.has_grad or unit.full_grad is not None:
             raise RuntimeError(
