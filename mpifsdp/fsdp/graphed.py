@@ -1,6 +1,6 @@
 """A sharded model's forward and backward replayed from one CUDA graph: GraphedPasses.
 
-Why: Python issues a GPU step's ~590 launches one call at a time, 40-60 ms of host work a step on
+Why: Python issues a GPU step's ~590 launches one call at a time, 50-70 ms of host work a step on
 the stand-in (bench/gpu_budget.py, host_ms_per_step): more than the 370M model's whole step at the
 issue's target (42.6 ms). A graph issues the passes' launches, collectives included, as one.
 
@@ -18,7 +18,8 @@ replays the graph and compares the replay with the reference: a value the captur
 change shows there, and the call raises, naming what differs. Later calls copy the batch into the
 static inputs and replay. After a replay the host is put where the eager passes leave it: each unit's
 gradient and gather state, the input checks read with the step's verdict (base/deferred.py), the
-collectives in the schedule and ledger, the request the optimizer's verdict waits for (Comm.replayed).
+collectives in the schedule and ledger (Comm.replayed), the request the optimizer's verdict waits for
+(Comm.await_current).
 
 Refused by name: a model not on a GPU, collectives not over NCCL (MPI runs on the host: nothing a
 graph can hold), HSDP (its all-reduce across groups is MPI's), deterministic mode (its exact sums
