@@ -139,8 +139,7 @@ class GraphedPasses:
         for comm, collectives in zip(sharded.levels(), self._collectives):
             comm.replayed(collectives)
         self._launch()
-        for check in self._checks:
-            deferred.defer(*check)
+        _defer_again(self._checks)
         return self._outputs
 
 
@@ -232,6 +231,13 @@ def _restore(sharded, state: tuple):
         unit.restore_host_state(fields)
     sharded.pool.restore(pool)
     sharded.ledger.restore_held(held)
+
+
+def _defer_again(checks: list):
+    """The input checks the captured pass deferred, pending again: their flags hold the replay's
+    verdicts, read with the step's (or the loss's)."""
+    for check in checks:
+        deferred.defer(*check)
 
 
 def _require_zeroed(sharded):

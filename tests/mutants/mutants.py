@@ -428,6 +428,48 @@ def _written_cast_unchecked():
     _replace(Unit, "cast_written", cast_written)
 
 
+def _graph_leaves_the_host_as_it_finds_it():
+    from mpifsdp.fsdp import graphed
+
+    _replace(graphed, "_restore", lambda sharded, state: None)
+
+
+def _graph_sends_the_optimizers_cast():
+    from mpifsdp.shard.unit import Unit
+
+    _replace(Unit, "cast_afresh", lambda self: None)
+
+
+def _replayed_collectives_uncounted():
+    from mpifsdp.comm.communicator import Comm
+
+    _replace(Comm, "replayed", lambda self, collectives: None)
+
+
+def _verdict_not_after_the_replay():
+    from mpifsdp.comm.communicator import Comm
+
+    _replace(Comm, "await_current", lambda self: None)
+
+
+def _no_graph_self_check():
+    from mpifsdp.fsdp import graphed
+
+    _replace(graphed, "_compare", lambda reference, replayed, elements: None)
+
+
+def _replay_over_unzeroed_gradients():
+    from mpifsdp.fsdp import graphed
+
+    _replace(graphed, "_require_zeroed", lambda sharded: None)
+
+
+def _replayed_input_checks_dropped():
+    from mpifsdp.fsdp import graphed
+
+    _replace(graphed, "_defer_again", lambda checks: None)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -749,6 +791,55 @@ MUTANTS = {
         _step_over_unreduced_gradients,
         "no optimizer step over gradients no_sync kept unreduced (Unit.flat_grad)",
         ["tests/features/test_accumulation.py::test_no_sync_holds_full_gradients_and_reduces_their_sum_once"],
+    ),
+    "graph_host_state": Mutant(
+        _graph_leaves_the_host_as_it_finds_it,
+        "a CUDA graph's replay puts the host back as its captured pass left it (graphed._restore)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_casts_afresh": Mutant(
+        _graph_sends_the_optimizers_cast,
+        "a captured gather casts its shard afresh (Unit.cast_afresh)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_collectives_counted": Mutant(
+        _replayed_collectives_uncounted,
+        "a replay's collectives in the schedule and ledger (Comm.replayed)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_verdict_after_replay": Mutant(
+        _verdict_not_after_the_replay,
+        "the step's settle waits for the replay, not a captured event (Comm.await_current)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_self_check": Mutant(
+        _no_graph_self_check,
+        "a capture's replay compared with an eager pass (graphed._compare)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_zeroed_gradients": Mutant(
+        _replay_over_unzeroed_gradients,
+        "no replay over gradients not zeroed, nor inside no_sync (graphed._require_zeroed)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "graph_input_checks": Mutant(
+        _replayed_input_checks_dropped,
+        "a replay's input checks read with the verdict (graphed._defer_again)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
