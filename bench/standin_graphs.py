@@ -12,8 +12,8 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
 - the ledger counts each replay's gathers and reduce-scatters (the eager run's, plus the one
   reference pass the capture runs);
 - a bad device batch replayed is named at the step's verdict, and the next good one steps: by the
-  model's check_inputs before the replay, or by the graph's own embedding check where the model's
-  sees nothing;
+  model's check_inputs (captured in the graph), or by the embedding's own check in the graph where
+  the model's sees nothing;
 - passes that take a host number changing at every call fail the capture's self-check;
 - passes that read the device from the host fail the capture by name, and leave no graph;
 - a replay without zero_grad, or inside no_sync, refused by name;
@@ -133,8 +133,8 @@ class _Unchecked(GPT):
 
 def a_bad_device_batch_replayed_is_named(model_checks: bool) -> bool:
     """A token id beyond the vocabulary in a replayed device batch: named at the step's verdict, and
-    the next good batch steps. model_checks: by the model's check_inputs (run before each replay);
-    else by the embedding's own check inside the graph, which each replay defers again."""
+    the next good batch steps. model_checks: by the model's check_inputs, else by the embedding's
+    own check: both captured in the graph, their flags deferred again by each replay."""
     model, opt, scaler = _build(model_class=GPT if model_checks else _Unchecked)
     graphed = mpifsdp.GraphedPasses(model, _passes(model, scaler))
     outcomes, words = (
