@@ -593,6 +593,12 @@ class _Nccl:
         _launch("nccl allReduce")
         self._write(recv, self._sum(self._everyone(send, count, dtype)), dtype)
 
+    @on_device
+    def broadcast(self, send, recv, count, dtype, root, stream):
+        _on_stream(stream)
+        _launch("nccl broadcast")
+        self._write(recv, self._everyone(send, count, dtype)[root], dtype)
+
     def check_async_error(self):
         pass
 

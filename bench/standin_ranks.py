@@ -7,7 +7,9 @@
 - over NCCL (the stand-in's, through MPI), a GPT's forward and backward replayed from a CUDA graph
   (GraphedPasses) give the eager steps' losses and parameters bit for bit on every rank; and a rank
   that runs an evaluation the others do not is named on every rank by the schedule check before
-  the replay, not left to pair the graph's collectives with another's.
+  the replay, not left to pair the graph's collectives with another's;
+- HSDP on the GPU branch over NCCL (groups of one rank, sync_params, float64): the CPU's losses,
+  with the all-reduce across groups and the broadcast on NCCL, never MPI on device memory.
 Prints one JSON line (rank 0); exits 1 where a rank saw otherwise.
 
     mpiexec -n 2 python -m mpi4py bench/standin_run.py bench/standin_ranks.py
@@ -19,10 +21,13 @@ import json
 import sys
 
 import cupy_standin
+import numpy as np
 from standin_checks import bad_batch_outcomes, overflow_outcomes
 from standin_graphs import _evaluate, graphed_after_capture, replays_equal_eager_steps
 
 import mpifsdp
+from mpifsdp.data import rank_slice
+from mpifsdp.models import GPT, GPTConfig
 
 
 def a_rank_ahead_is_named_before_the_replay(comm) -> str:
@@ -38,6 +43,35 @@ def a_rank_ahead_is_named_before_the_replay(comm) -> str:
     return "replayed"
 
 
+def _hsdp_losses(device: str) -> list:
+    """3 float64 steps of a GPT under HSDP in groups of one rank (each gradient shard all-reduced
+    across the groups), every rank's initial values rank 0's (sync_params: a broadcast)."""
+    comm = mpifsdp.Comm(device=device, transport="nccl" if device == "cuda" else None)
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config, seed=comm.rank, dtype=np.float64, device=comm.device)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, shard_size=1, sync_params=True)
+    opt, rng, losses = mpifsdp.AdamW(model, lr=1e-3), np.random.default_rng(0), []
+    for _ in range(3):
+        x, y = (rank_slice(rng.integers(0, 64, (4, 8)), comm.rank, comm.size) for _ in range(2))
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def hsdp_over_nccl() -> dict:
+    """HSDP's all-reduce across groups and sync_params' broadcast move device memory over NCCL (an
+    MPI that is not CUDA-aware must never be handed it), and train as the CPU does."""
+    cpu = _hsdp_losses("cpu")
+    cupy_standin.LAUNCHES.clear()
+    gpu = _hsdp_losses("cuda")
+    launched = {kind for (_, kind), n in cupy_standin.LAUNCHES.items() if n}
+    err = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
+    return {"losses_as_the_cpus": err <= 1e-12, "over_nccl": {"nccl allReduce", "nccl broadcast"} <= launched}
+
+
 def main() -> int:
     comm = mpifsdp.Comm(device="cuda", transport="host")
     cupy_standin.GPUS[0] = comm.size  # one GPU a rank: NCCL
@@ -45,11 +79,12 @@ def main() -> int:
     bad_batch = comm.allgather_object(bad_batch_outcomes(comm))
     graphed = comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate))
     ahead = comm.allgather_object(a_rank_ahead_is_named_before_the_replay(comm))
+    hsdp = comm.allgather_object(hsdp_over_nccl())
     ok = all(outcomes == ["named", "stepped"] for outcomes in everyone + bad_batch)
-    ok = ok and all(all(r.values()) for r in graphed) and ahead == ["named"] * comm.size
+    ok = ok and all(all(r.values()) for r in graphed + hsdp) and ahead == ["named"] * comm.size
     if comm.rank == 0:
         report = {"overflow_outcomes": everyone, "bad_batch_outcomes": bad_batch}
-        report = {**report, "graphed_steps": graphed, "a_rank_ahead": ahead, "ok": ok}
+        report = {**report, "graphed_steps": graphed, "a_rank_ahead": ahead, "hsdp_over_nccl": hsdp, "ok": ok}
         print(json.dumps({"check": "standin_ranks", "ranks": comm.size, **report}))
     return 0 if ok else 1
 

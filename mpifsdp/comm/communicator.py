@@ -301,7 +301,10 @@ class Comm:
     def iall_reduce(self, array, *, unit: str = "", phase: str = "other", hot: bool = False):
         """Start the in-place sum over ranks of a contiguous array; returns a request (see wait).
         hot=True: a unit's per-step traffic (HSDP's gradient shards), not compared before it runs."""
-        launch = lambda: self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)  # noqa: E731
+        if array_module_of(array) is np:  # host values (a norm, a count): MPI itself, whatever the transport
+            launch = lambda: self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)  # noqa: E731
+        else:  # device memory goes through the transport: MPI may not read it (it is not CUDA-aware)
+            launch = lambda: self.transport.iall_reduce(array)  # noqa: E731
         return self._start_all_reduce(launch, array, unit, phase, hot)
 
     def _start_all_reduce(self, launch, array, unit: str, phase: str, hot: bool = False):
@@ -320,10 +323,9 @@ class Comm:
         """`array` (a small device array) summed over ranks in place, ordered on the device: the
         host does not wait (NCCL). None, nothing done, where the transport cannot (MPI: the caller
         reads the value back and reduces it on the host)."""
-        reduce = getattr(self.transport, "iall_reduce", None)
-        if reduce is None or array_module_of(array) is np:
+        if self.transport.name != "nccl" or array_module_of(array) is np:
             return None
-        self.wait(self._start_all_reduce(lambda: reduce(array), array, what, phase))
+        self.wait(self._start_all_reduce(lambda: self.transport.iall_reduce(array), array, what, phase))
         return array
 
     def all_reduce_scalar(self, value: float, *, phase: str = "other", what: str = "a scalar") -> float:
@@ -335,7 +337,8 @@ class Comm:
 
     def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other", hot: bool = False):
         self._announce(unit, phase, "broadcast", array.size, array.dtype, hot=hot)
-        self.wait(self.mpi.Ibcast(array, root=root))
+        on_host = array_module_of(array) is np  # device memory goes through the transport, as iall_reduce's
+        self.wait(self.mpi.Ibcast(array, root=root) if on_host else self.transport.ibroadcast(array, root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
     def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:

@@ -66,6 +66,17 @@ class MPITransport:
         check_summable(self.name, send.dtype, "reduce_dtype")
         return self.mpi.Ireduce_scatter_block(self._ready(send), self._ready(recv), op=MPI.SUM)
 
+    def iall_reduce(self, array):
+        """array summed over ranks in place (HSDP's gradient shards across groups)."""
+        from mpi4py import MPI
+
+        check_summable(self.name, array.dtype, "reduce_dtype")
+        return self.mpi.Iallreduce(MPI.IN_PLACE, self._ready(array), op=MPI.SUM)
+
+    def ibroadcast(self, array, root: int):
+        """array, in place, as rank `root` holds it (sync_params)."""
+        return self.mpi.Ibcast(words(self._ready(array)), root=root)
+
     def _ready(self, array):
         return array
 
@@ -93,6 +104,19 @@ class HostStagingTransport(MPITransport):
         backend.synchronize(send)
         host, sent = np.empty(recv.shape, dtype=recv.dtype), backend.to_numpy(send)
         return CopyBack(self.mpi.Ireduce_scatter_block(sent, host, op=MPI.SUM), host, recv, sent)
+
+    def iall_reduce(self, array):
+        from mpi4py import MPI
+
+        check_summable(self.name, array.dtype, "reduce_dtype")
+        backend.synchronize(array)
+        host = backend.to_numpy(array)  # sent and received in place: kept until the request completes
+        return CopyBack(self.mpi.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM), host, array, host)
+
+    def ibroadcast(self, array, root: int):
+        backend.synchronize(array)
+        host = backend.to_numpy(array)
+        return CopyBack(self.mpi.Ibcast(words(host), root=root), host, array, host)
 
 
 class NCCLTransport:
@@ -127,12 +151,18 @@ class NCCLTransport:
         return backend.StreamRequest(backend.current_stream(), self.comm.check_async_error)
 
     def iall_reduce(self, array):
-        """array summed over ranks in place (a small one: a count), on the comm stream."""
+        """array summed over ranks in place (a count, HSDP's gradient shards), on the comm stream."""
         backend.stream_wait_current(self.stream)
         dtype = backend.nccl_dtype(array.dtype)
         self.comm.allReduce(
             array.data.ptr, array.data.ptr, array.size, dtype, self.nccl.NCCL_SUM, self.stream.ptr
         )
+        return backend.StreamRequest(self.stream, self.comm.check_async_error)
+
+    def ibroadcast(self, array, root: int):
+        backend.stream_wait_current(self.stream)
+        dtype = backend.nccl_dtype(array.dtype)
+        self.comm.broadcast(array.data.ptr, array.data.ptr, array.size, dtype, root, self.stream.ptr)
         return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
 

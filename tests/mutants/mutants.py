@@ -470,6 +470,18 @@ def _replayed_input_checks_dropped():
     _replace(graphed, "_defer_again", lambda checks: None)
 
 
+def _device_memory_to_mpi():
+    from mpi4py import MPI
+
+    from mpifsdp.comm.communicator import Comm
+
+    def iall_reduce(self, array, *, unit="", phase="other", hot=False):
+        launch = lambda: self.mpi.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM)  # noqa: E731
+        return self._start_all_reduce(launch, array, unit, phase, hot)
+
+    _replace(Comm, "iall_reduce", iall_reduce)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -791,6 +803,11 @@ MUTANTS = {
         _step_over_unreduced_gradients,
         "no optimizer step over gradients no_sync kept unreduced (Unit.flat_grad)",
         ["tests/features/test_accumulation.py::test_no_sync_holds_full_gradients_and_reduces_their_sum_once"],
+    ),
+    "device_memory_through_the_transport": Mutant(
+        _device_memory_to_mpi,
+        "device arrays' all-reduce goes through the transport, never to MPI itself (Comm.iall_reduce)",
+        ["tests/project/test_gpu_budget.py::test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank"],
     ),
     "graph_host_state": Mutant(
         _graph_leaves_the_host_as_it_finds_it,

@@ -157,7 +157,9 @@ def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     raised at the optimizer's verdict on both, naming the unit, and the next step, back in range,
     steps on both. Over the stand-in's NCCL, forward and backward replayed from a CUDA graph equal
     the eager steps on both ranks, and a rank that ran an evaluation alone is named on both by the
-    schedule check before the replay (without it the graph's collectives would hang)."""
+    schedule check before the replay (without it the graph's collectives would hang). HSDP's
+    all-reduce across groups and sync_params' broadcast run on NCCL there (device memory is never
+    handed to MPI, which need not be CUDA-aware), with the CPU's losses."""
     if comm.size > 1:
         pytest.skip("starts its own 2-rank job: the plain-pytest pass covers it")
     result, _ = run_job(STANDIN, 2, BENCH / "standin_ranks.py")
