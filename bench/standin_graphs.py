@@ -16,7 +16,7 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
   the model's sees nothing;
 - passes that take a host number changing at every call fail the capture's self-check;
 - passes that read the device from the host fail the capture by name, and leave no graph;
-- a replay without zero_grad, or inside no_sync, refused by name;
+- a replay without zero_grad, or inside no_sync, or of a batch of another shape, refused by name;
 - dropout, MPI transports, deterministic mode: refused by name when built;
 - the host's work per step with and without the graph, 24 narrow layers: launches the host issues
   and its time (wall time less the stand-in's NumPy work, which a GPU would do).
@@ -199,6 +199,13 @@ def a_replay_without_zero_grad_is_refused() -> bool:
     return _raised(lambda: graphed(*batches[3]), "zero_grad()")
 
 
+def a_batch_of_another_shape_is_refused() -> bool:
+    """A last, shorter batch: refused by name, before any collective (a graph's shapes are fixed)."""
+    _, _, _, graphed, batches = graphed_after_capture(2)
+    x, y = batches[0]
+    return _raised(lambda: graphed(x[:1], y[:1]), "a graph's shapes are fixed", ValueError)
+
+
 def a_replay_inside_no_sync_is_refused() -> bool:
     """A replay inside no_sync() (whose backward would keep its gradients unreduced) names it."""
     model, _, _, graphed, batches = graphed_after_capture(3)
@@ -268,6 +275,7 @@ def refusals() -> dict:
     return {
         "a_replay_without_zero_grad": a_replay_without_zero_grad_is_refused(),
         "a_replay_inside_no_sync": a_replay_inside_no_sync_is_refused(),
+        "a_batch_of_another_shape": a_batch_of_another_shape_is_refused(),
         "dropout": refused(lambda: _build(dropout), "dropout"),
         "host_staged_mpi": refused(lambda: _build(transport="host"), "'host'"),
         "deterministic_mode": refused(lambda: _build(deterministic=True), "deterministic mode"),
