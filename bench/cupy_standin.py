@@ -6,7 +6,8 @@ mpifsdp takes its GPU branches.
 Counted, by phase (set `PHASE[0]`): a launch for every ufunc call, reduction, matmul, copy, indexed
 gather or scatter, fill (a filled new array, or ndarray.fill) and one of mpifsdp's own kernels
 (CuPy issues one kernel for each); a host sync for every float()/int()/bool()/item()/get(), a
-boolean-mask index (its size is read back) and an eventQuery. NCCL on one rank copies. Our raw
+boolean-mask index (its size is read back) and an eventQuery. NCCL runs through MPI on host memory
+(on one rank it copies; GPUS[0] GPUs a node, so N ranks with N GPUs choose it). Our raw
 kernels run as their NumPy twins, our elementwise kernels as NumPy formulas of the same math,
 cuDNN's attention as bench/cudnn_standin.py's twin. The time all that takes is the device's
 (`on_device`, DEVICE_S): the rest of a step's wall time is its host's.
