@@ -82,8 +82,8 @@ def _edit_shards(model, units, step: int) -> list:
 
 
 def _train(graphed: bool, on_device: bool, scaled: bool, between, **build) -> tuple[list, list, tuple]:
-    """(losses, parameter shards after the steps, (the ledger's gathers and reduce-scatters in
-    backward, its schedule checks in forward)) of STEPS steps; scaled: through the LossScaler,
+    """(losses, parameter shards after the steps, (the ledgers' gathers, reduce-scatters and
+    all-reduces in backward, the schedule checks in forward)) of STEPS steps; scaled: through the LossScaler,
     clipped (else the gradients read first, after Comm.settle, and AdamW's plain step);
     between(model, units, step) after every step; build: _build's arguments."""
     model, opt, scaler = _build(**build)
@@ -104,9 +104,10 @@ def _train(graphed: bool, on_device: bool, scaled: bool, between, **build) -> tu
         losses.append(loss.item())  # read after the step (a read before settles the step's collectives)
         losses += between(model, units, step)
     params = [mpifsdp.to_numpy(unit.shard) for unit in units]
-    ledger = mpifsdp.sharded_model(model).comm.ledger
-    calls = sum(ledger.total("calls", op=op, phase="backward") for op in ("all_gather", "reduce_scatter"))
-    return losses, params, (calls, ledger.total("calls", op="schedule_check", phase="forward"))
+    levels = mpifsdp.sharded_model(model).levels()  # the world, and HSDP's two levels
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    calls = sum(level.ledger.total("calls", op=op, phase="backward") for level in levels for op in ops)
+    return losses, params, (calls, levels[0].ledger.total("calls", op="schedule_check", phase="forward"))
 
 
 def replays_equal_eager_steps(on_device: bool, scaled: bool, between, **build) -> dict:

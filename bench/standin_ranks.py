@@ -5,7 +5,8 @@
 - a bad token id in the last rank's device batch only (checked on the device, read with the step's
   verdict): every rank raises at that step's verdict, and the next step, a good batch, steps;
 - over NCCL (the stand-in's, through MPI), a GPT's forward and backward replayed from a CUDA graph
-  (GraphedPasses) give the eager steps' losses and parameters bit for bit on every rank; and a rank
+  (GraphedPasses) give the eager steps' losses and parameters bit for bit on every rank, in FSDP
+  and in HSDP (groups of one rank: the all-reduce across groups in the graph); and a rank
   that runs an evaluation the others do not is named on every rank by the schedule check before
   the replay, not left to pair the graph's collectives with another's;
 - HSDP on the GPU branch over NCCL (groups of one rank, sync_params, float64): the CPU's losses,
@@ -78,6 +79,7 @@ def main() -> int:
     everyone = comm.allgather_object(overflow_outcomes(comm, fsdp_gather=True))
     bad_batch = comm.allgather_object(bad_batch_outcomes(comm))
     graphed = comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate))
+    graphed += comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate, shard_size=1))
     ahead = comm.allgather_object(a_rank_ahead_is_named_before_the_replay(comm))
     hsdp = comm.allgather_object(hsdp_over_nccl())
     ok = all(outcomes == ["named", "stepped"] for outcomes in everyone + bad_batch)

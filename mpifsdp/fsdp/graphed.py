@@ -22,8 +22,9 @@ collectives in the schedule and ledger (Comm.replayed), the request the optimize
 (Comm.await_current).
 
 Refused by name: a model not on a GPU, collectives not over NCCL (MPI runs on the host: nothing a
-graph can hold), HSDP (its all-reduce across groups is MPI's), deterministic mode (its exact sums
-agree a scale over MPI), dropout > 0 (the mask's seed is the host's, frozen in a graph), no_sync.
+graph can hold), deterministic mode (its exact sums agree a scale over MPI), dropout > 0 (the mask's
+seed is the host's, frozen in a graph), no_sync. HSDP is captured too (its all-reduce across groups
+runs on NCCL: Comm.iall_reduce hands device memory to the transport).
 """
 
 from __future__ import annotations
@@ -155,8 +156,6 @@ def _refusal(model, sharded) -> str | None:
                 f"collectives over {comm.transport.name!r} run through MPI on the host, which no CUDA graph "
                 "can hold: use Comm(device='cuda', transport='nccl')"
             )
-    if sharded.replicas is not None:
-        return "HSDP's all-reduce across groups runs through MPI on the host: capture plain FSDP"
     if sharded.deterministic:
         return "deterministic mode agrees its fixed-point scale over MPI on the host, chunk by chunk"
     dropouts = [name or "model" for name, m in model.named_modules() if isinstance(m, Dropout) and m.p > 0]
