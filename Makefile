@@ -15,7 +15,7 @@ MPIRUN  = $(BIN)/mpiexec $(MPIFLAGS) -n
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 PYTEST   = $(BIN)/python -m pytest -q --with-mpi
 
-.PHONY: install test train bench gpu-check lint format clean
+.PHONY: install test train bench gpu-check gpu-wheels lint format clean
 
 install: $(VENV)/.installed
 
@@ -72,6 +72,15 @@ bench: install
 # On a machine with a GPU and CuPy: all GPU checks in one command, logs in $(OUT) (default out/gpu).
 gpu-check:
 	PYTHON=$(PYTHON) bash bench/gpu_check.sh
+
+# What the lent GPU machine lacks, as wheels for its Python (3.12) in .whl (git-ignored: carry it), which
+# bench/gpu_check.sh installs there: an MPI (the mpich wheel: mpiexec, libmpi), mpi4py, cuDNN's
+# frontend (its libcudnn.so.9 is there) and pytest-mpi.
+GPU_WHEELS = mpich==5.0.2 mpi4py==4.1.2 nvidia-cudnn-frontend==1.32.0 pytest-mpi==0.6
+gpu-wheels: install
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(foreach p,2_28 2_27 2_17 2014 1,--platform manylinux$(if $(findstring _,$(p)),_$(p),$(p))_x86_64) \
+	  --platform any -d .whl $(GPU_WHEELS)
 
 lint: install
 	$(BIN)/ruff check .

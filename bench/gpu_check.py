@@ -217,7 +217,7 @@ def speed(args):
         print(json.dumps(result))
     if args.profile:
         with profile() as costs:
-            step()
+            step(passes)
         top = sorted(costs.items(), key=lambda kv: -(kv[1]["forward_s"] + kv[1]["backward_s"]))
         seconds = {name: [round(c["forward_s"], 4), round(c["backward_s"], 4)] for name, c in top[:8]}
         if comm.rank == 0:

@@ -14,6 +14,17 @@ MPIEXEC=${MPIEXEC:-mpiexec}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 BUDGET=${GPU_CHECK_BUDGET:-480}
 END=$((SECONDS + BUDGET))
+# The lent device reaches no registry: the wheels `make gpu-wheels` put in .whl (an MPI with its mpiexec,
+# mpi4py for it, cuDNN's frontend, pytest-mpi) are installed under a prefix of their own first
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE=$(mktemp -d)
+  $PY -m pip install -q --ignore-installed --no-index --no-deps --no-compile --no-cache-dir --prefix "$SITE" \
+    "$WHEELS"/*.whl || { echo "gpu-check: the wheels in $WHEELS did not install" | tee -a "$LOG"; exit 1; }
+  found() { dirname "$(find "$SITE" -name "$1" | head -1)"; }  # the prefix's layout is the Python's own
+  export PYTHONPATH="$(found '*.dist-info')${PYTHONPATH:+:$PYTHONPATH}" PATH="$(found mpiexec):$PATH"
+  export LD_LIBRARY_PATH="$(found 'libmpi.so*')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # for mpi4py
+fi
 export MPIFSDP_REQUIRE_GPU=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)  # no GPU: fail, never skip
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Run from this checkout even when it is not installed: mpifsdp.models lives in models/ (pyproject's
@@ -40,12 +51,13 @@ CHECK="$PY bench/gpu_check.py"
 MPICHECK="$MPIEXEC -n"
 # the dry run has no transport to choose and a smaller model to time
 if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config small --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
+[ "$DEVICE" != cpu ] && run 20 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total,driver_version --format=csv
 run 60 $CHECK preflight --device "$DEVICE"
 # first what a lent device is for (the budget may cut the last steps): cuDNN's fused attention
 # against the batched passes, the ~350M model in float16 and in bfloat16 (tokens/s, TFLOP/s, MFU
 # against the dense peak, the pool against the plan), and that model's GEMMs and the copy bandwidth
 [ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
-[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3
+[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3 --profile
 # bfloat16: eager, then the same model's steps with forward and backward from one CUDA graph (NCCL)
 [ "$DEVICE" != cpu ] && run 120 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3 --graph --transport nccl
 [ "$DEVICE" != cpu ] && run 45 $CHECK roofline --config gpu350m
