@@ -3,7 +3,8 @@
 # Every step runs even when an earlier one failed; the exit status is non-zero if any step failed
 # (a failing test, a parity error beyond its bound, a crash or a timeout). The steps share one time
 # budget (GPU_CHECK_BUDGET seconds), so the whole check ends inside it even when a step hangs.
-# GPU_CHECK_DEVICE=cpu runs the same script without a GPU (a dry run: the CuPy tests then fail).
+# GPU_CHECK_DEVICE=cpu runs the same script without a GPU (a dry run: the CuPy tests then fail);
+# GPU_CHECK_ONLY=REGEX only the steps whose command matches it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-out/gpu}")
@@ -17,7 +18,7 @@ END=$((SECONDS + BUDGET))
 # The lent device reaches no registry: the wheels `make gpu-wheels` put in .whl (an MPI with its mpiexec,
 # mpi4py for it, cuDNN's frontend, pytest-mpi) are installed under a prefix of their own first
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
+if [ "$DEVICE" != cpu ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE=$(mktemp -d)
   $PY -m pip install -q --ignore-installed --no-index --no-deps --no-compile --no-cache-dir --prefix "$SITE" \
     "$WHEELS"/*.whl || { echo "gpu-check: the wheels in $WHEELS did not install" | tee -a "$LOG"; exit 1; }
@@ -39,6 +40,8 @@ fi
 FAILED=()
 run() {  # run LIMIT_SECONDS COMMAND...: at most LIMIT, and never past the budget's end
   local limit=$1; shift
+  # GPU_CHECK_ONLY=REGEX runs only the steps whose command matches (a rerun of what failed)
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && ! [[ "$*" =~ $GPU_CHECK_ONLY ]]; then return; fi
   local left=$((END - SECONDS))
   if [ "$left" -lt 10 ]; then FAILED+=("$* (not run: budget spent)"); return; fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -71,7 +74,7 @@ if [ "$DEVICE" != cpu ]; then
   # failure is reported, not counted (an MPI that is not CUDA-aware may crash on device pointers)
   if grep -q '"mpi_cuda_aware": true' "$LOG"; then
     run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport cuda-aware-mpi
-  else
+  elif [ -z "${GPU_CHECK_ONLY:-}" ]; then
     echo "== [${SECONDS}s] probe: this MPI does not say it is CUDA-aware; trying device pointers anyway" | tee -a "$LOG"
     timeout -k 5 30 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport cuda-aware-mpi \
       2>&1 | tail -5 | tee -a "$LOG"

@@ -39,7 +39,7 @@ from common import random_batch
 import mpifsdp
 from mpifsdp import sharded_model
 from mpifsdp.base.backend import to_numpy
-from mpifsdp.base.checks import bfloat16
+from mpifsdp.base.checks import bfloat16, finfo
 from mpifsdp.models import GPT, GPTConfig
 from mpifsdp.nn import Linear, Module
 
@@ -289,7 +289,7 @@ def mixed_precision_bound(dtype) -> float:
     """Relative to the largest gradient: each of the ~10 operations a block (and 4 more: embeddings,
     final LayerNorm, head, loss) rounds its result to `dtype` once forward and once backward, u =
     eps/2 each; were every rounding to add at the largest gradient's scale, (10 n_layer + 4) eps."""
-    return (10 * CONFIG["n_layer"] + 4) * float(np.finfo(dtype).eps)
+    return (10 * CONFIG["n_layer"] + 4) * float(finfo(dtype).eps)
 
 
 def bfloat16_over_host_staging() -> bool:

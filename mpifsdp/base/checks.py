@@ -96,6 +96,16 @@ def is_bfloat16(dtype) -> bool:
     return dtype.kind == "V" and dtype.name == "bfloat16" and dtype == bfloat16()
 
 
+def finfo(dtype):
+    """np.finfo, bfloat16 included: NumPy 2.5's finfo refuses ml_dtypes' types (2.4's took them), and
+    ml_dtypes' own finfo answers for bfloat16."""
+    if is_bfloat16(dtype):
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)
+
+
 def is_floating(dtype) -> bool:
     """A float dtype: NumPy's (kind "f") or bfloat16 (ml_dtypes': kind "V", as NumPy has none)."""
     return np.dtype(dtype).kind == "f" or is_bfloat16(dtype)

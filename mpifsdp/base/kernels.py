@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from .backend import array_module_of, to_numpy
-from .checks import bfloat16, is_bfloat16, yes_or_no
+from .checks import bfloat16, finfo, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def error_bound(dtype, terms: int, scale: float) -> float:
     """What a kernel may differ from its float64 twin by: `terms` roundings in ACC (sums of up to
     `terms` values no larger than `scale`) and the result's one rounding to the element type."""
     acc = float(np.finfo(accumulator(dtype)).eps)
-    return (terms * acc + float(np.finfo(dtype).eps)) * scale
+    return (terms * acc + float(finfo(dtype).eps)) * scale
 
 
 # -- a flag for NaN and Inf: mixed precision's overflow check of each gather, one launch ----------

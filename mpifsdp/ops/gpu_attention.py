@@ -20,11 +20,11 @@ import numpy as np
 
 from ..base import kernels as gk
 from ..base.backend import array_module_of, to_numpy
+from ..base.checks import finfo
 
 log = logging.getLogger(__name__)
 
 IO_TYPES = {"float16": "HALF", "bfloat16": "BFLOAT16"}  # numpy dtype name -> cudnn.data_type
-EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}  # their machine epsilons
 PROBE_POSITIONS = 64  # of the first-use check (one sequence, the model's heads and head size)
 
 
@@ -233,10 +233,23 @@ def _probe(xp, dtype, n_head: int, head: int, T: int, scale: float):
     got = dict(
         zip(("out", "dq", "dk", "dv"), (_split(to_numpy(out), n_head), *_split_qkv(to_numpy(gqkv), n_head)))
     )
-    # per term of each sum: an operand rounded to the element type once (flash attention's P, and
-    # dS in backward), the output rounded once; the sums of up to 2T terms in float32
-    bound = 8 * EPS[dtype.name] + 2 * T * float(np.finfo(np.float32).eps)
-    return [(name, got[name] / magnitude[name], want[name] / magnitude[name], bound) for name in want]
+    bound, floor = error_bound(dtype, T)
+    return [
+        (name, got[name] / (magnitude[name] + floor), want[name] / (magnitude[name] + floor), bound)
+        for name in want
+    ]
+
+
+def error_bound(dtype, T: int) -> tuple[float, float]:
+    """(bound, floor): cuDNN's results on T positions differ from float64's by at most bound times
+    (their magnitude + floor). Per term of each sum an operand is rounded to the element type once
+    (flash attention's P, and dS in backward) and the output once; the sums of up to 2T terms run
+    in float32. A result below the element type's normal range is rounded to its subnormal spacing,
+    an error not relative to itself (on an H200 a float16 dk of 9e-7 was off by 15 eps of its
+    magnitude): that spacing, over the bound, is the floor."""
+    io = finfo(dtype)
+    bound = 8 * float(io.eps) + 2 * T * float(np.finfo(np.float32).eps)
+    return bound, float(io.smallest_subnormal) / bound
 
 
 def _split(a, n_head: int):

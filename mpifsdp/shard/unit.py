@@ -26,7 +26,7 @@ import numpy as np
 from ..base import kernels
 from ..base.accounting import MemoryLedger
 from ..base.backend import array_module_of, to_numpy
-from ..base.checks import check_summable, float_dtype, is_bfloat16
+from ..base.checks import check_summable, finfo, float_dtype, is_bfloat16
 from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
@@ -305,7 +305,7 @@ class Unit:
         raise FloatingPointError(
             f"unit {self.name!r}: parameter values no longer fit {self.param_dtype} (largest "
             f"|master| {float(abs(self._shard).max()):.3g} here, {self.param_dtype} holds up to "
-            f"{float(np.finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
+            f"{float(finfo(self.param_dtype).max):.3g}); lower the lr or the weight scale, or use "
             "a wider param_dtype"
         )
 

@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifsdp.base.checks import check_summable, float_dtype, refuse_below, refuse_invalid, yes_or_no
+from mpifsdp.base import kernels
+from mpifsdp.base.checks import check_summable, finfo, float_dtype, refuse_below, refuse_invalid, yes_or_no
 
 
 def test_yes_or_no_reads_the_usual_words_and_refuses_the_others():
@@ -41,6 +42,22 @@ def test_bfloat16_is_a_floating_dtype_that_only_nccl_sums():
         ValueError, match=r"reduce_dtype=bfloat16 over the 'host' transport: MPI has no bfloat16 sum"
     ):
         check_summable("host", ml_dtypes.bfloat16, "reduce_dtype")
+
+
+def test_bfloat16_limits_come_from_ml_dtypes_where_numpy_refuses_them(monkeypatch):
+    """NumPy 2.5's finfo refuses ml_dtypes' types (2.4's took them): on an H200 with NumPy 2.5 every
+    bfloat16 kernel's first-use check failed there. Here finfo refuses them as 2.5's does."""
+    numpy_finfo = np.finfo
+
+    def finfo_of_numpy_2_5(dtype):
+        if np.dtype(dtype).kind == "V":
+            raise ValueError(f"data type {np.dtype(dtype)!r} not compatible with finfo")
+        return numpy_finfo(dtype)
+
+    monkeypatch.setattr(np, "finfo", finfo_of_numpy_2_5)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert float(finfo(bf16).eps) == 2.0**-7 and float(finfo(np.float16).eps) == 2.0**-10
+    assert kernels.error_bound(bf16, 4, 2.0) == (4 * 2.0**-23 + 2.0**-7) * 2.0
 
 
 def test_importing_mpifsdp_leaves_ml_dtypes_unloaded(comm):
