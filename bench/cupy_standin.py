@@ -166,6 +166,13 @@ def _wrapped(parts: tuple, shape: tuple) -> tuple:
     )
 
 
+def _through_cupys_cublas():
+    """CuPy's cuBLAS bindings (its matmul) refuse to run while the current stream captures, as CuPy
+    14's do (seen on an H200); cuBLAS's C API captures (cublas_library: base/cublas_api.py's)."""
+    if _current_stream().is_capturing():
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+
+
 def _all_bfloat16(inputs) -> bool:
     return all(getattr(a, "dtype", None) is not None and a.dtype.name == "bfloat16" for a in inputs)
 
@@ -188,6 +195,8 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         outs = kwargs.get("out")
         if outs is not None:
             kwargs["out"] = tuple(_host(o) for o in outs)
+        if ufunc is np.matmul:
+            _through_cupys_cublas()
         if ufunc is np.matmul and _all_bfloat16(inputs):
             return _bfloat16_matmul(*inputs, **kwargs)
         result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
@@ -604,20 +613,14 @@ class _Nccl:
         pass
 
 
-# cuBLAS's gemmEx (ops/gpu_gemm.py) on host addresses: CuPy's type and operation codes, and the
-# column-major product it computes, in float32 (CUBLAS_COMPUTE_32F) or float64.
-_CUDA_TYPES = {
-    "CUDA_R_32F": "float32",
-    "CUDA_R_64F": "float64",
-    "CUDA_R_16F": "float16",
-    "CUDA_R_16BF": "bfloat16",
-}
-
-
+# cuBLAS's C API as base/cublas_api.py calls it through ctypes, on host addresses: the column-major
+# product cublasGemmEx computes, in float32 (CUBLAS_COMPUTE_32F) or float64, and its workspace rule.
 def _cuda_dtype(code: int):
-    from mpifsdp.base.kernels import TABLE_DTYPES, table_dtype
+    from mpifsdp.base.checks import bfloat16
+    from mpifsdp.base.cublas_api import DATA_TYPES
 
-    return table_dtype(TABLE_DTYPES.index(list(_CUDA_TYPES.values())[code]))
+    name = {c: n for n, c in DATA_TYPES.items()}[code]
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _column_major(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
@@ -628,32 +631,58 @@ def _column_major(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndar
     return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize, ld * dtype.itemsize))
 
 
-def _gemm_ex(
-    handle,
-    transa,
-    transb,
-    m,
-    n,
-    k,
-    alpha,
-    A,
-    a_type,
-    lda,
-    B,
-    b_type,
-    ldb,
-    beta,
-    C,
-    c_type,
-    ldc,
-    compute,
-    algo,
-):
-    """cublas.gemmEx: alpha and beta are read from host memory when it is called (a graph keeps the
-    values it was captured with), the product when it runs."""
-    scalar = ctypes.c_double if compute == 70 else ctypes.c_float  # 64F, 32F
-    scale = tuple(scalar.from_address(address).value for address in (alpha, beta))
-    _gemm(transa, transb, m, n, k, scale, (A, a_type, lda), (B, b_type, ldb), (C, c_type, ldc), compute)
+def cublas_library():
+    """libcublas's functions that base/cublas_api.py calls. As in cuBLAS, a handle runs on cuBLAS's own
+    workspace until one is set, and cublasSetStream puts it back there; cuBLAS allocates its own at
+    a stream's first GEMM, which a capturing stream refuses (CaptureError)."""
+    handles = {}  # handle -> {"stream": ptr, "workspace": whether one of ours is set}
+
+    def create(pointer):
+        pointer._obj.value = len(handles) + 1
+        handles[pointer._obj.value] = {"stream": None, "workspace": False}
+        return 0
+
+    def set_stream(handle, stream):
+        handles[handle.value] = {"stream": stream.value or 0, "workspace": False}
+        return 0
+
+    def set_workspace(handle, workspace, size):
+        handles[handle.value]["workspace"] = True
+        return 0
+
+    def gemm_ex(
+        handle,
+        transa,
+        transb,
+        m,
+        n,
+        k,
+        alpha,
+        A,
+        a_type,
+        lda,
+        B,
+        b_type,
+        ldb,
+        beta,
+        C,
+        c_type,
+        ldc,
+        compute,
+        algo,
+    ):  # noqa: E501, N803
+        """alpha and beta are read from host memory when it is called (a graph keeps the values it was
+        captured with), the product when it runs."""
+        if _current_stream().is_capturing() and not handles[handle.value]["workspace"]:
+            raise CaptureError("cuBLAS would allocate its workspace while the stream captures")
+        scalar = ctypes.c_double if compute == 70 else ctypes.c_float  # 64F, 32F
+        scale = tuple(scalar.from_address(address).value for address in (alpha, beta))
+        _gemm(transa, transb, m, n, k, scale, (A, a_type, lda), (B, b_type, ldb), (C, c_type, ldc), compute)
+        return 0
+
+    library = types.SimpleNamespace(cublasCreate_v2=create, cublasSetStream_v2=set_stream)
+    library.cublasSetWorkspace_v2, library.cublasGemmEx = set_workspace, gemm_ex
+    return library
 
 
 @on_device
@@ -676,33 +705,6 @@ def _gemm(transa, transb, m, n, k, scale, a, b, c, compute):
     if scale[1]:
         product += scale[1] * out.astype(acc)
     np.copyto(out, product, casting="unsafe")
-
-
-def _cublas_modules() -> dict:
-    cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
-    cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
-    cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_COMPUTE_64F = 68, 70
-    cublas.CUBLAS_GEMM_DEFAULT, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP = -1, 99
-    cublas.gemmEx = _gemm_ex
-    runtime = types.ModuleType("cupy_backends.cuda.api.runtime")
-    for code, name in enumerate(_CUDA_TYPES):
-        setattr(runtime, name, code)
-    libs = types.ModuleType("cupy_backends.cuda.libs")
-    libs.cublas = cublas
-    api = types.ModuleType("cupy_backends.cuda.api")
-    api.runtime = runtime
-    cuda = types.ModuleType("cupy_backends.cuda")
-    cuda.libs, cuda.api = libs, api
-    backends = types.ModuleType("cupy_backends")
-    backends.cuda = cuda
-    return {
-        "cupy_backends": backends,
-        "cupy_backends.cuda": cuda,
-        "cupy_backends.cuda.libs": libs,
-        "cupy_backends.cuda.libs.cublas": cublas,
-        "cupy_backends.cuda.api": api,
-        "cupy_backends.cuda.api.runtime": runtime,
-    }
 
 
 _NCCL_TYPES = ["NCCL_INT64", "NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_BFLOAT16"]
@@ -750,7 +752,6 @@ def install(with_cudnn: bool = True):
         using_allocator=lambda allocator=None: contextlib.nullcontext(),
         runtime=runtime,
         Device=device,
-        device=types.SimpleNamespace(get_cublas_handle=lambda: 0),
     )
     nccl = types.ModuleType("cupy.cuda.nccl")
     for i, name in enumerate(_NCCL_TYPES):
@@ -766,7 +767,10 @@ def install(with_cudnn: bool = True):
 
     cupyx.scatter_add = scatter_add
     cupyx.empty_pinned = np.empty
-    sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl, **_cublas_modules()})
+    sys.modules.update({"cupy": cp, "cupyx": cupyx, "cupy.cuda.nccl": nccl})
+    from mpifsdp.base import backend
+
+    backend.cublas_library = cublas_library
     if with_cudnn:
         import cudnn_standin
 

@@ -8,7 +8,7 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
   plain step, a write into every shard between steps (the next replay must gather it): every loss
   (and gradient sum) and the parameters after the steps, bit for bit;
 - the same in other configurations: checkpointed blocks, units kept gathered for backward, prefetch
-  0 and 2, float32, bfloat16 gathers, an untied GPT without biases;
+  0 and 2, bfloat16 gathers, an untied GPT without biases;
 - the ledger counts each replay's gathers and reduce-scatters (the eager run's, plus the one
   reference pass the capture runs);
 - a bad device batch replayed is named at the step's verdict, and the next good one steps: by the
@@ -17,12 +17,15 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
 - passes that take a host number changing at every call fail the capture's self-check;
 - passes that read the device from the host fail the capture by name, and leave no graph;
 - a replay without zero_grad, or inside no_sync, or of a batch of another shape, refused by name;
-- dropout, MPI transports, deterministic mode: refused by name when built;
+- dropout, MPI transports, deterministic mode: refused by name when built; float32 attention (batched
+  GEMMs through CuPy's matmul, which CuPy cannot capture) by name at the capture;
 - the host's work per step with and without the graph, 24 narrow layers: launches the host issues
   and its time (wall time less the stand-in's NumPy work, which a GPU would do).
-One JSON line; exits 1 if a check fails.
+Without cuDNN (--no-cudnn) attention runs batched GEMMs through CuPy's matmul, which CuPy cannot
+capture: then only that refusal is checked. One JSON line; exits 1 if a check fails.
 
     python bench/standin_run.py bench/standin_graphs.py
+    python bench/standin_run.py --no-cudnn bench/standin_graphs.py
 """
 
 from __future__ import annotations
@@ -177,7 +180,6 @@ CONFIGURATIONS = {
     "kept_gathered_for_backward": dict(reshard_after_forward=False),
     "prefetch_0": dict(prefetch=0),
     "prefetch_2": dict(prefetch=2),
-    "float32": dict(param_dtype=None, reduce_dtype=None),
     "bfloat16_gathers": dict(param_dtype=bfloat16()),
     "untied_without_biases": dict(
         config=GPTConfig(**{**SMALL.__dict__, "tie_weights": False, "bias": False})
@@ -264,6 +266,19 @@ def a_host_read_inside_the_passes_fails_the_capture_by_name() -> bool:
     return len(messages) == 2 and all("raised while captured" in m and ".item()" in m for m in messages)
 
 
+def batched_attention_is_refused_at_capture(**shard) -> bool:
+    """Attention that cuDNN's fused kernel does not take (float32, or no cuDNN) runs batched GEMMs
+    through CuPy's matmul, which CuPy refuses while a stream captures: the capture names it and says
+    what to do."""
+    model, opt, scaler = _build(**shard)
+    graphed = mpifsdp.GraphedPasses(model, _passes(model, scaler))
+    batches = _batches(2, on_device=False)
+    graphed(*batches[0])
+    scaler.step(opt)
+    opt.zero_grad()
+    return _raised(lambda: graphed(*batches[1]), "CuPy's matmul cannot be captured")
+
+
 def refusals() -> dict:
     def refused(build, words: str) -> bool:
         def graph():
@@ -280,6 +295,9 @@ def refusals() -> dict:
         "dropout": refused(lambda: _build(dropout), "dropout"),
         "host_staged_mpi": refused(lambda: _build(transport="host"), "'host'"),
         "deterministic_mode": refused(lambda: _build(deterministic=True), "deterministic mode"),
+        "float32_batched_attention_at_capture": batched_attention_is_refused_at_capture(
+            param_dtype=None, reduce_dtype=None
+        ),
     }
 
 
@@ -305,7 +323,15 @@ def host_work(graphed: bool, layers: int = 24) -> dict:
 
 
 def main() -> int:
-    result = {"check": "standin_graphs"}
+    if "cudnn" not in sys.modules:  # a GPU without cuDNN: attention runs CuPy's batched matmul
+        refused = batched_attention_is_refused_at_capture()
+        print(
+            json.dumps(
+                {"check": "standin_graphs", "cudnn": False, "refused_at_capture": refused, "ok": refused}
+            )
+        )
+        return 0 if refused else 1
+    result = {"check": "standin_graphs", "cudnn": True}
     result["replays_equal_eager_steps_host_batches_scaled_with_evaluations"] = replays_equal_eager_steps(
         False, True, _evaluate
     )

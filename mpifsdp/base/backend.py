@@ -7,6 +7,7 @@ CPU users never need CuPy installed.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib
@@ -154,19 +155,22 @@ def nccl():
     return importlib.import_module("cupy.cuda.nccl")
 
 
-def cublas():
-    """(CuPy's cuBLAS bindings, the CUDA runtime's type codes, this device's cuBLAS handle): for a
-    GEMM CuPy's matmul does not offer (ops/gpu_gemm.py)."""
-    return (*_cublas_modules(), _cupy().cuda.device.get_cublas_handle())
-
-
 @functools.cache
-def _cublas_modules() -> tuple:
-    """Looked up once: gpu_gemm asks for them at every GEMM."""
-    return (
-        importlib.import_module("cupy_backends.cuda.libs.cublas"),
-        importlib.import_module("cupy_backends.cuda.api.runtime"),
-    )
+def cublas_library():
+    """libcublas as CuPy loaded it, for base/cublas_api.py's ctypes calls: CuPy's handle is made first,
+    which maps the library into this process, and it is found by its path there."""
+    _cupy().cuda.device.get_cublas_handle()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+    except OSError:  # no /proc: the library by its name, as the dynamic loader finds it
+        paths = []
+    for path in paths or ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise RuntimeError("mpifsdp's GPU GEMMs need libcublas, which CuPy's cuBLAS module should have loaded")
 
 
 def nccl_available() -> bool:

@@ -34,7 +34,7 @@ import contextlib
 import numpy as np
 
 from ..autodiff.tensor import Tensor
-from ..base import backend, deferred
+from ..base import backend, cublas_api, deferred
 from ..base.backend import array_module_of, host_value
 from ..nn.layers import Dropout
 from ..ops import gpu_attention
@@ -103,6 +103,8 @@ class GraphedPasses:
         """Capture the passes into self._graph, on a stream of their own, from a private pool."""
         xp = self._sharded.units[0].xp
         pool, stream = xp.cuda.MemoryPool(), backend.new_stream()
+        with stream:  # cuBLAS's workspace for the stream, from the default pool, before it captures
+            cublas_api.bind_current_stream()
         mark = deferred.mark()
         with contextlib.ExitStack() as inside:
             noted = [inside.enter_context(comm.capturing()) for comm in self._sharded.levels()]
@@ -112,11 +114,7 @@ class GraphedPasses:
             try:
                 outputs = self._passes(*self._static)
             except Exception as exc:
-                raise RuntimeError(
-                    f"GraphedPasses: the passes raised while captured ({type(exc).__name__}: {exc}). Inside "
-                    "a CUDA graph nothing may read the device from the host (float(), .item(), a NumPy "
-                    "copy) or copy host arrays in: read the loss from what passes returns, after the call"
-                ) from exc
+                raise RuntimeError(f"GraphedPasses: {_why(exc)}") from exc
             finally:
                 graph = stream.end_capture()  # (a pass that raised leaves no graph to replay)
         self._graph, self._outputs = graph, outputs
@@ -167,6 +165,21 @@ def _refusal(model, sharded) -> str | None:
     if not sharded.requires_gradient_sync:
         return "no_sync() keeps gradients unreduced across backward passes: capture with gradient sync on"
     return None
+
+
+def _why(exc) -> str:
+    """What a capture that raised met, and what to do."""
+    said = f"the passes raised while captured ({type(exc).__name__}: {exc}"
+    if isinstance(exc, NotImplementedError) and "cuBLAS" in str(exc):
+        return (
+            f"{said}). CuPy's matmul cannot be captured: attention runs batched GEMMs through it where "
+            "cuDNN's fused attention does not (float32, no cuDNN, a shape it refuses). Give the model "
+            "float16 or bfloat16 param_dtype with cuDNN, or run the passes without a graph"
+        )
+    return (
+        f"{said}). Inside a CUDA graph nothing may read the device from the host (float(), .item(), a "
+        "NumPy copy) or copy host arrays in: read the loss from what passes returns, after the call"
+    )
 
 
 def _static_copy(value, xp):

@@ -173,7 +173,7 @@ def writable(into, k: int, shape, *dtypes):
 def _weight_grad_into(a, c, target):
     """target = a @ c, a zeroed parameter gradient in the operands' type or their float32
     accumulator (cuBLAS's gemmEx: no 16-bit temporary, no cast)."""
-    if a.dtype == c.dtype and gpu_gemm.widening(a.dtype, target.dtype):
+    if a.dtype == c.dtype and gpu_gemm.writes(a.dtype, target.dtype):
         gpu_gemm.gemm_into(a, c, target)
     else:
         array_module_of(a).matmul(a, c, out=target)
@@ -204,7 +204,7 @@ def _linear_vjp(
     h = x
     wants_bias = gelu_bias is not None and needs[3]
     if needs[0] or wants_bias:
-        gx = (g2 @ w.T if not transpose_w else g2 @ w).reshape(x.shape)  # d/d(input of the GEMM)
+        gx = gpu_gemm.matmul(g2, w.T if not transpose_w else w).reshape(x.shape)  # d/d(input of the GEMM)
     if gelu_input and (needs[0] or wants_bias):  # gelu recomputed (cheaper than keeping (B, T, 4C))
         h, gx, g_gelu_bias = _gelu_backward(x, gx, (sums_into or (None,))[0], gelu_bias, into)
     elif gelu_input and needs[1]:
@@ -214,7 +214,7 @@ def _linear_vjp(
         a, c = (h2.T, g2) if not transpose_w else (g2.T, h2)
         gw = writable(into, 1, w.shape, *_written_types(g2.dtype))
         if gw is None:
-            gw = a @ c
+            gw = gpu_gemm.matmul(a, c)
         else:
             _weight_grad_into(a, c, gw)
             gw = WROTE
@@ -285,7 +285,7 @@ def _linear(x, w, b=None, transpose_w=False, gelu_input=False):
     if x.shape[-1] != w_in:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.shape} expects {w_in}")
     h = gelu_array(x) if gelu_input else x
-    out = _rows(h) @ (w.T if transpose_w else w)
+    out = gpu_gemm.matmul(_rows(h), w.T if transpose_w else w)
     if b is not None:
         out += b
     return out.reshape(*x.shape[:-1], out.shape[-1]), None

@@ -14,9 +14,9 @@
 
 16-bit products accumulate in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do; float32
 in float32 (no TF32), float64 in float64. Each (operand, output) type pair is checked once against a
-float64 product on the host before its first result is used. CuPy's cuBLAS bindings come through
-base/backend.py (cublas()); bench/cupy_standin.py provides them, on host memory, on a machine
-without a GPU.
+float64 product on the host before its first result is used. cuBLAS is called through its C API
+(base/cublas_api.py), which CUDA graphs capture; bench/cupy_standin.py stands in for it, on host
+memory, on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -25,16 +25,9 @@ import functools
 
 import numpy as np
 
-from ..base import backend
+from ..base import cublas_api
 from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import accumulator, checked_once, device_address, error_bound
-
-_CUDA_NAMES = {
-    "float16": "CUDA_R_16F",
-    "bfloat16": "CUDA_R_16BF",
-    "float32": "CUDA_R_32F",
-    "float64": "CUDA_R_64F",
-}
 
 
 @functools.cache
@@ -50,7 +43,9 @@ def widening(operands_dtype, out_dtype) -> bool:
 def writes(operands_dtype, out_dtype) -> bool:
     """Whether gemm_into writes a product of `operands_dtype` into `out_dtype`: the same float type,
     or widening."""
-    same = np.dtype(out_dtype) == np.dtype(operands_dtype) and np.dtype(out_dtype).name in _CUDA_NAMES
+    same = (
+        np.dtype(out_dtype) == np.dtype(operands_dtype) and np.dtype(out_dtype).name in cublas_api.DATA_TYPES
+    )
     return same or widening(operands_dtype, out_dtype)
 
 
@@ -67,31 +62,26 @@ def stacked_rows(top, row):
     return array_module_of(top).lib.stride_tricks.as_strided(top, shape, top.strides)
 
 
-def _operand(cublas, a, itemsize: int):
+def _operand(a, itemsize: int):
     """(a, cuBLAS op, leading dimension) for a 2-D operand read column-major as its transpose: a row-
     major a (unit column stride) as it is, a column-major one (a transposed view) transposed; any
     other layout copied first."""
     if a.strides[1] == itemsize and a.strides[0] >= a.shape[1] * itemsize:
-        return a, cublas.CUBLAS_OP_N, a.strides[0] // itemsize
+        return a, cublas_api.OP_N, a.strides[0] // itemsize
     if a.strides[0] == itemsize and a.strides[1] >= a.shape[0] * itemsize:
-        return a, cublas.CUBLAS_OP_T, a.strides[1] // itemsize
+        return a, cublas_api.OP_T, a.strides[1] // itemsize
     a = array_module_of(a).ascontiguousarray(a)
-    return a, cublas.CUBLAS_OP_N, a.shape[1]
+    return a, cublas_api.OP_N, a.shape[1]
 
 
 @functools.cache
-def _cuda_type(runtime, dtype) -> int:
-    return getattr(runtime, _CUDA_NAMES[np.dtype(dtype).name])
-
-
-@functools.cache
-def _compute(cublas, out_dtype) -> tuple:
+def _compute(out_dtype) -> tuple:
     """(cuBLAS compute type, one, zero) for a product into out_dtype: float64 in float64, the rest in
     float32; one and zero on the host, in the compute type (alpha = 1; beta = 1 to add, else 0)."""
     wide = np.dtype(out_dtype) == np.float64
     scalar = np.float64 if wide else np.float32
     return (
-        cublas.CUBLAS_COMPUTE_64F if wide else cublas.CUBLAS_COMPUTE_32F,
+        cublas_api.COMPUTE_64F if wide else cublas_api.COMPUTE_32F,
         np.ones(1, scalar),
         np.zeros(1, scalar),
     )
@@ -100,32 +90,15 @@ def _compute(cublas, out_dtype) -> tuple:
 def _launch(a, b, out, accumulate: bool = False):
     """out (M, N), C-contiguous = a (M, K) @ b (K, N) (+ out). cuBLAS is column-major: it computes
     out's transpose (N, M) = b^T a^T, each operand read as the transpose of its row-major self."""
-    cublas, runtime, handle = backend.cublas()
-    compute, one, zero = _compute(cublas, out.dtype)
+    compute, one, zero = _compute(out.dtype)
     itemsize = a.dtype.itemsize
     (M, K), N = a.shape, b.shape[1]
-    b, op_b, ld_b = _operand(cublas, b, itemsize)
-    a, op_a, ld_a = _operand(cublas, a, itemsize)
-    cublas.gemmEx(
-        handle,
-        op_b,
-        op_a,
-        N,
-        M,
-        K,
-        one.ctypes.data,
-        device_address(b),
-        _cuda_type(runtime, b.dtype),
-        ld_b,
-        device_address(a),
-        _cuda_type(runtime, a.dtype),
-        ld_a,
-        (one if accumulate else zero).ctypes.data,
-        device_address(out),
-        _cuda_type(runtime, out.dtype),
-        N,
-        compute,
-        cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+    b, op_b, ld_b = _operand(b, itemsize)
+    a, op_a, ld_a = _operand(a, itemsize)
+    beta = (one if accumulate else zero).ctypes.data
+    operands = ((device_address(b), b.dtype), ld_b, (device_address(a), a.dtype), ld_a)
+    cublas_api.gemm_ex(
+        op_b, op_a, N, M, K, one.ctypes.data, *operands, beta, (device_address(out), out.dtype), N, compute
     )
 
 
@@ -143,6 +116,17 @@ def gemm_into(a, b, out, accumulate: bool = False) -> None:
     xp = array_module_of(out)
     checked_once(("gemm_into", a.dtype.type, out.dtype.type), lambda: _probe(xp, a.dtype, out.dtype))
     _launch(a, b, out, accumulate)
+
+
+def matmul(a, b):
+    """a @ b for 2-D operands. On a GPU through gemm_into, as CUDA graphs need: CuPy's matmul refuses
+    to run while a stream captures (base/cublas_api.py); on the CPU, NumPy's."""
+    xp = array_module_of(a)
+    if xp is np or a.dtype != b.dtype or not writes(a.dtype, a.dtype):
+        return a @ b
+    out = xp.empty((a.shape[0], b.shape[1]), a.dtype)
+    gemm_into(a, b, out)
+    return out
 
 
 def _probe(xp, dtype, out_dtype):

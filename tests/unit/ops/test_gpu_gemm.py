@@ -3,30 +3,34 @@ type into its own, written or added to out) on host memory, through bench/cupy_s
 column-major gemmEx: the operand layouts and leading dimensions it hands cuBLAS give the product,
 and its check at first use names a GEMM that computes it wrong."""
 
+import functools
 import sys
+import types
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifsdp.base import backend, kernels
+from mpifsdp.base import cublas_api, kernels
 from mpifsdp.ops import gpu_gemm
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "bench"))
 import cupy_standin  # noqa: E402
 
-MODULES = cupy_standin._cublas_modules()
-
 
 @pytest.fixture
 def cublas(monkeypatch):
-    """cuBLAS's bindings as the stand-in's, on host memory; each test's GEMMs checked afresh."""
-    cublas, runtime = MODULES["cupy_backends.cuda.libs.cublas"], MODULES["cupy_backends.cuda.api.runtime"]
-    monkeypatch.setattr(backend, "cublas", lambda: (cublas, runtime, 0))
+    """cuBLAS's C API as the stand-in's, on host memory (one stream, workspaces in host memory); each
+    test's GEMMs checked afresh."""
+    library = cupy_standin.cublas_library()
+    host = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=1)), empty=np.empty
+    )
+    monkeypatch.setattr(cublas_api, "_handle", functools.cache(lambda: cublas_api._Handle(library, host)))
     for key in [k for k in kernels._checked if k[0] == "gemm_into"]:
         kernels._checked.discard(key)
-    return cublas
+    return library
 
 
 def _bound(a, b, out):
@@ -76,12 +80,12 @@ def test_the_gemm_writes_the_product_in_every_operand_layout(cublas, dtype, out_
 def test_a_gemm_that_computes_wrong_is_named_at_first_use(cublas, monkeypatch):
     """A cuBLAS call that leaves out the last term of every sum (an off-by-one in K) is caught by the
     probe before any result is used."""
-    right = cublas.gemmEx
+    right = cublas.cublasGemmEx
 
     def one_term_short(handle, transa, transb, m, n, k, *rest):
         return right(handle, transa, transb, m, n, k - 1, *rest)
 
-    monkeypatch.setattr(cublas, "gemmEx", one_term_short)
+    monkeypatch.setattr(cublas, "cublasGemmEx", one_term_short)
     a, b = np.ones((4, 3), np.float16), np.ones((3, 2), np.float16)
     with pytest.raises(RuntimeError, match=r"gemm_into \(float16\) computes .* wrong"):
         gpu_gemm.gemm_into(a, b, np.empty((4, 2), np.float32))
@@ -113,14 +117,14 @@ def test_the_gemm_refuses_what_it_cannot_write(cublas, a, b, out, error):
 def test_a_gemm_that_ignores_what_out_held_is_named_at_first_use(cublas, monkeypatch):
     """A cuBLAS call that writes the product over out where it should add to it (beta taken as 0:
     a projection would lose its residual and bias, fused.Seed) is caught by the probe."""
-    right = cublas.gemmEx
+    right = cublas.cublasGemmEx
 
     def beta_zero(*args):
         args = list(args)
-        args[13] = gpu_gemm._compute(cublas, np.float32)[2].ctypes.data  # the host zero
+        args[13] = gpu_gemm._compute(np.float32)[2].ctypes.data  # the host zero
         return right(*args)
 
-    monkeypatch.setattr(cublas, "gemmEx", beta_zero)
+    monkeypatch.setattr(cublas, "cublasGemmEx", beta_zero)
     a, b = np.ones((4, 3), np.float16), np.ones((3, 2), np.float16)
     with pytest.raises(RuntimeError, match=r"gemm_into \(float16\) computes a @ b \+ out wrong"):
         gpu_gemm.gemm_into(a, b, np.empty((4, 2), np.float32), accumulate=True)
@@ -139,3 +143,34 @@ def test_stacked_rows_joins_a_weight_and_the_bias_right_after_it_only():
     assert gpu_gemm.stacked_rows(w, flat[12:15]) is None  # another width
     assert gpu_gemm.stacked_rows(flat[:12].reshape(4, 3).T, flat[12:16]) is None  # not row-major
     assert gpu_gemm.stacked_rows(w, flat.astype(np.float64)[12:16]) is None  # another type
+
+
+def test_every_stream_runs_cublas_on_a_workspace_of_ours(monkeypatch):
+    """cublasSetStream puts a handle back on cuBLAS's own workspaces, which it allocates at a stream's
+    first GEMM: refused while the stream captures a CUDA graph. So the handle sets its workspace for
+    a stream after every change of stream, each stream keeping its own, and nothing when the stream
+    stays the same."""
+    library, calls, stream = cupy_standin.cublas_library(), [], [1]
+    for name in ("cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGemmEx"):
+        monkeypatch.setattr(library, name, _logged(getattr(library, name), name, calls))
+    host = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=stream[0])),
+        empty=np.empty,
+    )
+    monkeypatch.setattr(cublas_api, "_handle", functools.cache(lambda: cublas_api._Handle(library, host)))
+    a, b = np.ones((4, 3), np.float32), np.ones((3, 2), np.float32)
+    for stream[0] in (1, 1, 2, 1):
+        gpu_gemm._launch(a, b, np.empty((4, 2), np.float32))
+    workspaces = [args[1].value for name, args in calls if name == "cublasSetWorkspace_v2"]
+    streams = [args[1].value for name, args in calls if name == "cublasSetStream_v2"]
+    bind, gemm = ["cublasSetStream_v2", "cublasSetWorkspace_v2"], ["cublasGemmEx"]
+    assert [name for name, _ in calls] == bind + gemm + gemm + bind + gemm + bind + gemm
+    assert streams == [1, 2, 1] and workspaces[0] == workspaces[2] != workspaces[1]
+
+
+def _logged(call, name, calls):
+    def logged(*args):
+        calls.append((name, args))
+        return call(*args)
+
+    return logged
