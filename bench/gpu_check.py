@@ -311,8 +311,8 @@ def roofline(args):
     """What the config's step stands on: TFLOP/s of each distinct GEMM of its step (the block's and
     the head's, float16; attention's are cuDNN's) and the device's copy bandwidth (TB/s), against
     which the step's time is read. Each GEMM also as the backward writes weight gradients (float32
-    out through gemm_into, against CuPy's float16 product cast after), and with one more K row from
-    a padded operand (a bias folded into the GEMM as a row of ones: is an odd K slower?)."""
+    out through gemm_into), and with one more K or M row (_gemm_variants). Each figure: REPEATS GEMMs
+    queued between two syncs, median of 5."""
     xp = mpifsdp.array_module(args.device)
     synchronize = synchronizer(xp)
     rng = np.random.default_rng(0)
@@ -320,12 +320,12 @@ def roofline(args):
     rows = []
     for _, m, k, n in shapes:
         a = xp.asarray(rng.standard_normal((m, k + 8), dtype=np.float32), dtype=np.float16)
+        t = xp.asarray(rng.standard_normal((k, m + 8), dtype=np.float32), dtype=np.float16)
         w = xp.asarray(rng.standard_normal((k + 1, n), dtype=np.float32), dtype=np.float16)
-        out = xp.empty((m, n), dtype=np.float32)
         row = {"shape": [m, k, n]}
-        for name, run in _gemm_variants(a, w, out, k).items():
-            seconds = median_time(lambda run=run: (run(), synchronize()), 5)
-            row[name] = round(2 * m * k * n / seconds / 1e12, 1)
+        for name, run in _gemm_variants(a, t, w, m, k).items():
+            seconds = median_time(lambda run=run: ([run() for _ in range(REPEATS)], synchronize()), 5)
+            row[name] = round(2 * m * k * n * REPEATS / seconds / 1e12, 1)
         rows.append(row)
     block = xp.empty(1 << 28, dtype=np.float16)  # 512 MiB
     into = xp.empty_like(block)
@@ -336,15 +336,32 @@ def roofline(args):
     )
 
 
-def _gemm_variants(a, w, out, k: int) -> dict:
-    """roofline's ways to multiply a's first k columns by w's first k rows (name -> call)."""
+REPEATS = 10  # GEMMs queued between two syncs: the launch and the sync's own time spread over them
+
+
+def _gemm_variants(a, t, w, m: int, k: int) -> dict:
+    """roofline's ways to multiply a's first k columns (or t's first m columns, transposed) by w's
+    first k rows (name -> call): as CuPy's matmul; as the forward (added into a float16 output the
+    LayerNorm kernel wrote the bias into); as the backward writes weight gradients (float32 out
+    through gemm_into, against CuPy's float16 product cast after); with one more K row from a padded
+    operand (a bias folded into the forward GEMM: an odd K) and one more M row (the backward's weight
+    and bias gradients in one GEMM: an odd M)."""
     from mpifsdp.ops.gpu_gemm import gemm_into
 
+    xp = mpifsdp.base.backend.array_module_of(a)
+    n = w.shape[1]
+    out16, out, out_m = (
+        xp.zeros((m, n), np.float16),
+        xp.empty((m, n), np.float32),
+        xp.empty((m + 1, n), np.float32),
+    )
     return {
         "tflops": lambda: a[:, :k] @ w[:k],
+        "float16_out_added_tflops": lambda: gemm_into(a[:, :k], w[:k], out16, accumulate=True),
         "float32_out_tflops": lambda: gemm_into(a[:, :k], w[:k], out),
         "float16_then_cast_tflops": lambda: (a[:, :k] @ w[:k]).astype(np.float32),
         "one_more_k_float32_out_tflops": lambda: gemm_into(a[:, : k + 1], w, out),
+        "one_more_m_float32_out_tflops": lambda: gemm_into(t[:, : m + 1].T, w[:k], out_m),
     }
 
 

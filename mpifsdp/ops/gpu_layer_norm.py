@@ -28,10 +28,12 @@ MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) parti
 SOURCE = r"""
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
                                               ELEM* mean, ELEM* rstd, ELEM* seed, const ELEM* seed_bias,
-                                              const int C, const int ld, const ACC eps, const int flags) {
-    /* flags: 1 = has a bias; 2 = out[C] = 1 in every row (out's rows are ld apart: the next GEMM
-       reads C + 1 columns against a weight whose last row is its bias); 4 = seed = x + seed_bias
-       (the residual plus the bias of the projection that closes the branch: fused.Seed) */
+                                              ELEM* biased, const ELEM* next_bias, const int C,
+                                              const int ld, const int N, const ACC eps, const int flags) {
+    /* flags: 1 = has a bias; 2 = out[C] = 1 in every row (out's rows are ld apart: the weight
+       gradient's GEMM reads C + 1 columns, giving the next linear's bias gradient as one more row);
+       4 = seed = x + seed_bias (the residual plus the bias of the projection that closes the
+       branch: fused.Seed); 8 = each row of biased (N wide) = next_bias (the next GEMM adds to it) */
     const ELEM* row = x + (size_t)blockIdx.x * C;
     ACC s = 0;
     for (int j = threadIdx.x; j < C; j += blockDim.x) s += (ACC)row[j];
@@ -50,6 +52,10 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
         mean[blockIdx.x] = (ELEM)m;
         rstd[blockIdx.x] = (ELEM)r;
         if (flags & 2) o[C] = (ELEM)1;
+    }
+    if (flags & 8) {
+        ELEM* row_of_biased = biased + (size_t)blockIdx.x * N;
+        for (int j = threadIdx.x; j < N; j += blockDim.x) row_of_biased[j] = next_bias[j];
     }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
@@ -123,7 +129,7 @@ def source(dtype) -> str:
 
 
 def _forward_twin(grid, block, args, shared_mem=0):
-    x, w, b, out, mean, rstd, seed, seed_bias, C, ld, eps, flags = args
+    x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags = args
     C, flags = int(C), int(flags)
     x64 = x.reshape(-1, C).astype(np.float64)
     m = x64.mean(axis=1, keepdims=True)
@@ -135,6 +141,8 @@ def _forward_twin(grid, block, args, shared_mem=0):
         rows[:, C] = 1
     if flags & 4:
         seed.reshape(x64.shape)[...] = x64 + seed_bias.astype(np.float64)
+    if flags & 8:
+        biased.reshape(-1, int(N))[: x64.shape[0]] = next_bias
     mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
 
 
@@ -183,26 +191,58 @@ def _kernels(*arrays):
     return gk.compiled(array_module_of(arrays[0]), source(dtype), KERNELS, "fused LayerNorm")
 
 
-def _forward(kernels, x2, w, b, out, mean, rstd, eps, ones_column=False, seed=None, seed_bias=None):
+def _forward(
+    kernels,
+    x2,
+    w,
+    b,
+    out,
+    mean,
+    rstd,
+    eps,
+    ones_column=False,
+    seed=None,
+    seed_bias=None,
+    biased=None,
+    next_bias=None,
+):
     n, C = x2.shape
     flags = int(b is not None) | (2 if ones_column else 0) | (4 if seed is not None else 0)
+    flags |= 8 if biased is not None else 0
     acc = gk.accumulator(x2.dtype.type)
     absent = x2  # an argument a flag leaves unread
     args = (x2, w, w if b is None else b, out, mean, rstd, absent if seed is None else seed)
-    sizes = (np.int32(C), np.int32(out.shape[1]), acc(eps), np.int32(flags))
-    kernels[0]((n,), (THREADS,), args + (w if seed_bias is None else seed_bias,) + sizes)
+    args += (w if seed_bias is None else seed_bias, absent if biased is None else biased)
+    args += (w if next_bias is None else next_bias,)
+    N = 0 if biased is None else biased.shape[1]
+    sizes = (np.int32(C), np.int32(out.shape[1]), np.int32(N), acc(eps), np.int32(flags))
+    kernels[0]((n,), (THREADS,), args + sizes)
 
 
-def forward(x2, w, b, eps: float, out, mean, rstd, ones_column=False, seed=None, seed_bias=None) -> bool:
+def forward(
+    x2,
+    w,
+    b,
+    eps: float,
+    out,
+    mean,
+    rstd,
+    ones_column=False,
+    seed=None,
+    seed_bias=None,
+    biased=None,
+    next_bias=None,
+) -> bool:
     """out = LayerNorm(x2) * w (+ b) over rows of x2 (n, C), and each row's mean and 1/std (n, 1)
     into mean, rstd; False (nothing written) where the kernel cannot run. out is (n, C), or with
-    ones_column (n, ld > C) with a 1 at column C of every row (a bias folded into the next GEMM).
-    seed (n, C): written x2 + seed_bias on the way (fused.Seed)."""
-    kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias)
+    ones_column (n, ld > C) with a 1 at column C of every row (the next linear's bias gradient comes
+    out of its weight gradient's GEMM). seed (n, C): written x2 + seed_bias on the way (fused.Seed);
+    biased (n, N): every row written next_bias (the next linear's GEMM then adds its product)."""
+    kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias)
     if kernels is None or out.shape[1] < x2.shape[1] + ones_column:
         return False
     gk.checked_once(("layer_norm_forward", x2.dtype.type), lambda: _probe(array_module_of(x2), x2.dtype))
-    _forward(kernels, x2, w, b, out, mean, rstd, eps, ones_column, seed, seed_bias)
+    _forward(kernels, x2, w, b, out, mean, rstd, eps, ones_column, seed, seed_bias, biased, next_bias)
     return True
 
 
@@ -256,7 +296,8 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 def _probe(xp, dtype, backward: bool = False):
     """Both kernels on a small problem (37 rows of 96; the backward in 8 blocks of 5 rows, the last
     of 2, as a real batch runs: several rows a block) against their twins on host copies of the
-    same inputs; the forward plain, and again with a ones column in rows 104 apart and a seed."""
+    same inputs; the forward plain, and again with a ones column in rows 104 apart, a seed and a
+    bias written into 53-wide rows."""
     rng = np.random.default_rng(7)
     n, C = 37, 96
     host = {
@@ -266,18 +307,18 @@ def _probe(xp, dtype, backward: bool = False):
     x, g, w, b, add, seed_bias = (xp.asarray(host[k]) for k in "xgwbas")
     out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
     kernels = _kernels(x, w, b, out, mean, rstd)
-    padded, seed = xp.empty((n, C + 8), dtype), xp.empty_like(x)
-    _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias)
-    got = {"padded": to_numpy(padded)[:, : C + 1], "seed": seed}
+    padded, seed, biased = xp.empty((n, C + 8), dtype), xp.empty_like(x), xp.empty((n, 53), dtype)
+    _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias, biased, b[:53])
+    got = {"padded": to_numpy(padded)[:, : C + 1], "seed": seed, "biased": biased}
     _forward(kernels, x, w, b, out, mean, rstd, 1e-5)
     want = {k: np.empty(shape) for k, shape in (("out", (n, C)), ("mean", (n, 1)), ("rstd", (n, 1)))}
-    want.update(padded=np.empty((n, C + 1)), seed=np.empty((n, C)))
+    want.update(padded=np.empty((n, C + 1)), seed=np.empty((n, C)), biased=np.empty((n, 53)))
     inputs = (host["x"], host["w"], host["b"])
-    _forward_twin(None, None, (*inputs, want["out"], want["mean"], want["rstd"], None, None, C, C, 1e-5, 1))
+    plain = (want["out"], want["mean"], want["rstd"], None, None, None, None, C, C, 0, 1e-5, 1)
+    _forward_twin(None, None, (*inputs, *plain))
     unused_stats = (np.empty((n, 1)), np.empty((n, 1)))
-    _forward_twin(
-        None, None, (*inputs, want["padded"], *unused_stats, want["seed"], host["s"], C, C + 1, 1e-5, 7)
-    )
+    seeds = (want["seed"], host["s"], want["biased"], host["b"][:53])
+    _forward_twin(None, None, (*inputs, want["padded"], *unused_stats, *seeds, C, C + 1, 53, 1e-5, 15))
     got.update(out=out, mean=mean, rstd=rstd)
     if backward:
         gx, (gw, gb, gs) = xp.empty_like(x), (xp.empty(C, gk.accumulator(dtype)) for _ in range(3))

@@ -35,18 +35,20 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     out, m, r = np.empty((n, C)), np.empty((n, 1)), np.empty((n, 1))
     twins = kernels.TWINS
     twins["layer_norm_forward"](
-        (n,), None, (x, w, w if b is None else b, out, m, r, x, w, C, C, 1e-5, int(bias))
+        (n,), None, (x, w, w if b is None else b, out, m, r, x, w, x, w, C, C, 0, 1e-5, int(bias))
     )
     for got, want in ((out, want_out), (m, mean), (r, rstd)):
         _close(got, want, C)
-    # 2: a ones column after the output, in rows ld apart; 4: the seed x + seed_bias (fused.Seed)
-    ld, seed_bias = C + 8, rng.normal(0, 1, C)
-    padded, seed = np.full((n, ld), np.nan), np.empty((n, C))
-    args = (x, w, w if b is None else b, padded, m, r, seed, seed_bias, C, ld, 1e-5, int(bias) | 2 | 4)
-    twins["layer_norm_forward"]((n,), None, args)
+    # 2: a ones column after the output, in rows ld apart; 4: the seed x + seed_bias (fused.Seed);
+    # 8: the next linear's bias in every row of its (n, N) output
+    ld, seed_bias, next_bias = C + 8, rng.normal(0, 1, C), rng.normal(0, 1, 3 * C)
+    padded, seed, biased = np.full((n, ld), np.nan), np.empty((n, C)), np.empty((n, 3 * C))
+    args = (x, w, w if b is None else b, padded, m, r, seed, seed_bias, biased, next_bias)
+    twins["layer_norm_forward"]((n,), None, (*args, C, ld, 3 * C, 1e-5, int(bias) | 2 | 4 | 8))
     _close(padded[:, :C], want_out, C)
     assert (padded[:, C] == 1).all() and np.isnan(padded[:, C + 1 :]).all()  # the padding unwritten
     _close(seed, x + seed_bias, 1)
+    assert (biased == next_bias).all()
 
     per = 16
     blocks = -(-n // per)
