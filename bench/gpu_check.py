@@ -6,6 +6,7 @@ mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16] [--prefetch 0] [--graph]
+    [--kernels]                             # then one step's GPU kernels by time (torch's CUPTI)
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
@@ -218,6 +219,10 @@ def speed(args):
         }
         if comm.rank == 0:
             print(json.dumps(graphed_result))
+    if args.kernels and comm.rank == 0:
+        runs = {"eager": passes, **({"graphed": graphed} if args.graph else {})}
+        for name, run in runs.items():
+            print(json.dumps({"check": "kernels", "run": name, **_kernel_times(lambda run=run: step(run))}))
     if args.profile:
         with profile() as costs:
             step(passes)
@@ -225,6 +230,33 @@ def speed(args):
         seconds = {name: [round(c["forward_s"], 4), round(c["backward_s"], 4)] for name, c in top[:8]}
         if comm.rank == 0:
             print(json.dumps({"check": "profile", "config": args.config, "fwd_bwd_s": seconds}))
+
+
+def _kernel_times(step, top: int = 25) -> dict:
+    """One step's GPU kernels, by the device's own clock: CUPTI, through PyTorch's profiler (on the lent
+    machine: never a dependency), which records every kernel of the process, CuPy's, cuBLAS's,
+    cuDNN's and NCCL's too, graph replays included. The `top` kernels by total time, and the sum of
+    all against the step's wall time (the rest: the device idle, waiting on the host)."""
+    try:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as cupti_profile
+    except ImportError:
+        return {"error": "no torch here: the kernel breakdown needs its profiler (CUPTI)"}
+    step()  # warm, outside the trace
+    start = time.perf_counter()
+    try:
+        with cupti_profile(activities=[ProfilerActivity.CUDA]) as traced:
+            step()
+        wall_ms, averaged = 1000 * (time.perf_counter() - start), traced.key_averages()
+    except Exception as exc:  # a profiler that cannot trace here loses no other figure
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def device_ms(event) -> float:
+        return (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)) / 1000
+
+    events = sorted(averaged, key=device_ms, reverse=True)
+    kernels = [[e.key[:90], e.count, round(device_ms(e), 3)] for e in events[:top]]
+    return {"wall_ms": round(wall_ms, 2), "kernels_ms": round(sum(map(device_ms, events)), 2), "top": kernels}
 
 
 def _timed(step, steps: int, warm: int, synchronize, comm) -> tuple[list, object]:
@@ -394,6 +426,7 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (0: no overlap)")
     ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
     ap.add_argument("--graph", action="store_true", help="speed: then the same steps from one CUDA graph")
+    ap.add_argument("--kernels", action="store_true", help="speed: one step's GPU kernels by time (CUPTI)")
     args = ap.parse_args()
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
     checks["roofline"] = roofline

@@ -60,7 +60,7 @@ run 60 $CHECK preflight --device "$DEVICE"
 # against the batched passes, the ~350M model in float16 and in bfloat16 (tokens/s, TFLOP/s, MFU
 # against the dense peak, the pool against the plan), and that model's GEMMs and the copy bandwidth
 [ "$DEVICE" != cpu ] && run 60 $CHECK attention --config gpu350m
-[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3 --profile --graph --transport nccl
+[ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3 --profile --graph --transport nccl --kernels
 # bfloat16: eager, then the same model's steps with forward and backward from one CUDA graph (NCCL)
 [ "$DEVICE" != cpu ] && run 120 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3 --graph --transport nccl
 [ "$DEVICE" != cpu ] && run 45 $CHECK roofline --config gpu350m
