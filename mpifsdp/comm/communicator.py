@@ -26,7 +26,7 @@ from ..base.backend import array_module_of, bytes_digest, parse_device, select_g
 from ..base.threads import set_threads
 from . import presence
 from .schedule import Schedule, ScheduleError, describe, digest
-from .transport import choose_transport
+from .transport import MPITransport, choose_transport
 
 
 class CollectiveError(RuntimeError):
@@ -85,6 +85,7 @@ class Comm:
         on_gpu = parse_device(device)[0] != "cpu"
         self.device = select_gpu(self.node_rank) if on_gpu and bind_gpu else (device if on_gpu else "cpu")
         self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
+        self._host_transport = MPITransport(self.mpi)  # host memory's (_carrier)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
@@ -301,11 +302,15 @@ class Comm:
     def iall_reduce(self, array, *, unit: str = "", phase: str = "other", hot: bool = False):
         """Start the in-place sum over ranks of a contiguous array; returns a request (see wait).
         hot=True: a unit's per-step traffic (HSDP's gradient shards), not compared before it runs."""
-        if array_module_of(array) is np:  # host values (a norm, a count): MPI itself, whatever the transport
-            launch = lambda: self.mpi.Iallreduce(_mpi().IN_PLACE, array, op=_mpi().SUM)  # noqa: E731
-        else:  # device memory goes through the transport: MPI may not read it (it is not CUDA-aware)
-            launch = lambda: self.transport.iall_reduce(array)  # noqa: E731
-        return self._start_all_reduce(launch, array, unit, phase, hot)
+        return self._start_all_reduce(
+            lambda: self._carrier(array).iall_reduce(array), array, unit, phase, hot
+        )
+
+    def _carrier(self, array):
+        """What moves `array` in an all-reduce or a broadcast: MPI itself for host memory (a norm, a
+        count), whatever the transport; the transport for device memory, which MPI may not read (it
+        need not be CUDA-aware)."""
+        return self._host_transport if array_module_of(array) is np else self.transport
 
     def _start_all_reduce(self, launch, array, unit: str, phase: str, hot: bool = False):
         """An in-place all-reduce of `array`, announced, started by launch() and counted."""
@@ -323,7 +328,7 @@ class Comm:
         """`array` (a small device array) summed over ranks in place, ordered on the device: the
         host does not wait (NCCL). None, nothing done, where the transport cannot (MPI: the caller
         reads the value back and reduces it on the host)."""
-        if self.transport.name != "nccl" or array_module_of(array) is np:
+        if not self.transport.device_ordered or array_module_of(array) is np:
             return None
         self.wait(self._start_all_reduce(lambda: self.transport.iall_reduce(array), array, what, phase))
         return array
@@ -337,8 +342,7 @@ class Comm:
 
     def broadcast(self, array, root: int = 0, *, unit: str = "", phase: str = "other", hot: bool = False):
         self._announce(unit, phase, "broadcast", array.size, array.dtype, hot=hot)
-        on_host = array_module_of(array) is np  # device memory goes through the transport, as iall_reduce's
-        self.wait(self.mpi.Ibcast(array, root=root) if on_host else self.transport.ibroadcast(array, root))
+        self.wait(self._carrier(array).ibroadcast(array, root))
         self.ledger.record(unit, phase, "broadcast", array.size if self.rank != root else 0, array.itemsize)
 
     def gather_ints(self, *values: int, phase: str = "other", op: str = "gather_ints") -> np.ndarray:

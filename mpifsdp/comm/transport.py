@@ -53,6 +53,7 @@ def words(array):
 
 class MPITransport:
     name = "mpi"
+    device_ordered = False  # whether its collectives queue on a device stream, the host not waiting
 
     def __init__(self, mpi):
         self.mpi = mpi
@@ -109,18 +110,22 @@ class HostStagingTransport(MPITransport):
         from mpi4py import MPI
 
         check_summable(self.name, array.dtype, "reduce_dtype")
-        backend.synchronize(array)
-        host = backend.to_numpy(array)  # sent and received in place: kept until the request completes
-        return CopyBack(self.mpi.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM), host, array, host)
+        return self._in_place(array, lambda host: self.mpi.Iallreduce(MPI.IN_PLACE, host, op=MPI.SUM))
 
     def ibroadcast(self, array, root: int):
+        return self._in_place(array, lambda host: self.mpi.Ibcast(words(host), root=root))
+
+    def _in_place(self, array, start):
+        """An in-place collective on `array` through a host copy: start(host) gives its request, and
+        the copy goes back to `array` when it completes (kept until then: sent and received there)."""
         backend.synchronize(array)
         host = backend.to_numpy(array)
-        return CopyBack(self.mpi.Ibcast(words(host), root=root), host, array, host)
+        return CopyBack(start(host), host, array, host)
 
 
 class NCCLTransport:
     name = "nccl"
+    device_ordered = True
 
     def __init__(self, mpi):
         nccl = backend.nccl()

@@ -149,7 +149,7 @@ def _refusal(model, sharded) -> str | None:
     if sharded.units[0].xp is np:
         return "CUDA graphs need a GPU: this model's shards are NumPy arrays (Comm(device='cuda'))"
     for comm in sharded.levels():
-        if comm.transport.name != "nccl":
+        if not comm.transport.device_ordered:
             return (
                 f"collectives over {comm.transport.name!r} run through MPI on the host, which no CUDA graph "
                 "can hold: use Comm(device='cuda', transport='nccl')"
