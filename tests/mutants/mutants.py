@@ -482,6 +482,49 @@ def _device_memory_to_mpi():
     _replace(Comm, "iall_reduce", iall_reduce)
 
 
+def _cublas_on_its_own_workspaces():
+    """cublasSetStream with no workspace of ours after it: cuBLAS allocates its own at a stream's
+    first GEMM, which a capturing stream refuses."""
+    import ctypes
+
+    from mpifsdp.base import cublas_api
+
+    def on_current_stream(self):
+        stream = self.xp.cuda.get_current_stream().ptr
+        if stream != self.stream:
+            self.lib.cublasSetStream_v2(self.ptr, ctypes.c_void_p(stream))
+            self.stream = stream
+        return self.ptr
+
+    _replace(cublas_api._Handle, "on_current_stream", on_current_stream)
+
+
+def _gemms_through_cupys_matmul():
+    from mpifsdp.ops import gpu_gemm
+
+    _replace(gpu_gemm, "matmul", lambda a, b: a @ b)
+
+
+def _attention_check_without_its_floor():
+    import numpy as np
+
+    from mpifsdp.base.checks import finfo
+    from mpifsdp.ops import gpu_attention
+
+    def error_bound(dtype, T):
+        return 8 * float(finfo(dtype).eps) + 2 * T * float(np.finfo(np.float32).eps), 0.0
+
+    _replace(gpu_attention, "error_bound", error_bound)
+
+
+def _bfloat16_limits_from_numpy():
+    import numpy as np
+
+    from mpifsdp.base import kernels
+
+    _replace(kernels, "finfo", lambda dtype: np.finfo(dtype))
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -857,6 +900,31 @@ MUTANTS = {
         [
             "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
         ],
+    ),
+    "cublas_workspace_per_stream": Mutant(
+        _cublas_on_its_own_workspaces,
+        "cuBLAS runs on a workspace of ours on every stream, set after each cublasSetStream (cublas_api)",
+        [
+            "tests/unit/ops/test_gpu_gemm.py::test_every_stream_runs_cublas_on_a_workspace_of_ours",
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]",
+        ],
+    ),
+    "gemms_through_the_c_api": Mutant(
+        _gemms_through_cupys_matmul,
+        "a GPU's 2-D GEMMs through cuBLAS's C API, which a graph captures (gpu_gemm.matmul)",
+        [
+            "tests/project/test_gpu_budget.py::test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold[cudnn]"
+        ],
+    ),
+    "attention_check_floor": Mutant(
+        _attention_check_without_its_floor,
+        "cuDNN attention's first-use check bounds results under the normal range by their spacing",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_attention_computes_causal_attention[cudnn]"],
+    ),
+    "bfloat16_limits": Mutant(
+        _bfloat16_limits_from_numpy,
+        "bfloat16's limits from ml_dtypes, which NumPy 2.5's finfo refuses (checks.finfo)",
+        ["tests/unit/base/test_checks.py::test_bfloat16_limits_come_from_ml_dtypes_where_numpy_refuses_them"],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
