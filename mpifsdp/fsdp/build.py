@@ -99,7 +99,6 @@ def fully_shard(
         if module is not model:
             module._forward_wrapper = lifecycle.run_forward
     model._forward_wrapper = sharded.run_model
-    sharded.pool.size = max(u.layout.padded_numel for u in sharded.units)
     for lifecycle in sharded.lifecycles:
         lifecycle.release()  # from here on, parameters exist only as shards
     model._sharded = sharded

@@ -8,23 +8,24 @@ import numpy as np
 class BufferPool:
     """Flat buffers reused across units and steps: no large allocation (and page faults) per step.
 
-    Every buffer has `size` elements (set by the owner to the largest unit), so any free buffer
-    serves any unit; the pool grows only to the number of buffers in use at once.
+    A buffer is made at the size first asked for and then serves any request it fits, the smallest
+    that fits first: units of one size (a model's blocks) share theirs, a larger unit (the root,
+    with its embedding) keeps its own, and a shard's cast (a gather's send buffer, a kept cast)
+    takes a shard's bytes, not a whole unit's. The pool grows only to the buffers in use at once.
     """
 
-    def __init__(self, size: int = 0):
-        self.size = size
+    def __init__(self):
         self._free: dict = {}  # dtype -> list of free buffers
         self.nbytes = 0  # physical bytes the pool holds
 
     def take(self, numel: int, dtype, xp, zero: bool = False):
         free = self._free.setdefault(np.dtype(dtype), [])
-        buf = next((b for b in free if b.size >= numel), None)
-        if buf is None:
-            buf = xp.empty(max(numel, self.size), dtype=dtype)
-            self.nbytes += buf.nbytes
+        fits = [i for i, b in enumerate(free) if b.size >= numel]
+        if fits:
+            buf = free.pop(min(fits, key=lambda i: free[i].size))
         else:
-            free.remove(buf)
+            buf = xp.empty(numel, dtype=dtype)
+            self.nbytes += buf.nbytes
         view = buf[:numel]
         if zero:
             view.fill(0)

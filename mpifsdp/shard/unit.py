@@ -90,7 +90,7 @@ class Unit:
         if sync_values:  # across groups first, then inside: every rank ends with world rank 0's values
             for level in (replicas, comm) if replicas is not None else (comm,):
                 named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
-        self.pool = pool if pool is not None else BufferPool(self.layout.padded_numel)
+        self.pool = pool if pool is not None else BufferPool()
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         self.param_dtype, self.reduce_dtype = self._precisions(param_dtype, reduce_dtype, trainable)
         self.full_grad_dtype = self._gathered_grad_dtype()
