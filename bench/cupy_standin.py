@@ -127,11 +127,23 @@ def _root(a):
 
 
 def _keep_roots(result):
-    """Note the buffers of a launch's results: the device's memory, as a capture must restore it."""
+    """Note the buffers of a launch's results: the device's memory, as a capture must restore it, and
+    the bytes alive (ALIVE)."""
     for a in result if isinstance(result, tuple) else (result,):
         if isinstance(a, np.ndarray):
             root = _root(a)
-            _ROOTS[id(root)] = root
+            if _ROOTS.get(id(root)) is not root:
+                _ROOTS[id(root)] = root
+                _alive(root.nbytes)
+                weakref.finalize(root, _alive, -root.nbytes)
+
+
+ALIVE = {"bytes": 0, "peak": 0}  # device bytes alive now, and the most at once since the peak was reset
+
+
+def _alive(change: int):
+    ALIVE["bytes"] += change
+    ALIVE["peak"] = max(ALIVE["peak"], ALIVE["bytes"])
 
 
 def _host(x):

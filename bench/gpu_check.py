@@ -38,7 +38,7 @@ from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 from mpifsdp.ops import gpu_attention  # noqa: E402
-from mpifsdp.planning.planner import gpt_activation_bytes  # noqa: E402
+from mpifsdp.planning.planner import gpt_activation_bytes, gpt_loss_gradient_bytes  # noqa: E402
 
 SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
 # ~350 M parameters: GPT-2 medium's shape with a 32 K vocabulary
@@ -184,6 +184,7 @@ def speed(args):
     formula = plan["persistent"] + 2 * plan["largest_unit"] + plan["root_unit"]
     itemsize = np.dtype(dtype or np.float32).itemsize
     activations = gpt_activation_bytes(gpt_config(cfg), cfg["batch_size"], itemsize, device=comm.device)
+    activations += gpt_loss_gradient_bytes(gpt_config(cfg), cfg["batch_size"], itemsize)
     result = {
         "check": "speed",
         "config": args.config,

@@ -15,6 +15,7 @@ from ..planning.planner import (
     flops_per_step,
     gemm_flops,
     gpt_activation_bytes,
+    gpt_loss_gradient_bytes,
     plan,
     probe,
 )
@@ -101,7 +102,7 @@ def run_cli(args) -> int:
         flops=flops,
         intra=intra,
         inter=inter,
-        activation_bytes=gpt_activation_bytes(config, args.batch, wire, args.recompute, args.device),
+        **_beside_the_units(config, args, wire),
         flops_per_step=flops_per_step(model, config.block_size, tokens, args.recompute),
     )
     result["setup"]["gpt"] = dataclasses.asdict(config)
@@ -110,6 +111,15 @@ def run_cli(args) -> int:
     if rank == 0:
         print(json.dumps(result) if args.json else table(result))
     return 0
+
+
+def _beside_the_units(config, args, wire: int) -> dict:
+    """What a GPT step holds beside its units: the activations its tape keeps, and the loss's gradient
+    beside them as backward starts."""
+    return {
+        "activation_bytes": gpt_activation_bytes(config, args.batch, wire, args.recompute, args.device),
+        "loss_gradient_bytes": gpt_loss_gradient_bytes(config, args.batch, wire),
+    }
 
 
 _KINDS = {"int": "an integer", "float": "a number", "bool": "a yes or a no (true/false, 1/0, yes/no, on/off)"}

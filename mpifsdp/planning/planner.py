@@ -92,6 +92,13 @@ def gpt_activation_bytes(
     return itemsize * (config.n_layer * per_block + outside) + indices
 
 
+def gpt_loss_gradient_bytes(config, batch: int, itemsize: int) -> int:
+    """The loss's gradient as backward starts, the logits' (B·T·vocab): alive beside every activation
+    the tape keeps, and the largest of backward's temporaries (0.5 GiB of an H200's 370M GPT step)."""
+    refuse_below("gpt_loss_gradient_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
+    return batch * config.block_size * config.vocab_size * itemsize
+
+
 def plan(
     units: list[UnitSize],
     world_size: int,
@@ -106,6 +113,7 @@ def plan(
     grad_accum: int = 1,
     no_sync: bool = False,
     activation_bytes: int = 0,
+    loss_gradient_bytes: int = 0,
     flops_per_step: float = 0.0,
     flops: float = 0.0,
     intra: Link = Link(),
@@ -123,6 +131,8 @@ def plan(
     param_dtype narrower than the masters (bench/standin_checks.py).
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
+    activation_bytes: what the tape keeps (gpt_activation_bytes); loss_gradient_bytes: what backward
+    holds beside it at its start (gpt_loss_gradient_bytes).
     """
     refuse_below(
         "plan",
@@ -134,6 +144,7 @@ def plan(
         prefetch=(prefetch, 0),
         grad_accum=(grad_accum, 1),
         activation_bytes=(activation_bytes, 0),
+        loss_gradient_bytes=(loss_gradient_bytes, 0),
         flops_per_step=(flops_per_step, 0),
         flops=(flops, 0),
     )
@@ -164,7 +175,7 @@ def plan(
     }
     return {
         "setup": setup,
-        "memory_bytes": sizes.memory(itemsize, prefetch, activation_bytes),
+        "memory_bytes": sizes.memory(itemsize, prefetch, activation_bytes, loss_gradient_bytes),
         "traffic": sizes.traffic(),
         "time_s": sizes.seconds(group_link, replica_link, flops_per_step / flops if flops else 0.0),
     }
@@ -187,7 +198,7 @@ class _Sizes:
         self.grad_accum, self.no_sync = grad_accum, no_sync
         self.reductions = grad_accum if not no_sync else 1
 
-    def memory(self, itemsize: int, prefetch: int, activation_bytes: int) -> dict:
+    def memory(self, itemsize: int, prefetch: int, activation_bytes: int, loss_gradient_bytes: int) -> dict:
         padded, kept, trainable = self.padded, self.kept, self.trainable
         blocks = [p for p, k in zip(padded, kept) if not k]
         accumulating = self.grad_accum > 1 and not self.no_sync
@@ -206,6 +217,7 @@ class _Sizes:
             * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch) + casts),
             "gathered_grads_peak": self.grad_itemsize * grads,
             "activations": activation_bytes,
+            "loss_gradient": loss_gradient_bytes,
         }
         memory["total"] = sum(memory.values())
         return memory

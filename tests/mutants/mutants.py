@@ -525,6 +525,12 @@ def _bfloat16_limits_from_numpy():
     _replace(kernels, "finfo", lambda dtype: np.finfo(dtype))
 
 
+def _plan_without_the_loss_gradient():
+    from mpifsdp.planning import planner
+
+    _replace(planner, "gpt_loss_gradient_bytes", lambda config, batch, itemsize: 0)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -925,6 +931,11 @@ MUTANTS = {
         _bfloat16_limits_from_numpy,
         "bfloat16's limits from ml_dtypes, which NumPy 2.5's finfo refuses (checks.finfo)",
         ["tests/unit/base/test_checks.py::test_bfloat16_limits_come_from_ml_dtypes_where_numpy_refuses_them"],
+    ),
+    "plan_counts_the_loss_gradient": Mutant(
+        _plan_without_the_loss_gradient,
+        "the plan counts the loss's gradient beside the activations (planner.gpt_loss_gradient_bytes)",
+        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,
