@@ -1,4 +1,6 @@
-"""cuBLAS's gemmEx for the GEMMs CuPy's matmul cannot write the way a step wants them:
+"""cuBLAS's gemmEx for a GPU's 2-D GEMMs (matmul routes the linear layers' there): a CUDA graph
+captures them, where CuPy's matmul refuses to run while a stream captures, and they are written as
+CuPy's matmul cannot write them:
 
 - wider than the operands (float16 or bfloat16 in, float32 out): given a float32 `out` for float16
   operands, CuPy multiplies into a float16 temporary and casts it over (a launch more and a rounding
@@ -6,11 +8,11 @@
   needs neither (issue 30: the unit's gradient is gathered in float32 on a GPU, no cast before its
   reduce-scatter);
 - added to what `out` holds (cuBLAS's beta = 1): a projection's GEMM accumulates into its residual
-  plus bias, which the LayerNorm kernel before it wrote on its way (fused.Seed), so the add is not a
-  launch of its own;
+  plus bias, or a LayerNorm-then-linear's into its bias, which the LayerNorm kernel before it wrote
+  on its way (fused.Seed, fused._gpu_layer_norm_linear), so the add is not a launch of its own;
 - from operands with a leading dimension wider than their rows, as they are: a LayerNorm output
-  padded with a column of ones, read with K + 1 columns against a weight with its bias as one more
-  row (fused.py's folded bias).
+  padded with a column of ones, read with C + 1 columns by the weight gradient's GEMM, which gives
+  the bias's gradient as one more row (fused.py's folded bias).
 
 16-bit products accumulate in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do; float32
 in float32 (no TF32), float64 in float64. Each (operand, output) type pair is checked once against a
