@@ -53,7 +53,7 @@ run() {  # run LIMIT_SECONDS COMMAND...: at most LIMIT, and never past the budge
 CHECK="$PY bench/gpu_check.py"
 MPICHECK="$MPIEXEC -n"
 # the dry run has no transport to choose and a smaller model to time
-if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config small --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
+if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config tiny --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
 [ "$DEVICE" != cpu ] && run 20 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total,driver_version --format=csv
 run 60 $CHECK preflight --device "$DEVICE"
 # first what a lent device is for (the budget may cut the last steps): cuDNN's fused attention
