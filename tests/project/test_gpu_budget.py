@@ -4,12 +4,13 @@ verdict and the loss: 2 a step) and launches (<= 25 per layer). This holds today
 they only go down: a change that adds a host sync or a launch per layer fails here."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from support import ROOT, run_job
+from support import ROOT, mpiexec, run_job
 
 STANDIN = ROOT / "bench" / "standin_run.py"  # runs a bench script with CuPy (and cuDNN) stood in for
 BENCH = ROOT / "bench"
@@ -215,3 +216,23 @@ def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     result = _last_json_line(STANDIN, BENCH / "gpu_check.py", *check, "--config", "tiny")
     assert result["check"] == check[0] + ("_graphed" if "--graph" in check else "")
+
+
+def test_the_device_script_runs_through_without_a_device(comm, tmp_path):
+    """make gpu-check's own script, dry (GPU_CHECK_DEVICE=cpu: every step on the CPU, the small
+    models): each step runs and passes, so a lent device's minutes are not spent on a broken script
+    (its float16 step on a GPT too wide for NumPy's float16 GEMMs once timed out here)."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    env = {
+        **os.environ,
+        "GPU_CHECK_DEVICE": "cpu",
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "MPIEXEC": " ".join(mpiexec()),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "gpu-check passed" in done.stdout, (
+        done.stdout[-3000:] + done.stderr[-2000:]
+    )
