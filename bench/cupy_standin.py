@@ -647,19 +647,19 @@ def cublas_library():
     """libcublas's functions that base/cublas_api.py calls. As in cuBLAS, a handle runs on cuBLAS's own
     workspace until one is set, and cublasSetStream puts it back there; cuBLAS allocates its own at
     a stream's first GEMM, which a capturing stream refuses (CaptureError)."""
-    handles = {}  # handle -> {"stream": ptr, "workspace": whether one of ours is set}
+    has_workspace = {}  # handle -> whether one of ours is set
 
     def create(pointer):
-        pointer._obj.value = len(handles) + 1
-        handles[pointer._obj.value] = {"stream": None, "workspace": False}
+        pointer._obj.value = len(has_workspace) + 1
+        has_workspace[pointer._obj.value] = False
         return 0
 
     def set_stream(handle, stream):
-        handles[handle.value] = {"stream": stream.value or 0, "workspace": False}
+        has_workspace[handle.value] = False
         return 0
 
     def set_workspace(handle, workspace, size):
-        handles[handle.value]["workspace"] = True
+        has_workspace[handle.value] = True
         return 0
 
     def gemm_ex(
@@ -682,10 +682,10 @@ def cublas_library():
         ldc,
         compute,
         algo,
-    ):  # noqa: E501, N803
+    ):  # noqa: N803
         """alpha and beta are read from host memory when it is called (a graph keeps the values it was
         captured with), the product when it runs."""
-        if _current_stream().is_capturing() and not handles[handle.value]["workspace"]:
+        if _current_stream().is_capturing() and not has_workspace[handle.value]:
             raise CaptureError("cuBLAS would allocate its workspace while the stream captures")
         scalar = ctypes.c_double if compute == 70 else ctypes.c_float  # 64F, 32F
         scale = tuple(scalar.from_address(address).value for address in (alpha, beta))
