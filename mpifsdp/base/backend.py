@@ -162,7 +162,7 @@ def cublas_library():
     _cupy().cuda.device.get_cublas_handle()
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "/libcublas.so" in line})
+            paths = mapped_paths(maps, "libcublas.so")
     except OSError:  # no /proc: the library by its name, as the dynamic loader finds it
         paths = []
     for path in paths or ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
@@ -171,6 +171,12 @@ def cublas_library():
         except OSError:
             continue
     raise RuntimeError("mpifsdp's GPU GEMMs need libcublas, which CuPy's cuBLAS module should have loaded")
+
+
+def mapped_paths(maps, library: str) -> list:
+    """The paths of a library in a process's memory map (the lines of /proc/self/maps): those whose
+    file name starts `library` (libcublas.so, not libcublasLt.so)."""
+    return sorted({line.split()[-1] for line in maps if f"/{library}" in line})
 
 
 def nccl_available() -> bool:

@@ -75,3 +75,15 @@ def test_a_required_gpu_that_is_missing_raises_with_its_cause(monkeypatch):
     monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", "1")
     with pytest.raises(RuntimeError, match="MPIFSDP_REQUIRE_GPU=1, but no GPU is usable.*cupy"):
         backend.gpu_available()
+
+
+def test_the_cublas_library_is_found_by_its_path_in_the_memory_map():
+    """base/cublas_api.py calls the libcublas CuPy loaded, found in /proc/self/maps: its path alone,
+    once, and not cuBLASLt's (whose name shares the prefix)."""
+    maps = [
+        "7f00-7f10 r--p 00000000 08:01 1 /site/nvidia/cublas/lib/libcublasLt.so.13\n",
+        "7f10-7f20 r-xp 00000000 08:01 2 /site/nvidia/cublas/lib/libcublas.so.13\n",
+        "7f20-7f30 r--p 00010000 08:01 2 /site/nvidia/cublas/lib/libcublas.so.13\n",
+        "7f30-7f40 rw-p 00000000 00:00 0 \n",
+    ]
+    assert backend.mapped_paths(maps, "libcublas.so") == ["/site/nvidia/cublas/lib/libcublas.so.13"]
