@@ -68,7 +68,7 @@ def gpt_activation_bytes(
     """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
     10 B·T·C values (no LayerNorm output on the CPU: layer_norm_linear recomputes it; a GPU keeps
     both, 12: fused.keeps_norm_output, the first padded with a ones column where the qkv bias is
-    folded into its GEMM: fused.folded_row_length) and 4 per token (LayerNorm statistics), and past
+    folded into its weight gradient's GEMM: fused.folded_row_length) and 4 per token (LayerNorm statistics), and past
     the attention block (256 positions on the CPU, 1024 on a GPU: attention.py) the attention's
     output and one log-sum-exp per head and token (the blocked path keeps them); outside them the
     final LayerNorm's input (and on a GPU its output), the logits, and per token two statistics and
@@ -83,7 +83,7 @@ def gpt_activation_bytes(
     gpu = device != "cpu"
     whole = attention.GPU_ATTENTION_BLOCK if gpu else attention.ATTENTION_BLOCK
     norm_outputs = 2 * B * T * C if gpu else 0  # one a layer_norm_linear
-    if gpu and config.bias:  # the qkv bias folded into its GEMM: the LayerNorm's output padded
+    if gpu and config.bias:  # the qkv bias's gradient from the weight's GEMM: the LayerNorm's output padded
         norm_outputs += B * T * (fused.folded_row_length(C) - C)
     block = 10 * B * T * C + norm_outputs + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
     per_block = B * T * C if recompute else block
