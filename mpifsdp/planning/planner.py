@@ -67,15 +67,16 @@ def gpt_activation_bytes(
 ) -> int:
     """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
     10 B·T·C values (no LayerNorm output on the CPU: layer_norm_linear recomputes it; a GPU keeps
-    both, 12: fused.keeps_norm_output, the first padded with a ones column where the qkv bias is
-    folded into its weight gradient's GEMM: fused.folded_row_length) and 4 per token (LayerNorm statistics), and past
-    the attention block (256 positions on the CPU, 1024 on a GPU: attention.py) the attention's
-    output and one log-sum-exp per head and token (the blocked path keeps them); outside them the
-    final LayerNorm's input (and on a GPU its output), the logits, and per token two statistics and
-    the log-sum-exp; on the CPU a one-byte mask per token, on a GPU the int64 device copies of the
-    host batch (token ids, and targets with their valid count) and positions. Checkpointed blocks
-    keep only their input (B·T·C). Equal to autodiff.graph_nbytes (tests/unit/planning/test_planner.py;
-    on a GPU's branches, sharded, bench/standin_checks.py)."""
+    both, 12: fused.keeps_norm_output, the first padded with a ones column where the qkv bias's
+    gradient comes out of its weight's GEMM: fused.folded_row_length) and 4 per token (LayerNorm
+    statistics), and past the attention block (256 positions on the CPU, 1024 on a GPU:
+    attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
+    keeps them); outside them the final LayerNorm's input (and on a GPU its output), the logits,
+    and per token two statistics and the log-sum-exp; on the CPU a one-byte mask per token, on a
+    GPU the int64 device copies of the host batch (token ids, and targets with their valid count)
+    and positions. Checkpointed blocks keep only their input (B·T·C). Equal to
+    autodiff.graph_nbytes (tests/unit/planning/test_planner.py; on a GPU's branches, sharded,
+    bench/standin_checks.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     refuse_below("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
@@ -83,7 +84,7 @@ def gpt_activation_bytes(
     gpu = device != "cpu"
     whole = attention.GPU_ATTENTION_BLOCK if gpu else attention.ATTENTION_BLOCK
     norm_outputs = 2 * B * T * C if gpu else 0  # one a layer_norm_linear
-    if gpu and config.bias:  # the qkv bias's gradient from the weight's GEMM: the LayerNorm's output padded
+    if gpu and config.bias:  # the qkv bias gradient from its weight GEMM: the LayerNorm output padded
         norm_outputs += B * T * (fused.folded_row_length(C) - C)
     block = 10 * B * T * C + norm_outputs + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
     per_block = B * T * C if recompute else block
