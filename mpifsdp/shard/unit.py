@@ -163,7 +163,7 @@ class Unit:
         """This rank's slice of the parameters (in the arrays' dtype: the masters). Whoever takes it
         may write it, so the param_dtype cast an optimizer wrote with its last update is no longer
         trusted to be its cast: the next gather casts afresh (cast_written)."""
-        self.cast_afresh()
+        self._cast_current = False
         return self._shard
 
     def cast_target(self):
