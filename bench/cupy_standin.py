@@ -8,7 +8,8 @@ gather or scatter, fill (a filled new array, or ndarray.fill) and one of mpifsdp
 (CuPy issues one kernel for each); a host sync for every float()/int()/bool()/item()/get(), a
 boolean-mask index (its size is read back) and an eventQuery. NCCL runs through MPI on host memory
 (on one rank it copies; GPUS[0] GPUs a node, so N ranks with N GPUs choose it). Our raw
-kernels run as their NumPy twins, our elementwise kernels as NumPy formulas of the same math,
+kernels run as their NumPy twins (with STANDIN_KERNELS=source as their CUDA source itself, built by
+g++: kernel_emulator.py), our elementwise kernels as NumPy formulas of the same math,
 cuDNN's attention as bench/cudnn_standin.py's twin. The time all that takes is the device's
 (`on_device`, DEVICE_S): the rest of a step's wall time is its host's.
 
@@ -526,18 +527,28 @@ class ElementwiseKernel:
 
 
 class RawModule:
-    """mpifsdp's raw kernels, each run as its NumPy twin (base/kernels.py TWINS: the same arguments)."""
+    """mpifsdp's raw kernels, each run as its NumPy twin (base/kernels.py TWINS: the same arguments),
+    or with STANDIN_KERNELS=source as their CUDA source itself, built by g++ (kernel_emulator.py)."""
 
     def __init__(self, code="", options=()):
-        pass
+        self.emulated = None
+        if os.environ.get("STANDIN_KERNELS") == "source":
+            import kernel_emulator
+
+            self.emulated = kernel_emulator.RawModule(code, host=_host)
 
     def get_function(self, name):
         from mpifsdp.base.kernels import TWINS
 
+        run = self.emulated.get_function(name) if self.emulated else None
+
         @on_device
         def launch(grid, block, args, shared_mem=0):
             _launch(name, args)
-            TWINS[name](grid, block, tuple(_host(a) for a in args), shared_mem)
+            if run is not None:
+                run(grid, block, args, shared_mem)
+            else:
+                TWINS[name](grid, block, tuple(_host(a) for a in args), shared_mem)
 
         return launch
 

@@ -531,6 +531,17 @@ def _plan_without_the_loss_gradient():
     _replace(planner, "gpt_loss_gradient_bytes", lambda config, batch, itemsize: 0)
 
 
+def _column_sums_without_the_last_block():
+    """sum_over_blocks' CUDA source leaves the last block's partials out: its NumPy twin (what the
+    stand-in runs by default) does not, so only a run of the source itself can see it."""
+    from mpifsdp.base import kernels
+
+    complete = "for (; k < blocks; ++k) s += __ldcg("
+    assert complete in kernels.BLOCK_REDUCE, "the mutant's target changed: update it"
+    short = kernels.BLOCK_REDUCE.replace(complete, "for (; k + 1 < blocks; ++k) s += __ldcg(")
+    _replace(kernels, "BLOCK_REDUCE", short)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -936,6 +947,13 @@ MUTANTS = {
         _plan_without_the_loss_gradient,
         "the plan counts the loss's gradient beside the activations (planner.gpt_loss_gradient_bytes)",
         ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+    ),
+    "kernel_sources_run_on_the_cpu": Mutant(
+        _column_sums_without_the_last_block,
+        "raw kernels' CUDA source run on the CPU against their twins (bench/kernel_emulator.py)",
+        [
+            "tests/project/test_kernel_emulator.py::test_the_gpu_step_with_every_kernels_cuda_source_is_the_cpus"
+        ],
     ),
     "errors_on_every_rank": Mutant(
         _errors_raised_where_they_happen,

@@ -1,0 +1,105 @@
+"""bench/kernel_emulator.py: mpifsdp's raw CUDA kernels built by g++ and run on the CPU with CUDA's
+execution model. Its own semantics (block barriers that threads returning early leave, warp shuffles,
+the last block to finish adding every block's partials, dynamic shared memory, a barrier some threads
+never reach named), then the whole GPU step of bench/standin_checks.py with every raw kernel run as
+its CUDA source: each kernel's first-use check against its NumPy twin, and the step against the CPU."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpifsdp.base.kernels import typed_source
+
+from support import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import kernel_emulator  # noqa: E402
+
+COLUMN_SUMS = r"""
+extern "C" __global__ void column_sums(const ELEM* x, ACC* partial, ACC* sums, unsigned int* done,
+                                       const int rows, const int C) {
+    /* block b adds rows b, b + gridDim.x, ... of every column; the last block adds the partials */
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        ACC s = 0;
+        for (int r = blockIdx.x; r < rows; r += gridDim.x) s += (ACC)x[(size_t)r * C + j];
+        partial[(size_t)blockIdx.x * C + j] = s;
+    }
+    if (!last_block_to_finish(done)) return;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_blocks(partial, C, j);
+}
+extern "C" __global__ void block_totals(const ELEM* x, ACC* totals, const int n) {
+    /* one block a run of blockDim.x elements: their sum, through shuffles and shared memory */
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const ACC total = block_reduce(i < n ? (ACC)x[i] : (ACC)0, false);
+    if (threadIdx.x == 0) totals[blockIdx.x] = total;
+}
+extern "C" __global__ void early_return(ACC* out, const int live) {
+    /* threads from `live` on return at once: the barrier waits for the others only */
+    extern __shared__ unsigned char shared_bytes[];
+    ACC* seen = (ACC*)shared_bytes;
+    if ((int)threadIdx.x >= live) return;
+    seen[threadIdx.x] = (ACC)(threadIdx.x + 1);
+    __syncthreads();
+    out[threadIdx.x] = seen[live - 1 - threadIdx.x];
+}
+extern "C" __global__ void divergent_barrier(ACC* out) {
+    /* half a warp at a __syncthreads, its other half at a shuffle: neither ever opens */
+    if (threadIdx.x < 16) __syncthreads();
+    else out[0] = __shfl_xor_sync(0xffffffff, (ACC)1, 1);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def kernels(comm):
+    if comm.size > 1:
+        pytest.skip("one single-process build: the plain-pytest pass covers it")
+    module = kernel_emulator.RawModule(typed_source(np.float64, COLUMN_SUMS))
+    names = ("column_sums", "block_totals", "early_return", "divergent_barrier")
+    return {name: module.get_function(name) for name in names}
+
+
+def test_the_last_block_adds_every_blocks_partials(kernels):
+    rows, C, blocks = 70, 40, 20  # more blocks than sum_over_blocks loads ahead (16): both its loops
+    x = np.random.default_rng(0).standard_normal((rows, C))
+    partial, sums, done = np.empty((blocks, C)), np.empty(C), np.zeros(1, np.uint32)
+    kernels["column_sums"](blocks, 64, (x, partial, sums, done, np.int32(rows), np.int32(C)))
+    np.testing.assert_allclose(sums, x.sum(axis=0), rtol=1e-13, atol=1e-13)
+    assert done[0] == 0  # the counter wraps back for the next launch
+
+
+def test_a_block_reduction_through_shuffles_and_shared_memory(kernels):
+    x = np.arange(1.0, 301.0)
+    totals = np.empty(3)
+    kernels["block_totals"](3, 128, (x, totals, np.int32(x.size)))
+    np.testing.assert_array_equal(totals, [x[:128].sum(), x[128:256].sum(), x[256:].sum()])
+
+
+def test_threads_that_return_early_leave_the_barrier(kernels):
+    out = np.full(64, -1.0)
+    kernels["early_return"](1, 64, (out, np.int32(24)), shared_mem=64 * 8)
+    np.testing.assert_array_equal(out[:24], np.arange(24, 0, -1))
+    assert (out[24:] == -1).all()
+
+
+def test_a_barrier_some_threads_never_reach_is_named(kernels):
+    with pytest.raises(RuntimeError, match="divergent_barrier: block .*deadlock"):
+        kernels["divergent_barrier"](1, 32, (np.zeros(1),))
+
+
+def test_the_gpu_step_with_every_kernels_cuda_source_is_the_cpus(comm):
+    """bench/standin_checks.py with STANDIN_KERNELS=source: every raw kernel it reaches (LayerNorm,
+    cross-entropy, GELU with column sums, the NaN flags, the sums of squares, AdamW with its casts;
+    float64, float16 and bfloat16) runs its CUDA source, checks itself once against its twin, and
+    the step's gradients and parameters are the CPU's within the bounds of the twins' run."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    bench = ROOT / "bench"
+    command = [sys.executable, str(bench / "standin_run.py"), str(bench / "standin_checks.py")]
+    env = {**os.environ, "STANDIN_KERNELS": "source"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert '"ok": true' in done.stdout.strip().splitlines()[-1]
