@@ -25,10 +25,12 @@ from .checks import bfloat16, finfo, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
+SUM_GROUP = 32  # blocks a group of column_sums_done adds (BLOCK_REDUCE below)
+MAX_SUM_BLOCKS = 64 * SUM_GROUP  # the most blocks a launch using column_sums_done may have
 # BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it;
-# and column sums across thread blocks in one launch: each block writes its partial sums, and the
-# last block to finish (a self-resetting counter of finished blocks, after a fence) adds them all,
-# in block order.
+# and column sums across thread blocks in one launch: each block writes its partial sums, the last
+# block of each group of blocks to finish (self-resetting counters, after a fence) adds its group's,
+# and the last group to finish adds the groups', in a fixed order.
 BLOCK_REDUCE = r"""
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -45,39 +47,58 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __syncthreads();
     return v;
 }
-/* Whether this block is the last of the grid to get here, its partials written before (visible to
-   every block after the fence). done: a counter of finished blocks, back at 0 after each launch. */
-__device__ bool last_block_to_finish(unsigned int* done) {
+/* Whether this block is the last of `count` to get here, its writes before visible to every block
+   after the fence. counter: back at 0 once all `count` came (atomicInc wraps). */
+__device__ bool last_to_finish(unsigned int* counter, const unsigned int count) {
     __threadfence();
     __shared__ bool is_last;
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;  /* wraps to 0 */
+    if (threadIdx.x == 0) is_last = atomicInc(counter, count - 1) == count - 1;
     __syncthreads();
     return is_last;
 }
-/* Column j of plane (gridDim.x, C): every block's partial, added in block order (read past L1:
-   other blocks wrote them). The loads go out LOADS_AHEAD at a time before they are added: the last
-   block alone adds every block's partials, and one trip to memory per block made it the slowest
-   kernel of an H200 step (layer_norm_backward 0.55 ms a call, ~25 times its traffic's time). */
+/* Column j of `count` rows of C, `step` rows apart, added in row order (read past L1: other blocks
+   wrote them). The loads go out LOADS_AHEAD at a time before they are added. */
 #define LOADS_AHEAD 16
-__device__ ACC sum_over_blocks(const ACC* plane, const int C, const int j) {
+__device__ ACC sum_rows(const ACC* rows, const int C, const int j, const int count, const int step) {
     ACC s = 0;
-    const int blocks = (int)gridDim.x;
     int k = 0;
-    for (; k + LOADS_AHEAD <= blocks; k += LOADS_AHEAD) {
+    for (; k + LOADS_AHEAD <= count; k += LOADS_AHEAD) {
         ACC loaded[LOADS_AHEAD];
         #pragma unroll
-        for (int u = 0; u < LOADS_AHEAD; ++u) loaded[u] = __ldcg(plane + (size_t)(k + u) * C + j);
+        for (int u = 0; u < LOADS_AHEAD; ++u) loaded[u] = __ldcg(rows + (size_t)(k + u) * step * C + j);
         #pragma unroll
         for (int u = 0; u < LOADS_AHEAD; ++u) s += loaded[u];
     }
-    for (; k < blocks; ++k) s += __ldcg(plane + (size_t)k * C + j);
+    for (; k < count; ++k) s += __ldcg(rows + (size_t)k * step * C + j);
     return s;
 }
-"""
+/* Column sums across the grid's blocks, in two levels, so that no one block adds them all (one
+   block adding 512 blocks' partials was the slowest kernel of an H200 step: layer_norm_backward
+   0.55 ms a call, ~25 times its traffic's time). Every block has written its partials: `planes`
+   planes of (gridDim.x, C), one after another. Blocks form groups of SUM_GROUP, in block order; the
+   last of a group to finish adds its group's rows, in block order, into the group's first row; the
+   last group to finish returns true, and then reads each total with sum_over_groups (the groups'
+   rows in group order): the same order of additions whichever block finishes when. done:
+   1 + ceil(gridDim.x / SUM_GROUP) counters (column_sum_counters), each back at 0 after a launch. */
+#define SUM_GROUP @SUM_GROUP@
+__device__ bool column_sums_done(ACC* partial, const int planes, const int C, unsigned int* done) {
+    const int group = blockIdx.x / SUM_GROUP, first = group * SUM_GROUP;
+    const int members = min(SUM_GROUP, (int)gridDim.x - first);
+    if (!last_to_finish(done + 1 + group, members)) return false;
+    for (int p = 0; p < planes; ++p) {
+        ACC* rows = partial + ((size_t)p * gridDim.x + first) * C;
+        for (int j = threadIdx.x; j < C; j += blockDim.x) rows[j] = sum_rows(rows, C, j, members, 1);
+    }
+    return last_to_finish(done, (gridDim.x + SUM_GROUP - 1) / SUM_GROUP);
+}
+__device__ ACC sum_over_groups(const ACC* plane, const int C, const int j) {
+    return sum_rows(plane, C, j, ((int)gridDim.x + SUM_GROUP - 1) / SUM_GROUP, SUM_GROUP);
+}
+""".replace("@SUM_GROUP@", str(SUM_GROUP))
 
 SHARED_BYTES = 48 * 1024  # the shared memory a thread block may take without opting in to more
-_counters: dict = {}  # (kernel, device id) -> its counter of finished blocks (it resets itself)
+_counters: dict = {}  # (kernel, device id) -> its counters of finished blocks (they reset themselves)
 
 
 def row_runs(n: int, max_blocks: int) -> tuple[int, int]:
@@ -87,12 +108,15 @@ def row_runs(n: int, max_blocks: int) -> tuple[int, int]:
     return -(-n // per), per
 
 
-def finished_blocks_counter(xp, like, kernel: str):
-    """The zeroed uint32 a kernel using last_block_to_finish counts its blocks in, one per kernel and
-    device (kernels on different streams must not share one)."""
+def column_sum_counters(xp, like, kernel: str, blocks: int):
+    """The zeroed uint32 counters a kernel using column_sums_done counts its finished blocks in (one
+    for the groups, one a group of up to MAX_SUM_BLOCKS blocks), one set per kernel and device
+    (kernels on different streams must not share them); `blocks`: the launch's, checked."""
+    if blocks > MAX_SUM_BLOCKS:
+        raise ValueError(f"{kernel}: {blocks} thread blocks, column_sums_done counts up to {MAX_SUM_BLOCKS}")
     key = (kernel, getattr(getattr(like, "device", None), "id", None))
     if key not in _counters:
-        _counters[key] = xp.zeros(1, dtype=np.uint32)
+        _counters[key] = xp.zeros(1 + MAX_SUM_BLOCKS // SUM_GROUP, dtype=np.uint32)
     return _counters[key]
 
 

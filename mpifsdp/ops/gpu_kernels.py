@@ -27,9 +27,9 @@ from ..base.kernels import (
     TWINS,
     accumulator,
     checked_once,
+    column_sum_counters,
     compiled,
     error_bound,
-    finished_blocks_counter,
     row_runs,
     typed_source,
 )
@@ -114,13 +114,14 @@ def add_bias_residual_(y, b, r):
 # written: the gradient of that bias, or of the bias of the linear that made x (tape.SumsWritten),
 # with no reduction launch of its own, written in the arithmetic's type (the gradient buffer's on a
 # GPU: float32 for 16-bit). A thread block takes a run of rows; its threads keep their columns'
-# partial sums in shared memory; the last block to finish adds every block's, in block order.
+# partial sums in shared memory; the blocks' partials are added in the same launch, in two levels
+# (base/kernels.py column_sums_done).
 GELU_SUMS_THREADS, GELU_SUMS_BLOCKS = 256, 512
 GELU_SUMS_SOURCE = r"""
 extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh,
                                               ACC* partial, ACC* sums, unsigned int* done, const int n,
                                               const int C, const int rows_per_block, const int flags) {
-    /* partial: (gridDim.x, C); done: a counter of finished blocks, back at 0 after each launch;
+    /* partial: (gridDim.x, C); done: column_sums_done's counters;
        flags: 1 = bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias */
     extern __shared__ unsigned char shared_bytes[];
     ACC* part = (ACC*)shared_bytes;
@@ -138,8 +139,8 @@ extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, const ELEM* bias, E
         }
     }
     for (int j = threadIdx.x; j < C; j += blockDim.x) partial[(size_t)blockIdx.x * C + j] = part[j];
-    if (!last_block_to_finish(done)) return;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_blocks(partial, C, j);
+    if (!column_sums_done(partial, 1, C, done)) return;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_groups(partial, C, j);
 }
 """
 GELU_SUMS_KERNELS = ("gelu_and_grad_sums",)
@@ -198,16 +199,16 @@ def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, bias, max_blocks: int):
     blocks, per = row_runs(n, max_blocks)
     acc = accumulator(x2.dtype.type)
     partial = xp.empty((blocks, C), dtype=acc)
-    done = finished_blocks_counter(xp, x2, "gelu_and_grad_sums")
+    done = column_sum_counters(xp, x2, "gelu_and_grad_sums", blocks)
     sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(bias is not None))
     args = (x2, x2 if bias is None else bias, h2, gh2, partial, sums, done, *sizes)  # x2: not read
     kernel((blocks,), (GELU_SUMS_THREADS,), args, shared_mem=C * np.dtype(acc).itemsize)
 
 
 def _gelu_sums_probe(xp, dtype, kernel):
-    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2), without a bias and with
-    one, against its twin on host copies of the same inputs; the sums within n times an element's
-    bound."""
+    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2) and in 37 blocks (both
+    levels of its column sums), without a bias and with one, against its twin on host copies of
+    the same inputs; the sums within n times an element's bound."""
     rng = np.random.default_rng(11)
     n, C = 37, 80
     host_x, host_g = (rng.normal(0, 2, (n, C)).astype(dtype) for _ in range(2))
@@ -218,18 +219,18 @@ def _gelu_sums_probe(xp, dtype, kernel):
         flags = int(bias is not None)
         twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
         _gelu_sums_twin(None, None, twin_args)
-        x, gh = xp.asarray(host_x), xp.array(host_g)  # gh: written in place, a copy
-        h, sums = xp.empty_like(x), xp.empty(C, dtype=accumulator(dtype))
-        _gelu_sums_launch(
-            kernel, xp, h, gh, x, sums, None if bias is None else xp.asarray(bias), max_blocks=8
-        )
         bound = {
             k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))
         }
         bound["sums"] = n * bound["gh"]
-        got, want = {"h": h, "gh": gh, "sums": sums}, {"h": want_h, "gh": want_g, "sums": want_sums}
-        what = " with a bias" if flags else ""
-        results += [(k + what, to_numpy(got[k]), want[k], bound[k]) for k in want]
+        for blocks in (8, n):  # 37 blocks of 1 row: two groups of column_sums_done
+            x, gh = xp.asarray(host_x), xp.array(host_g)  # gh: written in place, a copy
+            h, sums = xp.empty_like(x), xp.empty(C, dtype=accumulator(dtype))
+            on_device = None if bias is None else xp.asarray(bias)
+            _gelu_sums_launch(kernel, xp, h, gh, x, sums, on_device, max_blocks=blocks)
+            got, want = {"h": h, "gh": gh, "sums": sums}, {"h": want_h, "gh": want_g, "sums": want_sums}
+            what = (" with a bias" if flags else "") + f" in {blocks} blocks"
+            results += [(k + what, to_numpy(got[k]), want[k], bound[k]) for k in want]
     return results
 
 

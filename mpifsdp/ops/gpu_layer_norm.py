@@ -5,8 +5,9 @@ trip through device memory on a GPU. Here the forward reads a row twice (its mea
 variance about it: the CPU's two-pass formula) and writes the output once (kept for backward: a
 GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread block a run
 of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
-g*xhat and g in shared memory, and the last block to finish adds every block's partials, in block
-order, into dw and db (a counter of finished blocks, after a memory fence: no second launch); where
+g*xhat and g in shared memory, and the blocks' partials are added into dw and db in the same
+launch, in two levels (base/kernels.py column_sums_done: counters of finished blocks after a memory
+fence, a fixed order of additions, no second launch); where
 asked, the column sums of dx too, in the same way: the gradient of the bias of the linear that made
 x (tape.SumsWritten), with no reduction launch of its own.
 Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type;
@@ -64,12 +65,11 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
                                                ACC* ds, unsigned int* done, const int n, const int C,
                                                const int rows_per_block, const int flags) {
     /* partial: (3, gridDim.x, C): this block's column sums of g * xhat (for dw), of g (for db) and
-       of gx as written (for ds); the last block to finish adds every block's partials, in block
-       order, into dw, db and ds (in ACC: parameter gradients are gathered in the arithmetic's
+       of gx as written (for ds); column_sums_done adds every block's partials, in a fixed order,
+       into dw, db and ds (in ACC: parameter gradients are gathered in the arithmetic's
        type, float32 for 16-bit elements, and reduced with no cast). flags: 1 = gx = dx + add, the
        input's gradient from its other uses (the residual path); 2 = has a bias (db written); 4 = ds
-       written (3 C ACC of shared memory, else 2 C). done: a counter of finished blocks, back at 0
-       after each launch */
+       written (3 C ACC of shared memory, else 2 C). done: column_sums_done's counters */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
@@ -109,12 +109,12 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
         mine[(size_t)gridDim.x * C + j] = gb[j];
         if (flags & 4) mine[(size_t)2 * gridDim.x * C + j] = gs[j];
     }
-    if (!last_block_to_finish(done)) return;
+    if (!column_sums_done(partial, (flags & 4) ? 3 : 2, C, done)) return;
     const size_t plane = (size_t)gridDim.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        dw[j] = sum_over_blocks(partial, C, j);
-        if (flags & 2) db[j] = sum_over_blocks(partial + plane, C, j);
-        if (flags & 4) ds[j] = sum_over_blocks(partial + 2 * plane, C, j);
+        dw[j] = sum_over_groups(partial, C, j);
+        if (flags & 2) db[j] = sum_over_groups(partial + plane, C, j);
+        if (flags & 4) ds[j] = sum_over_groups(partial + 2 * plane, C, j);
     }
 }
 """
@@ -164,7 +164,7 @@ def _backward_twin(grid, block, args, shared_mem=0):
         parts[0, k], parts[1, k] = (g64[rows] * xh[rows]).sum(axis=0), g64[rows].sum(axis=0)
         if kinds == 3:
             parts[2, k] = written[rows].sum(axis=0)
-    sums = parts.astype(np.float64).sum(axis=1)  # the last block's: every block's partials, in order
+    sums = parts.astype(np.float64).sum(axis=1)  # every block's partials (the kernel: in groups)
     dw[...] = sums[0]
     if int(flags) & 2:
         db[...] = sums[1]
@@ -251,7 +251,7 @@ def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, ma
     blocks, per = gk.row_runs(n, max_blocks)
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((3 if ds is not None else 2, blocks, C), dtype=acc)
-    done = gk.finished_blocks_counter(xp, x2, "layer_norm_backward")
+    done = gk.column_sum_counters(xp, x2, "layer_norm_backward", blocks)
     flags = np.int32((add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0))
     add2 = gx2 if add2 is None else add2  # not read without flag 1
     args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, gw if ds is None else ds)
@@ -295,7 +295,8 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 
 def _probe(xp, dtype, backward: bool = False):
     """Both kernels on a small problem (37 rows of 96; the backward in 8 blocks of 5 rows, the last
-    of 2, as a real batch runs: several rows a block) against their twins on host copies of the
+    of 2, as a real batch runs: several rows a block, and in 37 blocks: both levels of its column
+    sums, the second group short) against their twins on host copies of the
     same inputs; the forward plain, and again with a ones column in rows 104 apart, a seed and a
     bias written into 53-wide rows."""
     rng = np.random.default_rng(7)
@@ -321,15 +322,16 @@ def _probe(xp, dtype, backward: bool = False):
     _forward_twin(None, None, (*inputs, want["padded"], *unused_stats, *seeds, C, C + 1, 53, 1e-5, 15))
     got.update(out=out, mean=mean, rstd=rstd)
     if backward:
-        gx, (gw, gb, gs) = xp.empty_like(x), (xp.empty(C, gk.accumulator(dtype)) for _ in range(3))
-        _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, gs, max_blocks=8)  # add, sums
         stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
-        twin = (host["g"], host["x"], host["w"], *stats, host["a"])
-        want.update(_backward_reference(*twin))
-        got.update(gx=gx, gw=gw, gb=gb, gs=gs)
+        reference = _backward_reference(host["g"], host["x"], host["w"], *stats, host["a"])
+        for blocks in (8, n):  # 8 blocks of 5 rows; 37 of 1: two groups of column_sums_done
+            gx, (gw, gb, gs) = xp.empty_like(x), (xp.empty(C, gk.accumulator(dtype)) for _ in range(3))
+            _backward(kernels, xp, g, x, w, mean, rstd, gx, gw, gb, add, gs, max_blocks=blocks)
+            got.update({f"{k} in {blocks} blocks": v for k, v in dict(gx=gx, gw=gw, gb=gb, gs=gs).items()})
+            want.update({f"{k} in {blocks} blocks": v for k, v in reference.items()})
     bound = {k: gk.error_bound(dtype, 4 * n, float(np.max(np.abs(v)))) for k, v in want.items()}
-    if backward:  # a sum of n elements of gx, each within gx's bound of the twin's
-        bound["gs"] = n * bound["gx"]
+    for k in [k for k in bound if k.startswith("gs")]:  # a sum of n elements of gx, each within its bound
+        bound[k] = n * bound[k.replace("gs", "gx", 1)]
     return [(k, to_numpy(got[k]), want[k], bound[k]) for k in want]
 
 

@@ -532,13 +532,13 @@ def _plan_without_the_loss_gradient():
 
 
 def _column_sums_without_the_last_block():
-    """sum_over_blocks' CUDA source leaves the last block's partials out: its NumPy twin (what the
-    stand-in runs by default) does not, so only a run of the source itself can see it."""
+    """sum_rows' CUDA source leaves the last row out (of a group's blocks, or of the groups): its
+    NumPy twins (what the stand-in runs by default) do not, so only a run of the source can see it."""
     from mpifsdp.base import kernels
 
-    complete = "for (; k < blocks; ++k) s += __ldcg("
+    complete = "for (; k < count; ++k) s += __ldcg("
     assert complete in kernels.BLOCK_REDUCE, "the mutant's target changed: update it"
-    short = kernels.BLOCK_REDUCE.replace(complete, "for (; k + 1 < blocks; ++k) s += __ldcg(")
+    short = kernels.BLOCK_REDUCE.replace(complete, "for (; k + 1 < count; ++k) s += __ldcg(")
     _replace(kernels, "BLOCK_REDUCE", short)
 
 

@@ -1,6 +1,6 @@
 """bench/kernel_emulator.py: mpifsdp's raw CUDA kernels built by g++ and run on the CPU with CUDA's
 execution model. Its own semantics (block barriers that threads returning early leave, warp shuffles,
-the last block to finish adding every block's partials, dynamic shared memory, a barrier some threads
+the blocks' partials added in two levels by the last to finish, dynamic shared memory, a barrier some threads
 never reach named), then the whole GPU step of bench/standin_checks.py with every raw kernel run as
 its CUDA source: each kernel's first-use check against its NumPy twin, and the step against the CPU."""
 
@@ -21,14 +21,14 @@ import kernel_emulator  # noqa: E402
 COLUMN_SUMS = r"""
 extern "C" __global__ void column_sums(const ELEM* x, ACC* partial, ACC* sums, unsigned int* done,
                                        const int rows, const int C) {
-    /* block b adds rows b, b + gridDim.x, ... of every column; the last block adds the partials */
+    /* block b adds rows b, b + gridDim.x, ... of every column; then the blocks' partials */
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         ACC s = 0;
         for (int r = blockIdx.x; r < rows; r += gridDim.x) s += (ACC)x[(size_t)r * C + j];
         partial[(size_t)blockIdx.x * C + j] = s;
     }
-    if (!last_block_to_finish(done)) return;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_blocks(partial, C, j);
+    if (!column_sums_done(partial, 1, C, done)) return;
+    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_groups(partial, C, j);
 }
 extern "C" __global__ void block_totals(const ELEM* x, ACC* totals, const int n) {
     /* one block a run of blockDim.x elements: their sum, through shuffles and shared memory */
@@ -62,13 +62,16 @@ def kernels(comm):
     return {name: module.get_function(name) for name in names}
 
 
-def test_the_last_block_adds_every_blocks_partials(kernels):
-    rows, C, blocks = 70, 40, 20  # more blocks than sum_over_blocks loads ahead (16): both its loops
+@pytest.mark.parametrize("blocks", [20, 70])
+def test_the_blocks_partials_are_added_in_two_levels(kernels, blocks):
+    """20 blocks: one group, more than sum_rows loads ahead (16); 70: three groups, the last short."""
+    rows, C = 70, 40
     x = np.random.default_rng(0).standard_normal((rows, C))
-    partial, sums, done = np.empty((blocks, C)), np.empty(C), np.zeros(1, np.uint32)
-    kernels["column_sums"](blocks, 64, (x, partial, sums, done, np.int32(rows), np.int32(C)))
-    np.testing.assert_allclose(sums, x.sum(axis=0), rtol=1e-13, atol=1e-13)
-    assert done[0] == 0  # the counter wraps back for the next launch
+    partial, sums, done = np.empty((blocks, C)), np.empty(C), np.zeros(65, np.uint32)
+    for _ in range(2):  # the counters are back at 0 for the next launch
+        kernels["column_sums"](blocks, 64, (x, partial, sums, done, np.int32(rows), np.int32(C)))
+        np.testing.assert_allclose(sums, x.sum(axis=0), rtol=1e-13, atol=1e-13)
+        assert not done.any()
 
 
 def test_a_block_reduction_through_shuffles_and_shared_memory(kernels):
