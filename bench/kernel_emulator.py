@@ -72,6 +72,8 @@ inline bool isfinite(__nv_bfloat16 x) { return std::isfinite((float)x); }
 template <class A, class B> inline std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
 template <class A, class B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
 
 /* A launch runs its blocks one after another, a block's threads as fibers on this one OS thread
@@ -225,6 +227,9 @@ def cpu_source(source: str) -> str:
     return HEADER + body + "\n" + "\n".join(entries) + "\n"
 
 
+FAILED: list = []  # the build errors of this process: mpifsdp falls back to unfused passes on one
+
+
 def build(source: str) -> ctypes.CDLL:
     """The shared library of `source` (cached by its text: a g++ build takes seconds)."""
     text = cpu_source(source)
@@ -239,7 +244,8 @@ def build(source: str) -> ctypes.CDLL:
         flags.append("-U_FORTIFY_SOURCE")  # its longjmp check refuses a jump between the fibers' stacks
         done = subprocess.run(["g++", *flags, "-o", str(partial), str(cpp)], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"g++ could not build the emulated kernels ({cpp}):\n{done.stderr[-3000:]}")
+            FAILED.append(f"g++ could not build the emulated kernels ({cpp}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(FAILED[-1])
         os.replace(partial, library)  # whole, whatever another process builds meanwhile
     return ctypes.CDLL(str(library))
 

@@ -6,6 +6,8 @@ what the GPU path computes (the wiring of every kernel) before a device sees it:
     python bench/standin_run.py bench/gpu_check.py parity --sharded --transport nccl
 
 --no-cudnn leaves cudnn out (as on a GPU without it): attention then runs as batched passes.
+STANDIN_KERNELS=source runs the raw kernels' CUDA source (kernel_emulator.py) instead of their
+twins; a source g++ cannot build then fails the run.
 --gpus N gives the stand-in's node N GPUs (one a rank: NCCL across ranks, through MPI):
 
     mpiexec -n 2 python -m mpi4py bench/standin_run.py --gpus 2 bench/gpu_check.py parity \
@@ -20,6 +22,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import cupy_standin  # noqa: E402
 
+
+def _exit_if_a_kernel_source_failed_to_build():
+    """With STANDIN_KERNELS=source a kernel g++ cannot build sends mpifsdp to its unfused passes, and
+    the script may still pass: that run checked less than it claims, so it fails here."""
+    emulator = sys.modules.get("kernel_emulator")
+    if emulator is not None and emulator.FAILED:
+        print("\n\n".join(emulator.FAILED), file=sys.stderr)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     no_cudnn = args[:1] == ["--no-cudnn"]
@@ -29,4 +41,7 @@ if __name__ == "__main__":
     cupy_standin.install(with_cudnn=not no_cudnn)
     script, *rest = args
     sys.argv = [script, *rest]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        _exit_if_a_kernel_source_failed_to_build()

@@ -93,6 +93,17 @@ def test_a_barrier_some_threads_never_reach_is_named(kernels):
         kernels["divergent_barrier"](1, 32, (np.zeros(1),))
 
 
+def test_a_source_gpp_cannot_build_is_named_and_remembered(comm):
+    """mpifsdp falls back to unfused passes where a kernel does not build, so the emulator remembers
+    every failed build: standin_run.py then fails the run (it checked less than it claims)."""
+    if comm.size > 1:
+        pytest.skip("one single-process build: the plain-pytest pass covers it")
+    failed = len(kernel_emulator.FAILED)
+    with pytest.raises(RuntimeError, match="g\\+\\+ could not build"):
+        kernel_emulator.RawModule('extern "C" __global__ void broken(float* x) { x[0] = undeclared; }')
+    assert len(kernel_emulator.FAILED) == failed + 1
+
+
 def test_the_gpu_step_with_every_kernels_cuda_source_is_the_cpus(comm):
     """bench/standin_checks.py with STANDIN_KERNELS=source: every raw kernel it reaches (LayerNorm,
     cross-entropy, GELU with column sums, the NaN flags, the sums of squares, AdamW with its casts;
