@@ -98,6 +98,21 @@ def test_the_gelu_sums_probe_passes_with_the_twin_as_kernel():
     _probe_passes(lambda dtype: gpu_kernels._gelu_sums_probe(np, dtype, kernel))
 
 
+def test_the_gelu_bias_rows_twin_computes_gelu_of_x_plus_the_bias():
+    """gelu_bias_rows's twin: gelu(x + b) as the CPU's GELU pass on x + b."""
+    rng = np.random.default_rng(8)
+    n, C = 30, 40
+    x, b = rng.normal(0, 2, (n, C)), rng.normal(0, 1, C)
+    y = np.full((n, C), np.nan)
+    kernels.TWINS["gelu_bias_rows"](None, None, (x, b, y, n, C))
+    _close(y, fused.gelu_array(x + b), 8)
+
+
+def test_the_gelu_bias_rows_probe_passes_with_the_twin_as_kernel():
+    kernel = _as_kernel("gelu_bias_rows")
+    _probe_passes(lambda dtype: gpu_kernels._gelu_bias_rows_probe(np, dtype, kernel))
+
+
 def test_the_softmax_twins_compute_the_attention_softmax():
     rng = np.random.default_rng(5)
     heads, T, scale = 3, 16, 0.3
