@@ -47,6 +47,11 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __syncthreads();
     return v;
 }
+__device__ __forceinline__ ACC warp_sum(ACC v) {
+    /* the sum over a warp's 32 lanes, every lane gets it (the same order of additions in each) */
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
 /* Whether this block is the last of `count` to get here, its writes before visible to every block
    after the fence. counter: back at 0 once all `count` came (atomicInc wraps). */
 __device__ bool last_to_finish(unsigned int* counter, const unsigned int count) {

@@ -35,7 +35,7 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     out, m, r = np.empty((n, C)), np.empty((n, 1)), np.empty((n, 1))
     twins = kernels.TWINS
     twins["layer_norm_forward"](
-        (n,), None, (x, w, w if b is None else b, out, m, r, x, w, x, w, C, C, 0, 1e-5, int(bias))
+        (n,), None, (x, w, w if b is None else b, out, m, r, x, w, x, w, C, C, 0, 1e-5, int(bias), n)
     )
     for got, want in ((out, want_out), (m, mean), (r, rstd)):
         _close(got, want, C)
@@ -44,7 +44,7 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     ld, seed_bias, next_bias = C + 8, rng.normal(0, 1, C), rng.normal(0, 1, 3 * C)
     padded, seed, biased = np.full((n, ld), np.nan), np.empty((n, C)), np.empty((n, 3 * C))
     args = (x, w, w if b is None else b, padded, m, r, seed, seed_bias, biased, next_bias)
-    twins["layer_norm_forward"]((n,), None, (*args, C, ld, 3 * C, 1e-5, int(bias) | 2 | 4 | 8))
+    twins["layer_norm_forward"]((n,), None, (*args, C, ld, 3 * C, 1e-5, int(bias) | 2 | 4 | 8, n))
     _close(padded[:, :C], want_out, C)
     assert (padded[:, C] == 1).all() and np.isnan(padded[:, C + 1 :]).all()  # the padding unwritten
     _close(seed, x + seed_bias, 1)
