@@ -101,8 +101,8 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
             gw[j] += gj * xh;
             gb[j] += gj;
         }
-        const ACC mean_gh = block_reduce(sum_gh, false) / (ACC)C;
-        const ACC mean_ghx = block_reduce(sum_ghx, false) / (ACC)C;
+        block_sum_pair(sum_gh, sum_ghx);  /* both row sums at one exchange's barriers */
+        const ACC mean_gh = sum_gh / (ACC)C, mean_ghx = sum_ghx / (ACC)C;
         ELEM* out = gx + (size_t)r * C;
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
             const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
