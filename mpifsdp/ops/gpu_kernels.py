@@ -107,13 +107,23 @@ def _gelu_bias_rows_into(out, x, b) -> bool:
         return False
     if not all(a.dtype == x.dtype and a.flags.c_contiguous for a in arrays):
         return False
-    xp = array_module_of(x)
-    kernels = compiled(xp, gelu_sums_source(dtype), GELU_SUMS_KERNELS, "fused GELU with column sums")
-    if kernels is None:
+    kernel = _gelu_family_kernel(x, "gelu_bias_rows", _gelu_bias_rows_probe)
+    if kernel is None:
         return False
-    checked_once(("gelu_bias_rows", dtype), lambda: _gelu_bias_rows_probe(xp, x.dtype, kernels[1]))
-    _gelu_bias_rows_launch(kernels[1], out, x, b)
+    _gelu_bias_rows_launch(kernel, out, x, b)
     return True
+
+
+def _gelu_family_kernel(x, name: str, probe):
+    """The GELU family's kernel `name` for x's dtype, checked once against its twin (probe(xp, dtype,
+    kernel)), or None where NVRTC cannot build it."""
+    xp = array_module_of(x)
+    kernels = compiled(xp, gelu_sums_source(x.dtype.type), GELU_SUMS_KERNELS, "fused GELU with column sums")
+    if kernels is None:
+        return None
+    kernel = kernels[GELU_SUMS_KERNELS.index(name)]
+    checked_once((name, x.dtype.type), lambda: probe(xp, x.dtype, kernel))
+    return kernel
 
 
 def _gelu_bias_rows_launch(kernel, out, x, b):
@@ -267,12 +277,10 @@ def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None, max_blocks: int = GELU
     usable = usable and sums.dtype == acc and sums.flags.c_contiguous and sums.shape == (C,)
     if not usable or C * np.dtype(acc).itemsize > SHARED_BYTES:
         return False
-    xp = array_module_of(x2)
-    kernels = compiled(xp, gelu_sums_source(dtype), GELU_SUMS_KERNELS, "fused GELU with column sums")
-    if kernels is None:
+    kernel = _gelu_family_kernel(x2, "gelu_and_grad_sums", _gelu_sums_probe)
+    if kernel is None:
         return False
-    checked_once(("gelu_and_grad_sums", dtype), lambda: _gelu_sums_probe(xp, x2.dtype, kernels[0]))
-    _gelu_sums_launch(kernels[0], xp, h2, gh2, x2, sums, bias, max_blocks)
+    _gelu_sums_launch(kernel, array_module_of(x2), h2, gh2, x2, sums, bias, max_blocks)
     return True
 
 
