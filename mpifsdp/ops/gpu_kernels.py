@@ -392,11 +392,33 @@ def _row_launch(which: int, rows, T: int, scale: float, *arrays) -> bool:
     dtype = arrays[0].dtype.type
     if dtype not in ELEMENT_TYPES or T > _ROW_THREADS * _ROW_ITEMS:
         return False
-    kernels = compiled(array_module_of(arrays[0]), row_source(dtype), ROW_KERNELS, "fused causal softmax")
+    xp = array_module_of(arrays[0])
+    kernels = compiled(xp, row_source(dtype), ROW_KERNELS, "fused causal softmax")
     if kernels is None:
         return False
+    checked_once(("causal_softmax", dtype), lambda: _row_probe(xp, arrays[0].dtype, kernels))
     kernels[which]((rows,), (_ROW_THREADS,), (*arrays, np.int32(T), accumulator(dtype)(scale)))
     return True
+
+
+def _row_probe(xp, dtype, kernels):
+    """Both row kernels on 3 heads of T = 45 (rows longer than a warp, not a multiple of the items a
+    thread takes) against their twins, the backward on the device's probabilities."""
+    rng = np.random.default_rng(29)
+    heads, T, scale = 3, 45, 0.3
+    host_scores, host_d = (rng.normal(0, 2, (heads, T, T)).astype(dtype) for _ in range(2))
+    args = (np.int32(T), accumulator(dtype)(scale))
+    p, d = xp.array(host_scores), xp.array(host_d)
+    kernels[0]((heads * T,), (_ROW_THREADS,), (p, *args))
+    kernels[1]((heads * T,), (_ROW_THREADS,), (d, p, *args))
+    want_p, want_d = host_scores.astype(np.float64), host_d.astype(np.float64)
+    TWINS["causal_softmax"](None, None, (want_p, T, scale))
+    TWINS["softmax_backward"](None, None, (want_d, to_numpy(p).astype(np.float64), T, scale))
+    bound_d = error_bound(dtype, 2 * T, float(np.max(np.abs(host_d.astype(np.float64)))) * scale)
+    return [
+        ("the probabilities", to_numpy(p), want_p, error_bound(dtype, T, 1.0)),
+        ("the scores' gradient", to_numpy(d), want_d, bound_d),
+    ]
 
 
 def causal_softmax_(scores3, scale: float) -> bool:

@@ -1,8 +1,10 @@
 """bench/kernel_emulator.py: mpifsdp's raw CUDA kernels built by g++ and run on the CPU with CUDA's
-execution model. Its own semantics (block barriers that threads returning early leave, warp shuffles,
-the blocks' partials added in two levels by the last to finish, dynamic shared memory, a barrier some threads
-never reach named), then the whole GPU step of bench/standin_checks.py with every raw kernel run as
-its CUDA source: each kernel's first-use check against its NumPy twin, and the step against the CPU."""
+execution model. Its own semantics (block barriers that threads returning early leave, warp
+shuffles, the blocks' partials added in two levels by the last to finish, dynamic shared memory, a
+barrier some threads never reach named); every kernel family's first-use checks with its source as
+the kernel, in each element type; then the whole GPU step of bench/standin_checks.py with every raw
+kernel run as its CUDA source: each kernel's first-use check against its NumPy twin, and the step
+against the CPU."""
 
 import os
 import subprocess
@@ -11,7 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from mpifsdp.base.kernels import typed_source
+from mpifsdp.base import kernels as base_kernels
+from mpifsdp.base.checks import bfloat16
+from mpifsdp.base.kernels import comparable, typed_source
+from mpifsdp.ops import gpu_cross_entropy, gpu_kernels, gpu_layer_norm
+from mpifsdp.optim import gpu_adamw, gpu_norm
 
 from support import ROOT
 
@@ -102,6 +108,85 @@ def test_a_source_gpp_cannot_build_is_named_and_remembered(comm):
     with pytest.raises(RuntimeError, match="g\\+\\+ could not build"):
         kernel_emulator.RawModule('extern "C" __global__ void broken(float* x) { x[0] = undeclared; }')
     assert len(kernel_emulator.FAILED) == failed + 1
+
+
+def _emulated(source, names: tuple, dtype) -> tuple:
+    module = kernel_emulator.RawModule(source(np.dtype(dtype).type))
+    return tuple(module.get_function(name) for name in names)
+
+
+def _layer_norm_probe(dtype, monkeypatch):
+    monkeypatch.setattr(
+        gpu_layer_norm, "_kernels", lambda *a: _emulated(gpu_layer_norm.source, gpu_layer_norm.KERNELS, dtype)
+    )
+    return gpu_layer_norm._probe(np, dtype, backward=True)
+
+
+def _cross_entropy_probe(dtype, monkeypatch):
+    emulated = _emulated(gpu_cross_entropy.source, gpu_cross_entropy.KERNELS, dtype)
+    monkeypatch.setattr(gpu_cross_entropy, "_kernels", lambda *a: emulated)
+    return gpu_cross_entropy._probe(np, dtype, backward=True)
+
+
+def _gelu_probes(dtype, monkeypatch):
+    sums, rows = _emulated(gpu_kernels.gelu_sums_source, gpu_kernels.GELU_SUMS_KERNELS, dtype)
+    return gpu_kernels._gelu_sums_probe(np, dtype, sums) + gpu_kernels._gelu_bias_rows_probe(np, dtype, rows)
+
+
+def _softmax_probe(dtype, monkeypatch):
+    return gpu_kernels._row_probe(
+        np, dtype, _emulated(gpu_kernels.row_source, gpu_kernels.ROW_KERNELS, dtype)
+    )
+
+
+def _adamw_probes(dtype, monkeypatch):
+    step, groups = _emulated(gpu_adamw.source, gpu_adamw.KERNELS, dtype)
+    results = gpu_adamw._probe(np, dtype, step) + gpu_adamw._probe_groups(np, dtype, groups)
+    if dtype == np.float32:  # float32 masters cast as they are updated: the four-at-a-time path's casts
+        for cast in (np.dtype(np.float16), np.dtype(bfloat16())):
+            casting = _emulated(lambda d, cast=cast: gpu_adamw.source(d, cast), gpu_adamw.KERNELS, dtype)[1]
+            results += gpu_adamw._probe_groups(np, dtype, casting, cast)
+    return results
+
+
+def _norm_probe(dtype, monkeypatch):
+    return gpu_norm._probe(np, dtype, _emulated(gpu_norm.source, gpu_norm.KERNELS, dtype))
+
+
+def _flag_probes(dtype, monkeypatch):
+    flag, cast = _emulated(base_kernels.flag_source, base_kernels.FLAG_KERNELS, dtype)
+    return base_kernels._flag_probe(np, dtype, flag) + base_kernels._cast_flag_probe(np, dtype, cast)
+
+
+PROBES = {
+    "layer_norm": _layer_norm_probe,
+    "cross_entropy": _cross_entropy_probe,
+    "gelu": _gelu_probes,
+    "causal_softmax": _softmax_probe,
+    "adamw": _adamw_probes,
+    "sum_of_squares": _norm_probe,
+    "nonfinite_flags": _flag_probes,
+}
+
+
+@pytest.mark.parametrize("family", sorted(PROBES))
+def test_every_kernels_source_passes_its_first_use_check_in_every_dtype(comm, monkeypatch, family):
+    """Each family's first-use probes (what a device runs before a kernel's first real use), with
+    the kernels run as their emulated CUDA source and NumPy as the device, in float16, bfloat16,
+    float32 and float64: every result within its bound of the twin's."""
+    if comm.size > 1:
+        pytest.skip("one single-process build: the plain-pytest pass covers it")
+    for dtype in (np.dtype(np.float16), np.dtype(bfloat16()), np.dtype(np.float32), np.dtype(np.float64)):
+        for what, got, want, bound in PROBES[family](dtype, monkeypatch):
+            err = float(
+                np.max(
+                    np.abs(
+                        np.asarray(comparable(got), np.float64) - np.asarray(comparable(want), np.float64)
+                    ),
+                    initial=0,
+                )
+            )
+            assert err <= bound, f"{family} {dtype}: {what} off by {err:.3g}, bound {bound:.3g}"
 
 
 def test_the_gpu_step_with_every_kernels_cuda_source_is_the_cpus(comm):

@@ -127,6 +127,28 @@ def test_the_softmax_twins_compute_the_attention_softmax():
     _close(gs, p * (d - (d * p).sum(-1, keepdims=True)) * scale, T)
 
 
+def test_the_softmax_probe_passes_with_the_twins_as_kernels():
+    twins = tuple(_as_kernel(name) for name in gpu_kernels.ROW_KERNELS)
+    _probe_passes(lambda dtype: gpu_kernels._row_probe(np, dtype, twins))
+
+
+def test_a_wrong_softmax_kernel_is_named_at_its_first_use(monkeypatch):
+    """The causal softmax kernels (attention without cuDNN) check themselves against their twins
+    before their first real use: a kernel that leaves its rows as they were is named, and the
+    scores are not touched."""
+
+    def leaves_rows_alone(grid, block, args, shared_mem=0):
+        pass
+
+    monkeypatch.setattr(gpu_kernels, "compiled", lambda *a: (leaves_rows_alone, leaves_rows_alone))
+    monkeypatch.setattr(kernels, "_checked", set())
+    scores = np.random.default_rng(2).normal(0, 1, (2, 8, 8))
+    before = scores.copy()
+    with pytest.raises(RuntimeError, match=r"causal_softmax \(float64\) computes the probabilities wrong"):
+        gpu_kernels.causal_softmax_(scores, 0.5)
+    np.testing.assert_array_equal(scores, before)
+
+
 def test_a_kernel_that_computes_wrong_is_named_before_its_first_use():
     """The check at first use raises on a result beyond its bound, naming the kernel, and remembers
     only kernels that passed."""
