@@ -952,7 +952,8 @@ MUTANTS = {
         _column_sums_without_the_last_block,
         "raw kernels' CUDA source run on the CPU against their twins (bench/kernel_emulator.py)",
         [
-            "tests/project/test_kernel_emulator.py::test_the_gpu_step_with_every_kernels_cuda_source_is_the_cpus"
+            "tests/project/test_kernel_emulator.py::"
+            "test_every_kernels_source_passes_its_first_use_check_in_every_dtype[layer_norm]"
         ],
     ),
     "errors_on_every_rank": Mutant(
