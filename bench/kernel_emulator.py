@@ -5,7 +5,8 @@ device ever runs it. The twins check the mathematics a kernel means; this checks
 
     STANDIN_KERNELS=source python bench/standin_run.py bench/standin_checks.py   # a whole GPU step
 
-(tests/project/test_kernel_emulator.py runs that, and the emulator's own semantics.)
+(about a minute; tests/project/test_kernel_emulator.py runs every kernel family's first-use checks
+so, in each element type, and the emulator's own semantics.)
 
 How a launch runs: its thread blocks one after another, each block's threads as fibers on one OS
 thread (ucontext), so `__shared__` variables (static here: one block at a time owns them),
@@ -33,17 +34,14 @@ import numpy as np
 # What the kernels take from CUDA, for g++. One block at a time: `__shared__` is `static`.
 HEADER = r"""
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
 #include <csetjmp>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
-#include <ucontext.h>
 #include <type_traits>
+#include <ucontext.h>
 #include <vector>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static dim3 gridDim, blockDim;
@@ -237,16 +235,17 @@ def build(source: str) -> ctypes.CDLL:
     library = _CACHE / f"{key}.so"
     if not library.exists():
         _CACHE.mkdir(parents=True, exist_ok=True)
-        cpp = _CACHE / f"{key}.cpp"
+        mine = f"{key}.{os.getpid()}"  # this process's files: another may build the same meanwhile
+        cpp, partial = _CACHE / f"{mine}.cpp", _CACHE / f"{mine}.so"
         cpp.write_text(text)
-        partial = library.with_suffix(f".{os.getpid()}.so")
         flags = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wno-unknown-pragmas", "-ffp-contract=off"]
         flags.append("-U_FORTIFY_SOURCE")  # its longjmp check refuses a jump between the fibers' stacks
         done = subprocess.run(["g++", *flags, "-o", str(partial), str(cpp)], capture_output=True, text=True)
-        if done.returncode:
+        if done.returncode:  # the source stays, for the error's line numbers
             FAILED.append(f"g++ could not build the emulated kernels ({cpp}):\n{done.stderr[-3000:]}")
             raise RuntimeError(FAILED[-1])
-        os.replace(partial, library)  # whole, whatever another process builds meanwhile
+        cpp.unlink()
+        os.replace(partial, library)  # whole
     return ctypes.CDLL(str(library))
 
 

@@ -136,8 +136,9 @@ def row_runs(n: int, max_blocks: int) -> tuple[int, int]:
 
 def column_sum_counters(xp, like, kernel: str, blocks: int):
     """The zeroed uint32 counters a kernel using column_sums_done counts its finished blocks in (one
-    for the groups, one a group of up to MAX_SUM_BLOCKS blocks), one set per kernel and device
-    (kernels on different streams must not share them); `blocks`: the launch's, checked."""
+    for the groups, then one for each group of SUM_GROUP blocks, up to MAX_SUM_BLOCKS blocks), one
+    set per kernel and device (kernels on different streams must not share them); `blocks`: the
+    launch's, checked."""
     if blocks > MAX_SUM_BLOCKS:
         raise ValueError(f"{kernel}: {blocks} thread blocks, column_sums_done counts up to {MAX_SUM_BLOCKS}")
     key = (kernel, getattr(getattr(like, "device", None), "id", None))
