@@ -47,14 +47,17 @@ __device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
     __syncthreads();
     return v;
 }
+__device__ __forceinline__ ACC warp_sum(ACC v) {
+    /* the sum over a warp's 32 lanes, every lane gets it (the same order of additions in each) */
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
 __device__ __forceinline__ void block_sum_pair(ACC& a, ACC& b) {
     /* the sums of two values a thread over a thread block, every thread gets both: block_reduce's
        order of additions for each, at one exchange's barriers */
     __shared__ ACC parts[2][32];
-    for (int o = 16; o > 0; o >>= 1) {
-        a += __shfl_xor_sync(0xffffffff, a, o);
-        b += __shfl_xor_sync(0xffffffff, b, o);
-    }
+    a = warp_sum(a);
+    b = warp_sum(b);
     if ((threadIdx.x & 31) == 0) {
         parts[0][threadIdx.x >> 5] = a;
         parts[1][threadIdx.x >> 5] = b;
@@ -67,11 +70,6 @@ __device__ __forceinline__ void block_sum_pair(ACC& a, ACC& b) {
         b += parts[1][k];
     }
     __syncthreads();
-}
-__device__ __forceinline__ ACC warp_sum(ACC v) {
-    /* the sum over a warp's 32 lanes, every lane gets it (the same order of additions in each) */
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
 }
 /* Whether this block is the last of `count` to get here, its writes before visible to every block
    after the fence. counter: back at 0 once all `count` came (atomicInc wraps). */

@@ -3,15 +3,15 @@
 fused.py's LayerNorm is eight array passes forward and about fourteen backward, each a launch and a
 trip through device memory on a GPU. Here the forward gives each row a warp (its sums by shuffles,
 no block barrier: a block a row, with two block-wide reductions, took the H200's 370M step's
-LayerNorms about 3.5 times their traffic's time, 2.5 ms a step), reads the row twice (its mean, then the
-variance about it: the CPU's two-pass formula) and writes the output once (kept for backward: a
-GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread block a run
-of rows: per row it forms both row sums and writes dx; each thread keeps its columns' partial sums of
-g*xhat and g in shared memory, and the blocks' partials are added into dw and db in the same
-launch, in two levels (base/kernels.py column_sums_done: counters of finished blocks after a memory
-fence, a fixed order of additions, no second launch); where
-asked, the column sums of dx too, in the same way: the gradient of the bias of the linear that made
-x (tape.SumsWritten), with no reduction launch of its own.
+LayerNorms about 3.5 times their traffic's time, 2.5 ms a step), reads the row twice (its mean,
+then the variance about it: the CPU's two-pass formula) and writes the output once (kept for
+backward: a GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread
+block a run of rows: per row it forms both row sums and writes dx; each thread keeps its columns'
+partial sums of g*xhat and g in shared memory, and the blocks' partials are added into dw and db in
+the same launch, in two levels (base/kernels.py column_sums_done: counters of finished blocks after
+a memory fence, a fixed order of additions, no second launch); where asked, the column sums of dx
+too, in the same way: the gradient of the bias of the linear that made x (tape.SumsWritten), with
+no reduction launch of its own.
 Arithmetic in float32 for float16 and float32 (double for float64), rounded once to the element type;
 the parameter gradients (dw, db, ds) stay in the arithmetic's type: a GPU gathers a unit's gradient
 in float32 for 16-bit parameters (shard/unit.py), so they go into it with no rounding or cast.
@@ -305,9 +305,9 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 def _probe(xp, dtype, backward: bool = False):
     """Both kernels on a small problem (37 rows of 96; the backward in 8 blocks of 5 rows, the last
     of 2, as a real batch runs: several rows a block, and in 37 blocks: both levels of its column
-    sums, the second group short) against their twins on host copies of the
-    same inputs; the forward plain, and again with a ones column in rows 104 apart, a seed and a
-    bias written into 53-wide rows."""
+    sums, the second group short) against their twins on host copies of the same inputs; the
+    forward plain, and again with a ones column in rows 104 apart, a seed and a bias written into
+    53-wide rows."""
     rng = np.random.default_rng(7)
     n, C = 37, 96
     host = {

@@ -320,8 +320,8 @@ _token_arrays: dict = {}
 def _probe_groups(xp, dtype, kernel, cast=None):
     """Two groups (one of several pieces and decay segments, its length and theirs not multiples of
     4; one shorter than a piece, none, not 16-byte aligned) in one launch against adamw_step's twin
-    on each; with `cast`, the first group's update cast to it
-    too, one master far beyond float16's range (its flag set where the cast overflows)."""
+    on each; with `cast`, the first group's update cast to it too, one master far beyond float16's
+    range (its flag set where the cast overflows)."""
     rng = np.random.default_rng(17)
     sizes, segments = (2 * PIECE + 103, 701), (((10, 701), (PIECE + 5, 2 * PIECE + 2)), ())
     hypers = [
