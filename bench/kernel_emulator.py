@@ -50,6 +50,7 @@ static dim3 threadIdx, blockIdx;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__ static
 using std::exp; using std::log; using std::sqrt; using std::tanh; using std::fabs; using std::isfinite;
@@ -199,7 +200,7 @@ template <class T> T emu_arg(void* slot) {
 }
 """
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)')
 _DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+([\w ]+?)\s+(\w+)\s*\[\s*\]\s*;")
 _CACHE = Path(tempfile.gettempdir()) / f"mpifsdp-kernel-emulator-{os.getuid()}"
 

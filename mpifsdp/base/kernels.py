@@ -52,25 +52,29 @@ __device__ __forceinline__ ACC warp_sum(ACC v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
-__device__ __forceinline__ void block_sum_pair(ACC& a, ACC& b) {
-    /* the sums of two values a thread over a thread block, every thread gets both: block_reduce's
+template <int N> __device__ __forceinline__ void block_sums(ACC (&v)[N]) {
+    /* the sums of N values a thread over a thread block, every thread gets them all: block_reduce's
        order of additions for each, at one exchange's barriers */
-    __shared__ ACC parts[2][32];
-    a = warp_sum(a);
-    b = warp_sum(b);
-    if ((threadIdx.x & 31) == 0) {
-        parts[0][threadIdx.x >> 5] = a;
-        parts[1][threadIdx.x >> 5] = b;
+    __shared__ ACC parts[N][32];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        v[i] = warp_sum(v[i]);
+        if ((threadIdx.x & 31) == 0) parts[i][threadIdx.x >> 5] = v[i];
     }
     __syncthreads();
-    a = parts[0][0];
-    b = parts[1][0];
-    for (int k = 1; k < (int)(blockDim.x >> 5); ++k) {
-        a += parts[0][k];
-        b += parts[1][k];
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        v[i] = parts[i][0];
+        for (int k = 1; k < (int)(blockDim.x >> 5); ++k) v[i] += parts[i][k];
     }
     __syncthreads();
 }
+/* PACK elements in one 16-byte load or store (Pack<PACK>), where a row's length and its pointers
+   allow (packs_fit); Pack<1>: one element, for any row. A thread that loads several rows' packs
+   before using any keeps that many loads in flight: the H200 needs ~30 KB in flight an SM. */
+constexpr int PACK = 16 / sizeof(ELEM);
+template <int V> struct alignas(sizeof(ELEM) * V) Pack { ELEM v[V]; };
+__device__ __forceinline__ bool packs_fit(const void* p) { return ((size_t)p & 15) == 0; }
 /* Whether this block is the last of `count` to get here, its writes before visible to every block
    after the fence. counter: back at 0 once all `count` came (atomicInc wraps). */
 __device__ bool last_to_finish(unsigned int* counter, const unsigned int count) {
@@ -171,6 +175,17 @@ def device_address(array) -> int:
     """An array's device address, as a kernel's table holds it (a NumPy array's host address: the
     twins run on host memory)."""
     return array.ctypes.data if type(array) is np.ndarray else array.data.ptr
+
+
+def pack_width(dtype) -> int:
+    """The elements of `dtype` in a kernel's Pack<PACK>: one 16-byte load or store."""
+    return 16 // np.dtype(dtype).itemsize
+
+
+def packs_fit(*arrays) -> bool:
+    """Whether every array given (None: not one) starts on a 16-byte boundary, as a kernel's packed
+    loads and stores need (the kernels' packs_fit)."""
+    return all(device_address(a) % 16 == 0 for a in arrays if a is not None)
 
 
 TABLE_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's dtype entry: a place here

@@ -23,13 +23,14 @@ from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import (
     ELEMENT_TYPES,
     RAW_FAMILIES,
-    SHARED_BYTES,
     TWINS,
     accumulator,
     checked_once,
     column_sum_counters,
     compiled,
     error_bound,
+    pack_width,
+    packs_fit,
     row_runs,
     typed_source,
 )
@@ -129,22 +130,28 @@ def _gelu_family_kernel(x, name: str, probe):
 def _gelu_bias_rows_launch(kernel, out, x, b):
     C = x.shape[-1]
     n = x.size // C
-    columns = -(-C // (GELU_COLUMNS * GELU_ROWS_THREADS))
-    grid = (columns, min(n, GELU_ROWS_MAX_Y))
-    kernel(grid, (GELU_ROWS_THREADS,), (x, b, out, np.int32(n), np.int32(C)))
+    width = pack_width(x.dtype)
+    packed = C % width == 0 and packs_fit(x, b, out)
+    tile = GELU_PACKS * width * GELU_ROWS_THREADS if packed else GELU_COLUMNS * GELU_ROWS_THREADS
+    grid = (-(-C // tile), min(n, GELU_ROWS_MAX_Y))
+    kernel(grid, (GELU_ROWS_THREADS,), (x, b, out, np.int32(n), np.int32(C), np.int32(packed)))
 
 
 def _gelu_bias_rows_probe(xp, dtype, kernel):
-    """The row kernel on 37 rows of 1100 (two column tiles, the second short) against its twin."""
+    """The row kernel on 37 rows of 1101 (one element at a time: two column tiles, the second
+    short) and on 5 rows of 4360 (in packs: several tiles, the last short) against its twin."""
     rng = np.random.default_rng(23)
-    n, C = 37, 1100
-    host_x, host_b = rng.normal(0, 2, (n, C)).astype(dtype), rng.normal(0, 1, C).astype(dtype)
-    want = np.empty((n, C))
-    _gelu_bias_rows_twin(None, None, (host_x, host_b, want, n, C))
-    x, b = xp.asarray(host_x), xp.asarray(host_b)
-    y = xp.empty_like(x)
-    _gelu_bias_rows_launch(kernel, y, x, b)
-    return [("gelu(x + bias)", to_numpy(y), want, error_bound(dtype, 16, float(np.max(np.abs(want)))))]
+    results = []
+    for n, C in ((37, 1101), (5, 4360)):
+        host_x, host_b = rng.normal(0, 2, (n, C)).astype(dtype), rng.normal(0, 1, C).astype(dtype)
+        want = np.empty((n, C))
+        _gelu_bias_rows_twin(None, None, (host_x, host_b, want, n, C, 0))
+        x, b = xp.asarray(host_x), xp.asarray(host_b)
+        y = xp.empty_like(x)
+        _gelu_bias_rows_launch(kernel, y, x, b)
+        bound = error_bound(dtype, 16, float(np.max(np.abs(want))))
+        results.append((f"gelu(x + bias) on rows of {C}", to_numpy(y), want, bound))
+    return results
 
 
 def gelu_grad_into(out, g, x):
@@ -164,71 +171,130 @@ def add_bias_residual_(y, b, r):
 # h = gelu(x (+ bias)) and gh *= gelu'(x (+ bias)), as gelu_and_grad, and the column sums of gh as
 # written: the gradient of that bias, or of the bias of the linear that made x (tape.SumsWritten),
 # with no reduction launch of its own, written in the arithmetic's type (the gradient buffer's on a
-# GPU: float32 for 16-bit). A thread block takes a run of rows; its threads keep their columns'
-# partial sums in shared memory; the blocks' partials are added in the same launch, in two levels
-# (base/kernels.py column_sums_done).
+# GPU: float32 for 16-bit). A thread block takes a run of rows; each thread a pack of columns at a
+# time (16 bytes where the rows allow), ROWS_AHEAD rows' loads in flight before it computes, its
+# columns' partial sums in registers (one per element a row, in shared memory, and scalar loads:
+# 0.32 ms a call on the H200, ~7 times its traffic's time); the blocks' partials are added in the
+# same launch, in two levels (base/kernels.py column_sums_done).
 GELU_SUMS_THREADS, GELU_SUMS_BLOCKS = 256, 512
 GELU_SUMS_SOURCE = r"""
-extern "C" __global__ void gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh,
+#define ROWS_AHEAD 2
+template <int V>
+__device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restrict__ bias,
+                               ELEM* __restrict__ h, ELEM* __restrict__ gh, ACC* __restrict__ mine,
+                               const int first, const int last, const int C, const int flags) {
+    /* rows first..last-1: h, gh, and mine[j] = the sum of gh's column j over them, in row order */
+    typedef Pack<V> P;
+    for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
+        A b[V];
+        ACC sum[V];
+        const P bias_pack = (flags & 1) ? *(const P*)(bias + j) : P();
+        #pragma unroll
+        for (int k = 0; k < V; ++k) {
+            b[k] = (flags & 1) ? (A)bias_pack.v[k] : (A)0;
+            sum[k] = 0;
+        }
+        for (int r = first; r < last; r += ROWS_AHEAD) {
+            const int rows = min(ROWS_AHEAD, last - r);
+            P xs[ROWS_AHEAD], gs[ROWS_AHEAD];
+            #pragma unroll
+            for (int u = 0; u < ROWS_AHEAD; ++u) {
+                if (u < rows) {
+                    const size_t at = (size_t)(r + u) * C + j;
+                    xs[u] = *(const P*)(x + at);
+                    gs[u] = *(const P*)(gh + at);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < ROWS_AHEAD; ++u) {
+                if (u < rows) {
+                    P hs, os;
+                    #pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        const A a = (flags & 1) ? (A)(ELEM)((A)xs[u].v[k] + b[k]) : (A)xs[u].v[k];
+                        const A s = GELU_SIGMOID(a);
+                        hs.v[k] = (ELEM)(a * s);
+                        os.v[k] = (ELEM)((A)gs[u].v[k] * GELU_SLOPE(a, s));
+                        sum[k] += (ACC)os.v[k];
+                    }
+                    const size_t at = (size_t)(r + u) * C + j;
+                    *(P*)(h + at) = hs;
+                    *(P*)(gh + at) = os;
+                }
+            }
+        }
+        #pragma unroll
+        for (int k = 0; k < V; ++k) mine[j + k] = sum[k];
+    }
+}
+/* at most 85 registers a thread: 3 blocks of 256 resident an SM */
+extern "C" __global__ void __launch_bounds__(256, 3) gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh,
                                               ACC* partial, ACC* sums, unsigned int* done, const int n,
                                               const int C, const int rows_per_block, const int flags) {
     /* partial: (gridDim.x, C); done: column_sums_done's counters;
        flags: 1 = bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias */
-    extern __shared__ unsigned char shared_bytes[];
-    ACC* part = (ACC*)shared_bytes;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) part[j] = 0;
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
-    for (int r = first; r < last; ++r) {
-        const size_t row = (size_t)r * C;
-        for (int j = threadIdx.x; j < C; j += blockDim.x) {
-            const A a = (flags & 1) ? (A)(ELEM)((A)x[row + j] + (A)bias[j]) : (A)x[row + j];
-            const A s = GELU_SIGMOID(a);
-            h[row + j] = (ELEM)(a * s);
-            const ELEM o = (ELEM)((A)gh[row + j] * GELU_SLOPE(a, s));
-            gh[row + j] = o;
-            part[j] += (ACC)o;
-        }
-    }
-    for (int j = threadIdx.x; j < C; j += blockDim.x) partial[(size_t)blockIdx.x * C + j] = part[j];
+    ACC* mine = partial + (size_t)blockIdx.x * C;
+    const bool packed = C % PACK == 0 && packs_fit(x) && packs_fit(h) && packs_fit(gh) &&
+                        (!(flags & 1) || packs_fit(bias));
+    if (packed) gelu_sums_rows<PACK>(x, bias, h, gh, mine, first, last, C, flags);
+    else gelu_sums_rows<1>(x, bias, h, gh, mine, first, last, C, flags);
     if (!column_sums_done(partial, 1, C, done)) return;
     for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_groups(partial, C, j);
 }
-extern "C" __global__ void gelu_bias_rows(const ELEM* x, const ELEM* bias, ELEM* y, const int n,
-                                          const int C) {
-    /* y = gelu(x + bias) over n rows of C, x + bias rounded to ELEM first (as the elementwise
-       gelu_bias). Block (i, r) takes columns from i * GELU_COLUMNS * blockDim.x of rows r,
-       r + gridDim.y, ...: GELU_COLUMNS columns a thread, blockDim.x apart (every load coalesced,
-       all of a row's in flight at once), the bias read once a block, no index division. */
-    const int base = blockIdx.x * GELU_COLUMNS * blockDim.x + threadIdx.x;
-    A b[GELU_COLUMNS];
+template <int V, int K>
+__device__ void gelu_bias_tile(const ELEM* x, const ELEM* bias, ELEM* y, const int n, const int C) {
+    /* Block (i, r) takes columns from i * K * V * blockDim.x of rows r, r + gridDim.y, ...: K packs
+       of V columns a thread, V * blockDim.x apart (every load coalesced, all of a row's in flight at
+       once), the bias read once a block, no index division. */
+    typedef Pack<V> P;
+    const int base = (blockIdx.x * K * blockDim.x + threadIdx.x) * V;
+    P b[K];
     #pragma unroll
-    for (int k = 0; k < GELU_COLUMNS; ++k) {
-        const int j = base + k * blockDim.x;
-        b[k] = j < C ? (A)bias[j] : (A)0;
+    for (int k = 0; k < K; ++k) {
+        const int j = base + k * V * blockDim.x;
+        if (j < C) b[k] = *(const P*)(bias + j);
     }
     for (size_t r = blockIdx.y; r < (size_t)n; r += gridDim.y) {
         const ELEM* row = x + r * C;
         ELEM* out = y + r * C;
-        ELEM v[GELU_COLUMNS];
+        P v[K];
         #pragma unroll
-        for (int k = 0; k < GELU_COLUMNS; ++k) {
-            const int j = base + k * blockDim.x;
-            if (j < C) v[k] = row[j];
+        for (int k = 0; k < K; ++k) {
+            const int j = base + k * V * blockDim.x;
+            if (j < C) v[k] = *(const P*)(row + j);
         }
         #pragma unroll
-        for (int k = 0; k < GELU_COLUMNS; ++k) {
-            const int j = base + k * blockDim.x;
+        for (int k = 0; k < K; ++k) {
+            const int j = base + k * V * blockDim.x;
             if (j < C) {
-                const A a = (A)(ELEM)((A)v[k] + b[k]);
-                out[j] = (ELEM)(a * GELU_SIGMOID(a));
+                P o;
+                #pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    const A a = (A)(ELEM)((A)v[k].v[e] + (A)b[k].v[e]);
+                    o.v[e] = (ELEM)(a * GELU_SIGMOID(a));
+                }
+                *(P*)(out + j) = o;
             }
         }
     }
 }
+extern "C" __global__ void gelu_bias_rows(const ELEM* x, const ELEM* bias, ELEM* y, const int n,
+                                          const int C, const int packed) {
+    /* y = gelu(x + bias) over n rows of C, x + bias rounded to ELEM first (as the elementwise
+       gelu_bias); packed: C a multiple of PACK and every pointer 16-byte aligned (the launcher's
+       choice), GELU_PACKS packs of PACK columns a thread, else GELU_COLUMNS columns */
+    if (packed) gelu_bias_tile<PACK, GELU_PACKS>(x, bias, y, n, C);
+    else gelu_bias_tile<1, GELU_COLUMNS>(x, bias, y, n, C);
+}
 """
-GELU_COLUMNS, GELU_ROWS_THREADS, GELU_ROWS_MAX_Y = 4, 256, 65535  # gelu_bias_rows: its launch's shape
+GELU_COLUMNS, GELU_PACKS, GELU_ROWS_THREADS, GELU_ROWS_MAX_Y = 4, 2, 256, 65535  # gelu_bias_rows' launch
 GELU_SUMS_KERNELS = ("gelu_and_grad_sums", "gelu_bias_rows")
-_GELU_SUMS_BODY = f"typedef ACC A;\n#define GELU_COLUMNS {GELU_COLUMNS}\n" + _GELU_MACROS + GELU_SUMS_SOURCE
+_GELU_SUMS_BODY = (
+    f"typedef ACC A;\n#define GELU_COLUMNS {GELU_COLUMNS}\n#define GELU_PACKS {GELU_PACKS}\n"
+    + _GELU_MACROS
+    + GELU_SUMS_SOURCE
+)
 
 
 def gelu_sums_source(dtype) -> str:
@@ -253,7 +319,7 @@ def _gelu_sums_twin(grid, block, args, shared_mem=0):
 
 
 def _gelu_bias_rows_twin(grid, block, args, shared_mem=0):
-    x, bias, y, n, C = args
+    x, bias, y, n, C, _packed = args
     n, C = int(n), int(C)
     a = (x.reshape(n, C) + bias.reshape(C)).astype(x.dtype).astype(np.float64)  # rounded, as stored
     y.reshape(n, C)[...] = a / (1 + np.exp(np.clip(-2 * _C * (a + _K * a**3), -700, 700)))
@@ -273,9 +339,8 @@ def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None, max_blocks: int = GELU
     arrays = (x2, h2, gh2) + (() if bias is None else (bias,))
     usable = dtype in ELEMENT_TYPES and all(a.dtype == x2.dtype and a.flags.c_contiguous for a in arrays)
     n, C = x2.shape
-    acc = accumulator(dtype)
-    usable = usable and sums.dtype == acc and sums.flags.c_contiguous and sums.shape == (C,)
-    if not usable or C * np.dtype(acc).itemsize > SHARED_BYTES:
+    usable = usable and sums.dtype == accumulator(dtype) and sums.flags.c_contiguous and sums.shape == (C,)
+    if not usable:
         return False
     kernel = _gelu_family_kernel(x2, "gelu_and_grad_sums", _gelu_sums_probe)
     if kernel is None:
@@ -292,35 +357,36 @@ def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, bias, max_blocks: int):
     done = column_sum_counters(xp, x2, "gelu_and_grad_sums", blocks)
     sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(bias is not None))
     args = (x2, x2 if bias is None else bias, h2, gh2, partial, sums, done, *sizes)  # x2: not read
-    kernel((blocks,), (GELU_SUMS_THREADS,), args, shared_mem=C * np.dtype(acc).itemsize)
+    kernel((blocks,), (GELU_SUMS_THREADS,), args)
 
 
 def _gelu_sums_probe(xp, dtype, kernel):
-    """The kernel on 37 rows of 80 in 8 blocks of 5 rows (the last of 2) and in 37 blocks (both
-    levels of its column sums), without a bias and with one, against its twin on host copies of
-    the same inputs; the sums within n times an element's bound."""
+    """The kernel on 37 rows of 80 (in packs of 16 bytes) and of 83 (one element at a time) in 8
+    blocks of 5 rows (the last of 2) and in 37 blocks (both levels of its column sums), without a
+    bias and with one, against its twin on host copies of the same inputs; the sums within n times
+    an element's bound."""
     rng = np.random.default_rng(11)
-    n, C = 37, 80
-    host_x, host_g = (rng.normal(0, 2, (n, C)).astype(dtype) for _ in range(2))
-    host_bias = rng.normal(0, 1, C).astype(dtype)
-    results = []
-    for bias in (None, host_bias):
-        want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
-        flags = int(bias is not None)
-        twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
-        _gelu_sums_twin(None, None, twin_args)
-        bound = {
-            k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))
-        }
-        bound["sums"] = n * bound["gh"]
-        for blocks in (8, n):  # 37 blocks of 1 row: two groups of column_sums_done
-            x, gh = xp.asarray(host_x), xp.array(host_g)  # gh: written in place, a copy
-            h, sums = xp.empty_like(x), xp.empty(C, dtype=accumulator(dtype))
-            on_device = None if bias is None else xp.asarray(bias)
-            _gelu_sums_launch(kernel, xp, h, gh, x, sums, on_device, max_blocks=blocks)
-            got, want = {"h": h, "gh": gh, "sums": sums}, {"h": want_h, "gh": want_g, "sums": want_sums}
-            what = (" with a bias" if flags else "") + f" in {blocks} blocks"
-            results += [(k + what, to_numpy(got[k]), want[k], bound[k]) for k in want]
+    n, results = 37, []
+    for C in (80, 83):
+        host_x, host_g = (rng.normal(0, 2, (n, C)).astype(dtype) for _ in range(2))
+        host_bias = rng.normal(0, 1, C).astype(dtype)
+        for bias in (None, host_bias):
+            want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
+            flags = int(bias is not None)
+            twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
+            _gelu_sums_twin(None, None, twin_args)
+            bound = {
+                k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))
+            }
+            bound["sums"] = n * bound["gh"]
+            for blocks in (8, n):  # 37 blocks of 1 row: two groups of column_sums_done
+                x, gh = xp.asarray(host_x), xp.array(host_g)  # gh: written in place, a copy
+                h, sums = xp.empty_like(x), xp.empty(C, dtype=accumulator(dtype))
+                on_device = None if bias is None else xp.asarray(bias)
+                _gelu_sums_launch(kernel, xp, h, gh, x, sums, on_device, max_blocks=blocks)
+                got, want = {"h": h, "gh": gh, "sums": sums}, {"h": want_h, "gh": want_g, "sums": want_sums}
+                what = f" of rows of {C}" + (" with a bias" if flags else "") + f" in {blocks} blocks"
+                results += [(k + what, to_numpy(got[k]), want[k], bound[k]) for k in want]
     return results
 
 

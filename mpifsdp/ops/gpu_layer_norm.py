@@ -28,8 +28,65 @@ from ..base.backend import array_module_of, to_numpy
 THREADS = 256  # the backward's thread blocks
 ROWS_A_BLOCK = 8  # the forward's: one warp a row
 MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) partial sums, added at the end
+PACKED_BLOCKS = 1024  # in packs: blocks of C / PACK threads (128 for 1024 float16 columns), more of them
 
 SOURCE = r"""
+template <int V>
+__device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
+                            ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
+                            const ELEM* next_bias, const int C, const int ld, const int N, const ACC eps,
+                            const int flags, const size_t r) {
+    /* row r by this warp, V columns a lane at a time (Pack<V>) */
+    typedef Pack<V> P;
+    const int lane = threadIdx.x & 31;
+    const ELEM* row = x + r * C;
+    ACC s = 0;
+    for (int j = lane * V; j < C; j += 32 * V) {
+        const P p = *(const P*)(row + j);
+        #pragma unroll
+        for (int k = 0; k < V; ++k) s += (ACC)p.v[k];
+    }
+    const ACC m = warp_sum(s) / (ACC)C;
+    ACC q = 0;
+    for (int j = lane * V; j < C; j += 32 * V) {
+        const P p = *(const P*)(row + j);
+        #pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const ACC d = (ACC)p.v[k] - m;
+            q += d * d;
+        }
+    }
+    const ACC rs = (ACC)1 / sqrt(warp_sum(q) / (ACC)C + eps);
+    ELEM* o = out + r * ld;
+    ELEM* seeded = seed + r * C;
+    for (int j = lane * V; j < C; j += 32 * V) {
+        const P p = *(const P*)(row + j), wp = *(const P*)(w + j);
+        const P bp = (flags & 1) ? *(const P*)(b + j) : P();
+        P y;
+        #pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const ACC v = ((ACC)p.v[k] - m) * rs * (ACC)wp.v[k];
+            y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
+        }
+        *(P*)(o + j) = y;
+        if (flags & 4) {
+            const P sp = *(const P*)(seed_bias + j);
+            P sum;
+            #pragma unroll
+            for (int k = 0; k < V; ++k) sum.v[k] = (ELEM)((ACC)p.v[k] + (ACC)sp.v[k]);
+            *(P*)(seeded + j) = sum;
+        }
+    }
+    if (lane == 0) {
+        mean[r] = (ELEM)m;
+        rstd[r] = (ELEM)rs;
+        if (flags & 2) o[C] = (ELEM)1;
+    }
+    if (flags & 8) {
+        ELEM* row_of_biased = biased + r * N;
+        for (int j = lane * V; j < N; j += 32 * V) *(P*)(row_of_biased + j) = *(const P*)(next_bias + j);
+    }
+}
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
                                               ELEM* mean, ELEM* rstd, ELEM* seed, const ELEM* seed_bias,
                                               ELEM* biased, const ELEM* next_bias, const int C,
@@ -40,32 +97,130 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
        ld apart: the weight gradient's GEMM reads C + 1 columns, giving the next linear's bias
        gradient as one more row); 4 = seed = x + seed_bias (the residual plus the bias of the
        projection that closes the branch: fused.Seed); 8 = each row of biased (N wide) = next_bias
-       (the next GEMM adds to it) */
-    const int lane = threadIdx.x & 31;
+       (the next GEMM adds to it); 16 = in packs (C, ld and N multiples of PACK, every pointer
+       16-byte aligned: the launcher's choice) */
     const size_t r = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= (size_t)n) return;
-    const ELEM* row = x + r * C;
-    ACC s = 0;
-    for (int j = lane; j < C; j += 32) s += (ACC)row[j];
-    const ACC m = warp_sum(s) / (ACC)C;
-    ACC q = 0;
-    for (int j = lane; j < C; j += 32) { ACC d = (ACC)row[j] - m; q += d * d; }
-    const ACC rs = (ACC)1 / sqrt(warp_sum(q) / (ACC)C + eps);
-    ELEM* o = out + r * ld;
-    ELEM* seeded = seed + r * C;
-    for (int j = lane; j < C; j += 32) {
-        ACC y = ((ACC)row[j] - m) * rs * (ACC)w[j];
-        o[j] = (ELEM)((flags & 1) ? y + (ACC)b[j] : y);
-        if (flags & 4) seeded[j] = (ELEM)((ACC)row[j] + (ACC)seed_bias[j]);
+    if (flags & 16)
+        forward_row<PACK>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags, r);
+    else
+        forward_row<1>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags, r);
+}
+#define ROWS_AHEAD 2
+template <int V>
+__device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restrict__ x,
+                               const ELEM* __restrict__ w, const ELEM* __restrict__ mean,
+                               const ELEM* __restrict__ rstd, ELEM* __restrict__ gx,
+                               const ELEM* __restrict__ add, ACC* __restrict__ mine, const size_t plane,
+                               const int first, const int last, const int C, const int flags) {
+    /* blockDim.x * V == C: a thread takes one pack of V columns of every row, ROWS_AHEAD rows' loads
+       in flight at once, its columns' partial sums in registers, every row's two sums at one
+       exchange (block_sums) */
+    typedef Pack<V> P;
+    const int j = threadIdx.x * V;
+    const P wp = *(const P*)(w + j);
+    ACC sw[V], sb[V], ss[V];
+    #pragma unroll
+    for (int k = 0; k < V; ++k) sw[k] = sb[k] = ss[k] = 0;
+    for (int r = first; r < last; r += ROWS_AHEAD) {
+        const int rows = min(ROWS_AHEAD, last - r);
+        P gs[ROWS_AHEAD], xs[ROWS_AHEAD], as[ROWS_AHEAD];
+        ACC m[ROWS_AHEAD], rs[ROWS_AHEAD], sums[2 * ROWS_AHEAD];
+        #pragma unroll
+        for (int u = 0; u < ROWS_AHEAD; ++u) {
+            if (u < rows) {
+                const size_t at = (size_t)(r + u) * C + j;
+                gs[u] = *(const P*)(g + at);
+                xs[u] = *(const P*)(x + at);
+                if (flags & 1) as[u] = *(const P*)(add + at);
+                m[u] = (ACC)mean[r + u];
+                rs[u] = (ACC)rstd[r + u];
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < ROWS_AHEAD; ++u) {
+            ACC sum_gh = 0, sum_ghx = 0;
+            if (u < rows) {
+                #pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    const ACC xh = ((ACC)xs[u].v[k] - m[u]) * rs[u], gj = (ACC)gs[u].v[k];
+                    const ACC gh = gj * (ACC)wp.v[k];
+                    sum_gh += gh;
+                    sum_ghx += gh * xh;
+                    sw[k] += gj * xh;
+                    sb[k] += gj;
+                }
+            }
+            sums[2 * u] = sum_gh;
+            sums[2 * u + 1] = sum_ghx;
+        }
+        block_sums(sums);  /* every thread of the block, rows or not */
+        #pragma unroll
+        for (int u = 0; u < ROWS_AHEAD; ++u) {
+            if (u < rows) {
+                const ACC mean_gh = sums[2 * u] / (ACC)C, mean_ghx = sums[2 * u + 1] / (ACC)C;
+                P out;
+                #pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    const ACC xh = ((ACC)xs[u].v[k] - m[u]) * rs[u];
+                    const ACC gh = (ACC)gs[u].v[k] * (ACC)wp.v[k];
+                    const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs[u];
+                    out.v[k] = (ELEM)((flags & 1) ? dx + (ACC)as[u].v[k] : dx);
+                    ss[k] += (ACC)out.v[k];
+                }
+                *(P*)(gx + (size_t)(r + u) * C + j) = out;
+            }
+        }
     }
-    if (lane == 0) {
-        mean[r] = (ELEM)m;
-        rstd[r] = (ELEM)rs;
-        if (flags & 2) o[C] = (ELEM)1;
+    #pragma unroll
+    for (int k = 0; k < V; ++k) {
+        mine[j + k] = sw[k];
+        mine[plane + j + k] = sb[k];
+        if (flags & 4) mine[2 * plane + j + k] = ss[k];
     }
-    if (flags & 8) {
-        ELEM* row_of_biased = biased + r * N;
-        for (int j = lane; j < N; j += 32) row_of_biased[j] = next_bias[j];
+}
+__device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, const ELEM* mean,
+                                 const ELEM* rstd, ELEM* gx, const ELEM* add, ACC* mine,
+                                 const size_t plane, const int first, const int last, const int C,
+                                 const int flags) {
+    /* any C: threads step through a row's columns, their partial sums in shared memory (2 C ACC, 3 C
+       with flag 4), each row read twice */
+    extern __shared__ unsigned char shared_bytes[];
+    ACC* gw = (ACC*)shared_bytes;
+    ACC* gb = gw + C;
+    ACC* gs = gb + C;  /* only with flag 4 */
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        gw[j] = 0;
+        gb[j] = 0;
+        if (flags & 4) gs[j] = 0;
+    }
+    for (int r = first; r < last; ++r) {
+        const ELEM* gr = g + (size_t)r * C;
+        const ELEM* xr = x + (size_t)r * C;
+        const ACC m = (ACC)mean[r], rs = (ACC)rstd[r];
+        ACC sums[2] = {0, 0};  /* of gh = g w and gh xhat: dx = rs (gh - mean(gh) - xhat mean(gh xhat)) */
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            const ACC xh = ((ACC)xr[j] - m) * rs, gj = (ACC)gr[j], gh = gj * (ACC)w[j];
+            sums[0] += gh;
+            sums[1] += gh * xh;
+            gw[j] += gj * xh;
+            gb[j] += gj;
+        }
+        block_sums(sums);
+        const ACC mean_gh = sums[0] / (ACC)C, mean_ghx = sums[1] / (ACC)C;
+        ELEM* out = gx + (size_t)r * C;
+        for (int j = threadIdx.x; j < C; j += blockDim.x) {
+            const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
+            const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
+            const ELEM o = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
+            out[j] = o;
+            if (flags & 4) gs[j] += (ACC)o;
+        }
+    }
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        mine[j] = gw[j];
+        mine[plane + j] = gb[j];
+        if (flags & 4) mine[2 * plane + j] = gs[j];
     }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
@@ -78,48 +233,15 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
        into dw, db and ds (in ACC: parameter gradients are gathered in the arithmetic's
        type, float32 for 16-bit elements, and reduced with no cast). flags: 1 = gx = dx + add, the
        input's gradient from its other uses (the residual path); 2 = has a bias (db written); 4 = ds
-       written (3 C ACC of shared memory, else 2 C). done: column_sums_done's counters */
-    extern __shared__ unsigned char shared_bytes[];
-    ACC* gw = (ACC*)shared_bytes;
-    ACC* gb = gw + C;
-    ACC* gs = gb + C;  /* only with flag 4 */
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        gw[j] = 0;
-        gb[j] = 0;
-        if (flags & 4) gs[j] = 0;
-    }
+       written; 8 = in packs (blockDim.x * PACK == C, every row pointer 16-byte aligned: the
+       launcher's choice), else backward_columns with its shared memory. done: column_sums_done's
+       counters */
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
-    for (int r = first; r < last; ++r) {
-        const ELEM* gr = g + (size_t)r * C;
-        const ELEM* xr = x + (size_t)r * C;
-        const ACC m = (ACC)mean[r], rs = (ACC)rstd[r];
-        ACC sum_gh = 0, sum_ghx = 0;  /* gh = g w: dx = rs (gh - mean(gh) - xhat mean(gh xhat)) */
-        for (int j = threadIdx.x; j < C; j += blockDim.x) {
-            const ACC xh = ((ACC)xr[j] - m) * rs, gj = (ACC)gr[j], gh = gj * (ACC)w[j];
-            sum_gh += gh;
-            sum_ghx += gh * xh;
-            gw[j] += gj * xh;
-            gb[j] += gj;
-        }
-        block_sum_pair(sum_gh, sum_ghx);  /* both row sums at one exchange's barriers */
-        const ACC mean_gh = sum_gh / (ACC)C, mean_ghx = sum_ghx / (ACC)C;
-        ELEM* out = gx + (size_t)r * C;
-        for (int j = threadIdx.x; j < C; j += blockDim.x) {
-            const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
-            const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
-            const ELEM o = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
-            out[j] = o;
-            if (flags & 4) gs[j] += (ACC)o;
-        }
-    }
-    ACC* mine = partial + (size_t)blockIdx.x * C;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        mine[j] = gw[j];
-        mine[(size_t)gridDim.x * C + j] = gb[j];
-        if (flags & 4) mine[(size_t)2 * gridDim.x * C + j] = gs[j];
-    }
-    if (!column_sums_done(partial, (flags & 4) ? 3 : 2, C, done)) return;
     const size_t plane = (size_t)gridDim.x * C;
+    ACC* mine = partial + (size_t)blockIdx.x * C;
+    if (flags & 8) backward_packs<PACK>(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
+    else backward_columns(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
+    if (!column_sums_done(partial, (flags & 4) ? 3 : 2, C, done)) return;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         dw[j] = sum_over_groups(partial, C, j);
         if (flags & 2) db[j] = sum_over_groups(partial + plane, C, j);
@@ -224,6 +346,9 @@ def _forward(
     args += (w if seed_bias is None else seed_bias, absent if biased is None else biased)
     args += (w if next_bias is None else next_bias,)
     N = 0 if biased is None else biased.shape[1]
+    width = gk.pack_width(x2.dtype)
+    aligned = gk.packs_fit(x2, w, b, out, seed, seed_bias, biased, next_bias)
+    flags |= 16 if aligned and C % width == 0 and out.shape[1] % width == 0 and N % width == 0 else 0
     sizes = (np.int32(C), np.int32(out.shape[1]), np.int32(N), acc(eps), np.int32(flags), np.int32(n))
     kernels[0]((-(-n // ROWS_A_BLOCK),), (32 * ROWS_A_BLOCK,), args + sizes)
 
@@ -255,22 +380,32 @@ def forward(
     return True
 
 
-def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, max_blocks: int = MAX_BLOCKS):
+def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, max_blocks: int | None = None):
     n, C = x2.shape
-    blocks, per = gk.row_runs(n, max_blocks)
+    packed = _in_packs(C, x2.dtype, g2, x2, w, gx2, add2)
+    blocks, per = gk.row_runs(n, max_blocks or (PACKED_BLOCKS if packed else MAX_BLOCKS))
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((3 if ds is not None else 2, blocks, C), dtype=acc)
     done = gk.column_sum_counters(xp, x2, "layer_norm_backward", blocks)
-    flags = np.int32((add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0))
+    flags = (add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0) | (8 * packed)
     add2 = gx2 if add2 is None else add2  # not read without flag 1
     args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, gw if ds is None else ds)
-    sizes = (np.int32(n), np.int32(C), np.int32(per), flags)
-    shared = _shared_bytes(C, x2.dtype.type, ds is not None)
-    kernels[1]((blocks,), (THREADS,), args + (done,) + sizes, shared_mem=shared)
+    sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(flags))
+    threads = C // gk.pack_width(x2.dtype) if packed else THREADS
+    shared = 0 if packed else _shared_bytes(C, x2.dtype.type, ds is not None)
+    kernels[1]((blocks,), (threads,), args + (done,) + sizes, shared_mem=shared)
+
+
+def _in_packs(C: int, dtype, *arrays) -> bool:
+    """Whether the backward runs in packs: a thread a pack of every row (C / PACK threads, whole
+    warps, at most 1024), every array on a 16-byte boundary."""
+    width = gk.pack_width(dtype)
+    return C % (32 * width) == 0 and C // width <= 1024 and gk.packs_fit(*arrays)
 
 
 def _shared_bytes(C: int, dtype, column_sums: bool) -> int:
-    """The backward's shared memory: 2 C partial sums a block (dw, db), 3 C with dx's column sums."""
+    """The backward's shared memory out of packs: 2 C partial sums a block (dw, db), 3 C with dx's
+    column sums."""
     return (3 if column_sums else 2) * C * np.dtype(gk.accumulator(dtype)).itemsize
 
 
@@ -278,15 +413,16 @@ def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None, ds=None) -> bool | N
     """gx2 (n, C), gw and gb (C,; gb None without a bias) from the output's gradient g2 and the
     forward's x2 and per-row statistics, gx2 with add2 (n, C) added where given (the gradient x has
     from its other uses: no launch to add it), and ds (C,) = the column sums of gx2 where given and
-    they fit in shared memory. Returns None (nothing written) where the kernels cannot run, else
-    whether ds was written."""
+    they fit (in packs, always; else in shared memory). Returns None (nothing written) where the
+    kernels cannot run, else whether ds was written."""
     C, dtype = x2.shape[1], x2.dtype.type
     kernels = _kernels(g2, x2, w, mean, rstd, gx2, add2)
     fits = [_column_sums_fit(a, C, dtype) for a in (gw, gb) if a is not None]
-    if kernels is None or not all(fits) or _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
+    packed = _in_packs(C, x2.dtype, g2, x2, w, gx2, add2)
+    if kernels is None or not all(fits) or not packed and _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
         return None
     usable = ds is not None and _column_sums_fit(ds, C, dtype)
-    ds = ds if usable and _shared_bytes(C, dtype, True) <= gk.SHARED_BYTES else None
+    ds = ds if usable and (packed or _shared_bytes(C, dtype, True) <= gk.SHARED_BYTES) else None
     xp = array_module_of(x2)
     gk.checked_once(("layer_norm_backward", dtype), lambda: _probe(xp, x2.dtype, backward=True))
     _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds)
@@ -303,13 +439,19 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 
 
 def _probe(xp, dtype, backward: bool = False):
-    """Both kernels on a small problem (37 rows of 96; the backward in 8 blocks of 5 rows, the last
+    """_probe_rows on rows of 96 with a 53-wide bias written (one element at a time: not a whole
+    number of packs), and of 256 with a 56-wide one (in packs, in every dtype)."""
+    return _probe_rows(xp, dtype, backward, 96, 53) + _probe_rows(xp, dtype, backward, 256, 56)
+
+
+def _probe_rows(xp, dtype, backward: bool, C: int, N: int):
+    """Both kernels on a small problem (37 rows of C; the backward in 8 blocks of 5 rows, the last
     of 2, as a real batch runs: several rows a block, and in 37 blocks: both levels of its column
     sums, the second group short) against their twins on host copies of the same inputs; the
-    forward plain, and again with a ones column in rows 104 apart, a seed and a bias written into
-    53-wide rows."""
+    forward plain, and again with a ones column in rows C + 8 apart, a seed and a bias written into
+    N-wide rows."""
     rng = np.random.default_rng(7)
-    n, C = 37, 96
+    n = 37
     host = {
         k: rng.normal(0, 1, shape).astype(dtype)
         for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C), ("a", (n, C)), ("s", C))
@@ -317,18 +459,18 @@ def _probe(xp, dtype, backward: bool = False):
     x, g, w, b, add, seed_bias = (xp.asarray(host[k]) for k in "xgwbas")
     out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
     kernels = _kernels(x, w, b, out, mean, rstd)
-    padded, seed, biased = xp.empty((n, C + 8), dtype), xp.empty_like(x), xp.empty((n, 53), dtype)
-    _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias, biased, b[:53])
+    padded, seed, biased = xp.empty((n, C + 8), dtype), xp.empty_like(x), xp.empty((n, N), dtype)
+    _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias, biased, b[:N])
     got = {"padded": to_numpy(padded)[:, : C + 1], "seed": seed, "biased": biased}
     _forward(kernels, x, w, b, out, mean, rstd, 1e-5)
     want = {k: np.empty(shape) for k, shape in (("out", (n, C)), ("mean", (n, 1)), ("rstd", (n, 1)))}
-    want.update(padded=np.empty((n, C + 1)), seed=np.empty((n, C)), biased=np.empty((n, 53)))
+    want.update(padded=np.empty((n, C + 1)), seed=np.empty((n, C)), biased=np.empty((n, N)))
     inputs = (host["x"], host["w"], host["b"])
     plain = (want["out"], want["mean"], want["rstd"], None, None, None, None, C, C, 0, 1e-5, 1, n)
     _forward_twin(None, None, (*inputs, *plain))
     unused_stats = (np.empty((n, 1)), np.empty((n, 1)))
-    seeds = (want["seed"], host["s"], want["biased"], host["b"][:53])
-    _forward_twin(None, None, (*inputs, want["padded"], *unused_stats, *seeds, C, C + 1, 53, 1e-5, 15, n))
+    seeds = (want["seed"], host["s"], want["biased"], host["b"][:N])
+    _forward_twin(None, None, (*inputs, want["padded"], *unused_stats, *seeds, C, C + 1, N, 1e-5, 15, n))
     got.update(out=out, mean=mean, rstd=rstd)
     if backward:
         stats = (to_numpy(mean), to_numpy(rstd))  # the twin reads the device's statistics
@@ -341,7 +483,7 @@ def _probe(xp, dtype, backward: bool = False):
     bound = {k: gk.error_bound(dtype, 4 * n, float(np.max(np.abs(v)))) for k, v in want.items()}
     for k in [k for k in bound if k.startswith("gs")]:  # a sum of n elements of gx, each within its bound
         bound[k] = n * bound[k.replace("gs", "gx", 1)]
-    return [(k, to_numpy(got[k]), want[k], bound[k]) for k in want]
+    return [(f"{k} (rows of {C})", to_numpy(got[k]), want[k], bound[k]) for k in want]
 
 
 def _backward_reference(g, x, w, mean, rstd, add) -> dict:

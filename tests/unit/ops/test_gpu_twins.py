@@ -104,7 +104,7 @@ def test_the_gelu_bias_rows_twin_computes_gelu_of_x_plus_the_bias():
     n, C = 30, 40
     x, b = rng.normal(0, 2, (n, C)), rng.normal(0, 1, C)
     y = np.full((n, C), np.nan)
-    kernels.TWINS["gelu_bias_rows"](None, None, (x, b, y, n, C))
+    kernels.TWINS["gelu_bias_rows"](None, None, (x, b, y, n, C, 0))
     _close(y, fused.gelu_array(x + b), 8)
 
 
