@@ -72,6 +72,7 @@ template <class A, class B> inline std::common_type_t<A, B> min(A a, B b) { retu
 template <class A, class B> inline std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) double2 { double x, y; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T> inline T __ldcg(const T* p) { return *p; }
 
@@ -200,7 +201,8 @@ template <class T> T emu_arg(void* slot) {
 }
 """
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)')
+_BOUNDS = r"(?:__launch_bounds__\([^)]*\)\s+)?"
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+' + _BOUNDS + r"(\w+)\s*\(([^)]*)\)")
 _DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+([\w ]+?)\s+(\w+)\s*\[\s*\]\s*;")
 _CACHE = Path(tempfile.gettempdir()) / f"mpifsdp-kernel-emulator-{os.getuid()}"
 

@@ -228,9 +228,10 @@ __device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restric
     }
 }
 /* at most 85 registers a thread: 3 blocks of 256 resident an SM */
-extern "C" __global__ void __launch_bounds__(256, 3) gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh,
-                                              ACC* partial, ACC* sums, unsigned int* done, const int n,
-                                              const int C, const int rows_per_block, const int flags) {
+extern "C" __global__ void __launch_bounds__(256, 3)
+gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh, ACC* partial, ACC* sums,
+                   unsigned int* done, const int n, const int C, const int rows_per_block,
+                   const int flags) {
     /* partial: (gridDim.x, C); done: column_sums_done's counters;
        flags: 1 = bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias */
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
@@ -240,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) gelu_and_grad_sums(const EL
     if (packed) gelu_sums_rows<PACK>(x, bias, h, gh, mine, first, last, C, flags);
     else gelu_sums_rows<1>(x, bias, h, gh, mine, first, last, C, flags);
     if (!column_sums_done(partial, 1, C, done)) return;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) sums[j] = sum_over_groups(partial, C, j);
+    sum_over_groups(partial, sums, C);
 }
 template <int V, int K>
 __device__ void gelu_bias_tile(const ELEM* x, const ELEM* bias, ELEM* y, const int n, const int C) {
@@ -376,7 +377,8 @@ def _gelu_sums_probe(xp, dtype, kernel):
             twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
             _gelu_sums_twin(None, None, twin_args)
             bound = {
-                k: error_bound(dtype, 16, float(np.max(np.abs(v)))) for k, v in (("h", want_h), ("gh", want_g))
+                k: error_bound(dtype, 16, float(np.max(np.abs(v))))
+                for k, v in (("h", want_h), ("gh", want_g))
             }
             bound["sums"] = n * bound["gh"]
             for blocks in (8, n):  # 37 blocks of 1 row: two groups of column_sums_done

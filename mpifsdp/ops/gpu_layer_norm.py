@@ -102,9 +102,11 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
     const size_t r = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= (size_t)n) return;
     if (flags & 16)
-        forward_row<PACK>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags, r);
+        forward_row<PACK>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
+                          flags, r);
     else
-        forward_row<1>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags, r);
+        forward_row<1>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
+                       flags, r);
 }
 #define ROWS_AHEAD 2
 template <int V>
@@ -242,11 +244,9 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
     if (flags & 8) backward_packs<PACK>(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
     else backward_columns(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
     if (!column_sums_done(partial, (flags & 4) ? 3 : 2, C, done)) return;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        dw[j] = sum_over_groups(partial, C, j);
-        if (flags & 2) db[j] = sum_over_groups(partial + plane, C, j);
-        if (flags & 4) ds[j] = sum_over_groups(partial + 2 * plane, C, j);
-    }
+    sum_over_groups(partial, dw, C);
+    if (flags & 2) sum_over_groups(partial + plane, db, C);
+    if (flags & 4) sum_over_groups(partial + 2 * plane, ds, C);
 }
 """
 KERNELS = ("layer_norm_forward", "layer_norm_backward")

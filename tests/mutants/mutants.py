@@ -532,13 +532,13 @@ def _plan_without_the_loss_gradient():
 
 
 def _column_sums_without_the_last_block():
-    """sum_rows' CUDA source leaves the last row out (of a group's blocks, or of the groups): its
+    """add_rows' CUDA source leaves the last row out (of a group's blocks, or of the groups): its
     NumPy twins (what the stand-in runs by default) do not, so only a run of the source can see it."""
     from mpifsdp.base import kernels
 
-    complete = "for (; k < count; ++k) s += __ldcg("
-    assert complete in kernels.BLOCK_REDUCE, "the mutant's target changed: update it"
-    short = kernels.BLOCK_REDUCE.replace(complete, "for (; k + 1 < count; ++k) s += __ldcg(")
+    complete = "for (; k < count; ++k) {"
+    assert kernels.BLOCK_REDUCE.count(complete) == 1, "the mutant's target changed: update it"
+    short = kernels.BLOCK_REDUCE.replace(complete, "for (; k + 1 < count; ++k) {")
     _replace(kernels, "BLOCK_REDUCE", short)
 
 
