@@ -9,6 +9,7 @@ python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16]
     [--kernels]                             # then one step's GPU kernels by time (torch's CUPTI)
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
+python bench/gpu_check.py columns           # the column-sum kernels at the step's shapes, by blocks
 --device cpu runs any check on the CPU in place of the GPU: a dry run of the script without one.
 """
 
@@ -369,6 +370,71 @@ def roofline(args):
     )
 
 
+def columns(args):
+    """The raw kernels that add columns across thread blocks (layer_norm_backward, gelu_and_grad_sums)
+    at the config's shapes in float16, microseconds a call and the GB/s of their rows' traffic, for
+    several counts of thread blocks (the adding blocks' share grows with them); the row kernels
+    without column sums beside them (layer_norm_forward, gelu_bias_rows)."""
+    from mpifsdp.base import kernels
+    from mpifsdp.ops import gpu_kernels, gpu_layer_norm
+
+    xp = mpifsdp.array_module(args.device)
+    synchronize = synchronizer(xp)
+    c = CONFIGS[args.config]
+    n, C = c["batch_size"] * c["block_size"], c["n_embd"]
+    rng = np.random.default_rng(0)
+
+    def rows(width):
+        return xp.asarray(rng.standard_normal((n, width), dtype=np.float32), dtype=np.float16)
+
+    def microseconds(run, nbytes):
+        seconds = median_time(lambda: ([run() for _ in range(REPEATS)], synchronize()), 5) / REPEATS
+        return {"us": round(seconds * 1e6, 1), "gb_s": round(nbytes / seconds / 1e9)}
+
+    x, g, add = rows(C), rows(C), rows(C)
+    w, b = (xp.asarray(rng.standard_normal(C), dtype=np.float16) for _ in range(2))
+    out, gx, mean, rstd = (
+        xp.empty_like(x),
+        xp.empty_like(x),
+        xp.empty((n, 1), np.float16),
+        xp.empty((n, 1), np.float16),
+    )
+    sums = [xp.empty(C, np.float32) for _ in range(3)]
+    ln = gpu_layer_norm._kernels(x, w, b, out, mean, rstd)
+    assert gpu_layer_norm.forward(x, w, b, 1e-5, out, mean, rstd)  # its first-use check, and the statistics
+    assert gpu_layer_norm.backward(g, x, w, mean, rstd, gx, sums[0], sums[1], add, sums[2])
+    row = {"check": "columns", "config": args.config, "rows": n}
+    row["layer_norm_forward"] = microseconds(
+        lambda: gpu_layer_norm._forward(ln, x, w, b, out, mean, rstd, 1e-5), 2 * x.nbytes
+    )
+    for blocks in (256, 512, 1024, 2048):
+        row[f"layer_norm_backward_{blocks}_blocks"] = microseconds(
+            lambda blocks=blocks: gpu_layer_norm._backward(
+                ln, xp, g, x, w, mean, rstd, gx, sums[0], sums[1], add, sums[2], max_blocks=blocks
+            ),
+            4 * x.nbytes,
+        )
+    h, xh, gh, bias = (
+        rows(4 * C),
+        rows(4 * C),
+        rows(4 * C),
+        xp.asarray(rng.standard_normal(4 * C), np.float16),
+    )
+    wide_sums = xp.empty(4 * C, np.float32)
+    assert gpu_kernels.gelu_and_grad_sums_into(h, gh, xh, wide_sums, bias)
+    gelu_sums = gpu_kernels._gelu_family_kernel(xh, "gelu_and_grad_sums", gpu_kernels._gelu_sums_probe)
+    for blocks in (264, 396, 512, 1024):
+        row[f"gelu_and_grad_sums_{blocks}_blocks"] = microseconds(
+            lambda blocks=blocks: gpu_kernels._gelu_sums_launch(
+                gelu_sums, xp, h, gh, xh, wide_sums, bias, blocks
+            ),
+            4 * xh.nbytes,
+        )
+    row["gelu_bias_rows"] = microseconds(lambda: gpu_kernels.gelu_bias_into(h, xh, bias), 2 * xh.nbytes)
+    row["max_sum_blocks"] = kernels.MAX_SUM_BLOCKS
+    print(json.dumps(row))
+
+
 REPEATS = 10  # GEMMs queued between two syncs: the launch and the sync's own time spread over them
 
 
@@ -417,7 +483,8 @@ def _torch_gemm_tflops(device, dtype, M, K, N):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("check", choices=["preflight", "parity", "speed", "gemm", "attention", "roofline"])
+    names = ["preflight", "parity", "speed", "gemm", "attention", "roofline", "columns"]
+    ap.add_argument("check", choices=names)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
@@ -430,7 +497,7 @@ def main():
     ap.add_argument("--kernels", action="store_true", help="speed: one step's GPU kernels by time (CUPTI)")
     args = ap.parse_args()
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
-    checks["roofline"] = roofline
+    checks.update(roofline=roofline, columns=columns)
     checks[args.check](args)
 
 

@@ -61,6 +61,8 @@ run 60 $CHECK preflight --device "$DEVICE"
 # kernel's time by CUPTI; every fused kernel's first-use check runs here), every device-parametrized
 # test, parity, then bfloat16, cuDNN's attention against the batched passes and the GEMM roofline
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3 --profile --graph --transport nccl --kernels
+# the column-sum kernels at that model's shapes, by thread blocks (what their block counts cost)
+[ "$DEVICE" != cpu ] && run 45 $CHECK columns --config gpu350m
 # every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
 run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/
 run 45 $CHECK parity --device "$DEVICE"

@@ -203,14 +203,15 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     [
         ["attention"],
         ["roofline"],
+        ["columns"],
         ["speed", "--dtype", "bfloat16", "--steps", "1"],
         ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--transport", "nccl"],
     ],
     ids=" ".join,
 )
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
-    """make gpu-check's attention, roofline and bfloat16 speed checks (eager, and replayed from a CUDA
-    graph) run to their JSON line with the stand-in (a crash would cost a lent device's minutes;
+    """make gpu-check's attention, roofline, columns and bfloat16 speed checks (eager, and replayed
+    from a CUDA graph) run to their JSON line with the stand-in (a crash would cost a lent device's minutes;
     their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
