@@ -170,6 +170,19 @@ def row_runs(n: int, max_blocks: int) -> tuple[int, int]:
     return -(-n // per), per
 
 
+_multiprocessors: dict = {}  # device id -> its streaming multiprocessors
+
+
+def multiprocessors(xp) -> int | None:
+    """The current GPU's streaming multiprocessors, or None where the array module does not say (a
+    stand-in): a launch of as many blocks as are resident at once runs in one wave."""
+    device = xp.cuda.Device()
+    if device.id not in _multiprocessors:
+        attributes = getattr(device, "attributes", None)
+        _multiprocessors[device.id] = None if attributes is None else int(attributes["MultiProcessorCount"])
+    return _multiprocessors[device.id]
+
+
 def column_sum_counters(xp, like, kernel: str, blocks: int):
     """The zeroed uint32 counters a kernel using column_sums_done counts its finished blocks in (one
     for the groups, then one for each group of SUM_GROUP blocks, up to MAX_SUM_BLOCKS blocks), one

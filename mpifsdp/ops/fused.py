@@ -597,16 +597,14 @@ def folded_row_length(C: int) -> int:
 
 
 def _gpu_layer_norm_linear(x, ln_w, ln_b, w, b, eps, transpose_w, seed):
-    """(out, saved) through the LayerNorm kernel, or None where it cannot run. Where b follows w in
-    memory (a unit's flat buffer: gpu_gemm.stacked_rows), the bias costs no launch of its own: the
-    kernel writes it into every row of the GEMM's output, to which the GEMM (K = C) adds its
-    product, and pads its own output with a ones column, so that in backward one GEMM gives the
-    weight's gradient and the bias's (K = C + 1 in the forward GEMM ran at a third of the speed on
-    an H200: bench/gpu_check.py roofline)."""
+    """(out, saved) through the LayerNorm kernel, or None where it cannot run. With a bias, it costs
+    no launch of its own: the kernel writes it into every row of the GEMM's output, to which the
+    GEMM (K = C) adds its product, and pads its own output with a ones column, from which backward
+    has the bias's gradient as a GEMM (_folded_grads; K = C + 1 in the forward GEMM ran at a third
+    of the speed on an H200: bench/gpu_check.py roofline)."""
     xp, x2 = array_module_of(x), _rows(x)
     n, C = x2.shape
-    stacked = None if b is None or transpose_w else gpu_gemm.stacked_rows(w, b)
-    folded = stacked is not None and gpu_gemm.writes(x.dtype, x.dtype)
+    folded = b is not None and not transpose_w and gpu_gemm.writes(x.dtype, x.dtype)
     padded = xp.empty((n, folded_row_length(C) if folded else C), x.dtype)
     mean, rstd = (xp.empty((n, 1), x.dtype) for _ in range(2))
     seeded, seed_bias = (None if seed is None else seed.target(x)) or (None, None)
@@ -627,14 +625,17 @@ def _gpu_layer_norm_linear(x, ln_w, ln_b, w, b, eps, transpose_w, seed):
 
 
 def _folded_grads(padded, g, into, needs) -> bool:
-    """Whether one GEMM wrote the weight's and the bias's gradients, [dw; db] = [y, 1]^T g, into
-    their zeroed gradients, side by side in the unit's flat gradient (into[1], into[2]: the forward
-    folded the bias into its GEMM); False where it cannot (the GEMM and the column sum then run)."""
-    grads = into[1:3] if needs[1] and needs[2] else (None, None)
-    stacked = None if any(a is None for a in grads) else gpu_gemm.stacked_rows(*grads)
-    if stacked is None or not gpu_gemm.writes(padded.dtype, stacked.dtype):
+    """Whether the weight's and the bias's gradients were written from the padded output's ones
+    column (the forward folded the bias into its GEMM): dw = y^T g and db = 1^T g, two GEMMs into
+    their zeroed gradients (into[1], into[2]); False where they cannot (the GEMM and a column sum
+    then run). Not one GEMM of M = C + 1: an odd M ran on an sm80 kernel at half the speed on an
+    H200 (3.5 ms of the 370M step's q/k/v weight gradients)."""
+    dw, db = into[1:3] if needs[1] and needs[2] else (None, None)
+    if dw is None or db is None or not gpu_gemm.writes(padded.dtype, dw.dtype) or db.dtype != dw.dtype:
         return False
-    gpu_gemm.gemm_into(padded[:, : stacked.shape[0]].T, _rows(g), stacked)
+    C, g2 = dw.shape[0], _rows(g)
+    gpu_gemm.gemm_into(padded[:, :C].T, g2, dw)
+    gpu_gemm.gemm_into(padded[:, C : C + 1].T, g2, db.reshape(1, -1))
     return True
 
 

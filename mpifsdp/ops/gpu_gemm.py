@@ -51,19 +51,6 @@ def writes(operands_dtype, out_dtype) -> bool:
     return same or widening(operands_dtype, out_dtype)
 
 
-def stacked_rows(top, row):
-    """top (K, N) with row (N,) as its K+1-th row: a (K + 1, N) view where row follows top directly
-    in memory (a linear's weight and bias, or their gradients, in a unit's flat buffer: the bias
-    then goes into the GEMM as one more row of its weight), else None."""
-    fits = top.ndim == 2 and row.shape == top.shape[1:] and row.dtype == top.dtype
-    if not (fits and top.flags.c_contiguous and row.flags.c_contiguous):
-        return None
-    if device_address(row) != device_address(top) + top.nbytes:
-        return None
-    shape = (top.shape[0] + 1, top.shape[1])
-    return array_module_of(top).lib.stride_tricks.as_strided(top, shape, top.strides)
-
-
 def _operand(a, itemsize: int):
     """(a, cuBLAS op, leading dimension) for a 2-D operand read column-major as its transpose: a row-
     major a (unit column stride) as it is, a column-major one (a transposed view) transposed; any

@@ -29,6 +29,7 @@ from ..base.kernels import (
     column_sum_counters,
     compiled,
     error_bound,
+    multiprocessors,
     pack_width,
     packs_fit,
     row_runs,
@@ -176,7 +177,10 @@ def add_bias_residual_(y, b, r):
 # columns' partial sums in registers (one per element a row, in shared memory, and scalar loads:
 # 0.32 ms a call on the H200, ~7 times its traffic's time); the blocks' partials are added in the
 # same launch, in two levels (base/kernels.py column_sums_done).
-GELU_SUMS_THREADS, GELU_SUMS_BLOCKS = 256, 512
+# blocks: 3 an SM (its __launch_bounds__), one wave: on an H200 at the 370M step's shape (8192 rows of
+# 4096) 396 blocks took 96 us a call, 264 108, 512 115, 1024 108 (gpu_check.py columns); 512 where
+# the device's count is not known
+GELU_SUMS_THREADS, GELU_SUMS_AN_SM, GELU_SUMS_BLOCKS = 256, 3, 512
 GELU_SUMS_SOURCE = r"""
 #define ROWS_AHEAD 2
 template <int V>
@@ -227,8 +231,8 @@ __device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restric
         for (int k = 0; k < V; ++k) mine[j + k] = sum[k];
     }
 }
-/* at most 85 registers a thread: 3 blocks of 256 resident an SM */
-extern "C" __global__ void __launch_bounds__(256, 3)
+/* registers for GELU_SUMS_AN_SM blocks of GELU_SUMS_THREADS resident an SM (85 a thread for 3 of 256) */
+extern "C" __global__ void __launch_bounds__(GELU_SUMS_THREADS, GELU_SUMS_AN_SM)
 gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh, ACC* partial, ACC* sums,
                    unsigned int* done, const int n, const int C, const int rows_per_block,
                    const int flags) {
@@ -293,6 +297,7 @@ GELU_COLUMNS, GELU_PACKS, GELU_ROWS_THREADS, GELU_ROWS_MAX_Y = 4, 2, 256, 65535 
 GELU_SUMS_KERNELS = ("gelu_and_grad_sums", "gelu_bias_rows")
 _GELU_SUMS_BODY = (
     f"typedef ACC A;\n#define GELU_COLUMNS {GELU_COLUMNS}\n#define GELU_PACKS {GELU_PACKS}\n"
+    f"#define GELU_SUMS_THREADS {GELU_SUMS_THREADS}\n#define GELU_SUMS_AN_SM {GELU_SUMS_AN_SM}\n"
     + _GELU_MACROS
     + GELU_SUMS_SOURCE
 )
@@ -331,7 +336,7 @@ TWINS["gelu_bias_rows"] = _gelu_bias_rows_twin
 RAW_FAMILIES["gelu with column sums"] = (gelu_sums_source, GELU_SUMS_KERNELS)
 
 
-def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None, max_blocks: int = GELU_SUMS_BLOCKS) -> bool:
+def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None) -> bool:
     """h2 = gelu(x2 (+ bias)), gh2 *= gelu'(x2 (+ bias)) over rows of (n, C) contiguous arrays (bias:
     (C,)), and sums (C,; in the arithmetic's type) = the column sums of gh2 as written, in one
     launch; False (nothing written) where it cannot run (then gelu_and_grad_into and a column sum
@@ -346,7 +351,9 @@ def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None, max_blocks: int = GELU
     kernel = _gelu_family_kernel(x2, "gelu_and_grad_sums", _gelu_sums_probe)
     if kernel is None:
         return False
-    _gelu_sums_launch(kernel, array_module_of(x2), h2, gh2, x2, sums, bias, max_blocks)
+    xp = array_module_of(x2)
+    sms = multiprocessors(xp)
+    _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, bias, GELU_SUMS_AN_SM * sms if sms else GELU_SUMS_BLOCKS)
     return True
 
 

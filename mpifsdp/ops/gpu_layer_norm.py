@@ -28,9 +28,28 @@ from ..base.backend import array_module_of, to_numpy
 THREADS = 256  # the backward's thread blocks
 ROWS_A_BLOCK = 8  # the forward's: one warp a row
 MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) partial sums, added at the end
-PACKED_BLOCKS = 1024  # in packs: blocks of C / PACK threads (128 for 1024 float16 columns), more of them
+# in packs: blocks of C / PACK threads (128 for 1024 float16 columns); on an H200 at the 370M step's
+# shape (8192 rows) 512 took 59 us a call, 256 64, 1024 76, 2048 106 (gpu_check.py columns)
+PACKED_BLOCKS = 512
 
 SOURCE = r"""
+template <int V>
+__device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const ELEM* next_bias,
+                           const ACC m, const ACC rs, const int C, const int N, const int flags,
+                           const size_t r) {
+    /* row r's statistics, its ones column (flag 2) and its row of the next GEMM's bias (flag 8) */
+    typedef Pack<V> P;
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) {
+        mean[r] = (ELEM)m;
+        rstd[r] = (ELEM)rs;
+        if (flags & 2) o[C] = (ELEM)1;
+    }
+    if (flags & 8) {
+        ELEM* row_of_biased = biased + r * N;
+        for (int j = lane * V; j < N; j += 32 * V) *(P*)(row_of_biased + j) = *(const P*)(next_bias + j);
+    }
+}
 template <int V>
 __device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
                             ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
@@ -77,15 +96,70 @@ __device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* o
             *(P*)(seeded + j) = sum;
         }
     }
-    if (lane == 0) {
-        mean[r] = (ELEM)m;
-        rstd[r] = (ELEM)rs;
-        if (flags & 2) o[C] = (ELEM)1;
+    finish_row<V>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
+}
+#define ROW_PACKS 8
+__device__ void forward_row_held(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
+                                 ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
+                                 const ELEM* next_bias, const int C, const int ld, const int N,
+                                 const ACC eps, const int flags, const size_t r) {
+    /* forward_row<PACK> for rows of at most 32 * PACK * ROW_PACKS: the row read once, every
+       lane's packs loaded at once and held in registers for its three passes */
+    typedef Pack<PACK> P;
+    const int lane = threadIdx.x & 31;
+    const ELEM* row = x + r * C;
+    P held[ROW_PACKS];
+    #pragma unroll
+    for (int i = 0; i < ROW_PACKS; ++i) {
+        const int j = (lane + 32 * i) * PACK;
+        if (j < C) held[i] = *(const P*)(row + j);
     }
-    if (flags & 8) {
-        ELEM* row_of_biased = biased + r * N;
-        for (int j = lane * V; j < N; j += 32 * V) *(P*)(row_of_biased + j) = *(const P*)(next_bias + j);
+    ACC s = 0;
+    #pragma unroll
+    for (int i = 0; i < ROW_PACKS; ++i) {
+        if ((lane + 32 * i) * PACK < C) {
+            #pragma unroll
+            for (int k = 0; k < PACK; ++k) s += (ACC)held[i].v[k];
+        }
     }
+    const ACC m = warp_sum(s) / (ACC)C;
+    ACC q = 0;
+    #pragma unroll
+    for (int i = 0; i < ROW_PACKS; ++i) {
+        if ((lane + 32 * i) * PACK < C) {
+            #pragma unroll
+            for (int k = 0; k < PACK; ++k) {
+                const ACC d = (ACC)held[i].v[k] - m;
+                q += d * d;
+            }
+        }
+    }
+    const ACC rs = (ACC)1 / sqrt(warp_sum(q) / (ACC)C + eps);
+    ELEM* o = out + r * ld;
+    ELEM* seeded = seed + r * C;
+    #pragma unroll
+    for (int i = 0; i < ROW_PACKS; ++i) {
+        const int j = (lane + 32 * i) * PACK;
+        if (j < C) {
+            const P wp = *(const P*)(w + j);
+            const P bp = (flags & 1) ? *(const P*)(b + j) : P();
+            P y;
+            #pragma unroll
+            for (int k = 0; k < PACK; ++k) {
+                const ACC v = ((ACC)held[i].v[k] - m) * rs * (ACC)wp.v[k];
+                y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
+            }
+            *(P*)(o + j) = y;
+            if (flags & 4) {
+                const P sp = *(const P*)(seed_bias + j);
+                P sum;
+                #pragma unroll
+                for (int k = 0; k < PACK; ++k) sum.v[k] = (ELEM)((ACC)held[i].v[k] + (ACC)sp.v[k]);
+                *(P*)(seeded + j) = sum;
+            }
+        }
+    }
+    finish_row<PACK>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
 }
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
                                               ELEM* mean, ELEM* rstd, ELEM* seed, const ELEM* seed_bias,
@@ -98,10 +172,13 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
        gradient as one more row); 4 = seed = x + seed_bias (the residual plus the bias of the
        projection that closes the branch: fused.Seed); 8 = each row of biased (N wide) = next_bias
        (the next GEMM adds to it); 16 = in packs (C, ld and N multiples of PACK, every pointer
-       16-byte aligned: the launcher's choice) */
+       16-byte aligned: the launcher's choice), the row held in registers where it fits */
     const size_t r = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= (size_t)n) return;
-    if (flags & 16)
+    if ((flags & 16) && C <= 32 * PACK * ROW_PACKS)
+        forward_row_held(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
+                         flags, r);
+    else if (flags & 16)
         forward_row<PACK>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
                           flags, r);
     else
@@ -109,43 +186,56 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
                        flags, r);
 }
 #define ROWS_AHEAD 2
+template <int V> struct BackwardRows {
+    /* ROWS_AHEAD rows' packs of one thread's columns, and their statistics */
+    Pack<V> g[ROWS_AHEAD], x[ROWS_AHEAD], add[ROWS_AHEAD];
+    ACC m[ROWS_AHEAD], rs[ROWS_AHEAD];
+    __device__ void load(const ELEM* g_, const ELEM* x_, const ELEM* add_, const ELEM* mean,
+                         const ELEM* rstd, const int r, const int rows, const int C, const int j,
+                         const int flags) {
+        #pragma unroll
+        for (int u = 0; u < ROWS_AHEAD; ++u) {
+            if (u < rows) {
+                const size_t at = (size_t)(r + u) * C + j;
+                g[u] = *(const Pack<V>*)(g_ + at);
+                x[u] = *(const Pack<V>*)(x_ + at);
+                if (flags & 1) add[u] = *(const Pack<V>*)(add_ + at);
+                m[u] = (ACC)mean[r + u];
+                rs[u] = (ACC)rstd[r + u];
+            }
+        }
+    }
+};
 template <int V>
 __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restrict__ x,
                                const ELEM* __restrict__ w, const ELEM* __restrict__ mean,
                                const ELEM* __restrict__ rstd, ELEM* __restrict__ gx,
                                const ELEM* __restrict__ add, ACC* __restrict__ mine, const size_t plane,
                                const int first, const int last, const int C, const int flags) {
-    /* blockDim.x * V == C: a thread takes one pack of V columns of every row, ROWS_AHEAD rows' loads
-       in flight at once, its columns' partial sums in registers, every row's two sums at one
-       exchange (block_sums) */
+    /* blockDim.x * V == C: a thread takes one pack of V columns of every row, ROWS_AHEAD rows at a
+       time, the next ROWS_AHEAD rows' loads in flight while it works on these (their barriers
+       included), its columns' partial sums in registers, every row's two sums at one exchange
+       (block_sums) */
     typedef Pack<V> P;
     const int j = threadIdx.x * V;
     const P wp = *(const P*)(w + j);
     ACC sw[V], sb[V], ss[V];
     #pragma unroll
     for (int k = 0; k < V; ++k) sw[k] = sb[k] = ss[k] = 0;
+    BackwardRows<V> now, next;
+    now.load(g, x, add, mean, rstd, first, min(ROWS_AHEAD, last - first), C, j, flags);
     for (int r = first; r < last; r += ROWS_AHEAD) {
         const int rows = min(ROWS_AHEAD, last - r);
-        P gs[ROWS_AHEAD], xs[ROWS_AHEAD], as[ROWS_AHEAD];
-        ACC m[ROWS_AHEAD], rs[ROWS_AHEAD], sums[2 * ROWS_AHEAD];
-        #pragma unroll
-        for (int u = 0; u < ROWS_AHEAD; ++u) {
-            if (u < rows) {
-                const size_t at = (size_t)(r + u) * C + j;
-                gs[u] = *(const P*)(g + at);
-                xs[u] = *(const P*)(x + at);
-                if (flags & 1) as[u] = *(const P*)(add + at);
-                m[u] = (ACC)mean[r + u];
-                rs[u] = (ACC)rstd[r + u];
-            }
-        }
+        const int after = r + ROWS_AHEAD;
+        if (after < last) next.load(g, x, add, mean, rstd, after, min(ROWS_AHEAD, last - after), C, j, flags);
+        ACC sums[2 * ROWS_AHEAD];
         #pragma unroll
         for (int u = 0; u < ROWS_AHEAD; ++u) {
             ACC sum_gh = 0, sum_ghx = 0;
             if (u < rows) {
                 #pragma unroll
                 for (int k = 0; k < V; ++k) {
-                    const ACC xh = ((ACC)xs[u].v[k] - m[u]) * rs[u], gj = (ACC)gs[u].v[k];
+                    const ACC xh = ((ACC)now.x[u].v[k] - now.m[u]) * now.rs[u], gj = (ACC)now.g[u].v[k];
                     const ACC gh = gj * (ACC)wp.v[k];
                     sum_gh += gh;
                     sum_ghx += gh * xh;
@@ -164,15 +254,16 @@ __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restric
                 P out;
                 #pragma unroll
                 for (int k = 0; k < V; ++k) {
-                    const ACC xh = ((ACC)xs[u].v[k] - m[u]) * rs[u];
-                    const ACC gh = (ACC)gs[u].v[k] * (ACC)wp.v[k];
-                    const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs[u];
-                    out.v[k] = (ELEM)((flags & 1) ? dx + (ACC)as[u].v[k] : dx);
+                    const ACC xh = ((ACC)now.x[u].v[k] - now.m[u]) * now.rs[u];
+                    const ACC gh = (ACC)now.g[u].v[k] * (ACC)wp.v[k];
+                    const ACC dx = (gh - mean_gh - xh * mean_ghx) * now.rs[u];
+                    out.v[k] = (ELEM)((flags & 1) ? dx + (ACC)now.add[u].v[k] : dx);
                     ss[k] += (ACC)out.v[k];
                 }
                 *(P*)(gx + (size_t)(r + u) * C + j) = out;
             }
         }
+        now = next;
     }
     #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -440,8 +531,10 @@ def _column_sums_fit(a, C: int, dtype) -> bool:
 
 def _probe(xp, dtype, backward: bool = False):
     """_probe_rows on rows of 96 with a 53-wide bias written (one element at a time: not a whole
-    number of packs), and of 256 with a 56-wide one (in packs, in every dtype)."""
-    return _probe_rows(xp, dtype, backward, 96, 53) + _probe_rows(xp, dtype, backward, 256, 56)
+    number of packs), of 256 with a 56-wide one (in packs, the forward's row held in registers, in
+    every dtype), and the forward on rows of 2056 (in packs, too long to hold)."""
+    wide = _probe_rows(xp, dtype, False, 2056, 56)
+    return _probe_rows(xp, dtype, backward, 96, 53) + _probe_rows(xp, dtype, backward, 256, 56) + wide
 
 
 def _probe_rows(xp, dtype, backward: bool, C: int, N: int):

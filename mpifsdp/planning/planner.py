@@ -207,6 +207,8 @@ class _Sizes:
         # a GPU keeps each resharded unit's param_dtype cast of its shard from gather to gather (the
         # optimizer writes the next one there: Unit.cast_target)
         casts = sum(s for s, k in zip(self.shard, kept) if not k) if self.gpu and self.wire != itemsize else 0
+        # one rank's gathered parameters are that cast itself (Unit._gathers_nothing)
+        live = 0 if casts and self.S == 1 else _live(blocks, prefetch)
         grads = _grads_peak(
             padded, self.shard, self.outer, trainable, accumulating, self.no_sync, self.grads_alive
         )
@@ -214,8 +216,7 @@ class _Sizes:
             "param_shards": itemsize * sum(self.shard),
             "grad_shards": itemsize * trained,
             "optimizer": 2 * itemsize * trained,  # AdamW: m and v
-            "gathered_params_peak": self.wire
-            * (sum(p for p, k in zip(padded, kept) if k) + _live(blocks, prefetch) + casts),
+            "gathered_params_peak": self.wire * (sum(p for p, k in zip(padded, kept) if k) + live + casts),
             "gathered_grads_peak": self.grad_itemsize * grads,
             "activations": activation_bytes,
             "loss_gradient": loss_gradient_bytes,

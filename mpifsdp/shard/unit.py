@@ -219,7 +219,6 @@ class Unit:
         other gather casts afresh and drops a kept copy, unless the optimizer wrote it with its
         update since (cast_target: it is then the new shard's cast, checked by that kernel)."""
         if self.full is None:
-            self.full = self._take("gathered_params", self.param_dtype)
             kept, self._kept_cast = self._kept_cast, None
             if kept is not None and not (use_kept or self._cast_current):
                 self._give("gathered_params", kept)
@@ -227,8 +226,20 @@ class Unit:
             send, checked = (kept, True) if kept is not None else self._cast_for_gather()
             if keep_cast and send is not self._shard and self.xp is not np:
                 self._kept_cast = send
+            if self._gathers_nothing(send):
+                self.full = send  # the whole cast: one rank's gather would copy it, 2 ms of a 370M step
+                if not checked:
+                    self._check_representable(self.full)
+                return
+            self.full = self._take("gathered_params", self.param_dtype)
             request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
             self._gathering = (request, send, checked)
+
+    def _gathers_nothing(self, send) -> bool:
+        """Whether the gather of `send` is `send` itself: one rank on a GPU, sending its pooled
+        param_dtype cast (no collective is launched; the CPU keeps its one-rank gather, its ledger
+        and schedule as at any N)."""
+        return self.comm.size == 1 and self.xp is not np and send is not self._shard
 
     def _cast_for_gather(self):
         """(what a gather sends: the shard, or its pooled param_dtype cast; whether that cast is
@@ -313,7 +324,8 @@ class Unit:
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""
         self._finish_gather()  # a buffer MPI is still writing cannot go back to the pool
         if self.full is not None:
-            self._give("gathered_params", self.full)
+            if self.full is not self._kept_cast:  # one rank's kept cast is its full parameters too
+                self._give("gathered_params", self.full)
             self.full = None
 
     @contextlib.contextmanager

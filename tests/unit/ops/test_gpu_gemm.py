@@ -130,21 +130,6 @@ def test_a_gemm_that_ignores_what_out_held_is_named_at_first_use(cublas, monkeyp
         gpu_gemm.gemm_into(a, b, np.empty((4, 2), np.float32), accumulate=True)
 
 
-def test_stacked_rows_joins_a_weight_and_the_bias_right_after_it_only():
-    """A linear's weight (K, N) and bias (N,) side by side in a unit's flat buffer are one (K + 1, N)
-    matrix, the bias its last row (fused.py folds the bias into the GEMM so); anything else is not."""
-    flat = np.arange(40, dtype=np.float32)
-    w, b = flat[:12].reshape(3, 4), flat[12:16]
-    stacked = gpu_gemm.stacked_rows(w, b)
-    assert stacked.shape == (4, 4) and np.array_equal(stacked, flat[:16].reshape(4, 4))
-    stacked[-1] = -1  # a view: writing its last row writes the bias
-    assert (b == -1).all()
-    assert gpu_gemm.stacked_rows(w, flat[13:17]) is None  # a gap
-    assert gpu_gemm.stacked_rows(w, flat[12:15]) is None  # another width
-    assert gpu_gemm.stacked_rows(flat[:12].reshape(4, 3).T, flat[12:16]) is None  # not row-major
-    assert gpu_gemm.stacked_rows(w, flat.astype(np.float64)[12:16]) is None  # another type
-
-
 def test_every_stream_runs_cublas_on_a_workspace_of_ours(monkeypatch):
     """cublasSetStream puts a handle back on cuBLAS's own workspaces, which it allocates at a stream's
     first GEMM: refused while the stream captures a CUDA graph. So the handle sets its workspace for
