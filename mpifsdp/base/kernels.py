@@ -99,12 +99,11 @@ template <int V> __device__ __forceinline__ void load_past_l1(const ACC* p, ACC 
 }
 /* out[j] = column j of `count` rows of C, `step` rows apart, added in row order, for every column
    (out may be the first row). A thread takes V columns at a time, `ahead` rows' loads in flight
-   before it adds them (16 of one column, 8 of a 16-byte pack): one block adds a group's partials,
-   so its loads in flight bound its time (one column and 16 rows a thread at a time: ~40 us of
-   layer_norm_backward's 89 on an H200). */
+   before it adds them: one block adds a group's partials, so its loads in flight bound its time
+   (one column and 16 rows a thread at a time: ~40 us of layer_norm_backward's 89 on an H200). */
 template <int V>
 __device__ void add_rows_by(const ACC* rows, ACC* out, const int C, const int count, const int step) {
-    constexpr int ahead = V == 1 ? 16 : 8;
+    constexpr int ahead = 16;
     for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
         ACC s[V];
         #pragma unroll

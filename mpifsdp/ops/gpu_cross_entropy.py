@@ -19,41 +19,73 @@ from ..base.backend import array_module_of, to_numpy
 THREADS = 256
 
 SOURCE = r"""
+template <int V>
+__device__ void row_max_and_sum(const ELEM* row, const int classes, ACC& m, ACC& s) {
+    /* this thread's packs of the row, read once: their max m and sum of exp(x - m), the sum
+       rescaled whenever the max grows (online softmax) */
+    typedef Pack<V> P;
+    m = -(ACC)__int_as_float(0x7f800000);
+    s = 0;
+    for (int j = threadIdx.x * V; j < classes; j += blockDim.x * V) {
+        const P p = *(const P*)(row + j);
+        ACC top = (ACC)p.v[0];
+        #pragma unroll
+        for (int k = 1; k < V; ++k) top = max(top, (ACC)p.v[k]);
+        if (top > m) {
+            s *= exp(m - top);
+            m = top;
+        }
+        #pragma unroll
+        for (int k = 0; k < V; ++k) s += exp((ACC)p.v[k] - m);
+    }
+}
 extern "C" __global__ void cross_entropy_forward(const ELEM* logits, const long long* targets,
-                                                 ACC* lse, ACC* loss, const int V,
-                                                 const long long ignore_index) {
+                                                 ACC* lse, ACC* loss, const int classes,
+                                                 const long long ignore_index, const int packed) {
     /* per row: lse = log sum exp(logits), loss = lse - logits[target] (0 where ignored; NaN for a
-       target outside [0, V), which the caller has refused already) */
-    const ELEM* row = logits + (size_t)blockIdx.x * V;
-    ACC m = -(ACC)__int_as_float(0x7f800000);
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = max(m, (ACC)row[j]);
-    m = block_reduce(m, true);
-    ACC s = 0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += exp((ACC)row[j] - m);
-    s = block_reduce(s, false);
+       target outside [0, classes), which the caller has refused already). The row read once, in
+       16-byte packs where `packed` (classes a multiple of PACK, logits 16-byte aligned: the
+       launcher's choice) */
+    const ELEM* row = logits + (size_t)blockIdx.x * classes;
+    ACC m, s;
+    if (packed) row_max_and_sum<PACK>(row, classes, m, s);
+    else row_max_and_sum<1>(row, classes, m, s);
+    const ACC top = block_reduce(m, true);
+    s = block_reduce(m == top ? s : s * exp(m - top), false);  /* an empty thread: s = 0 */
     if (threadIdx.x == 0) {
-        const ACC l = m + log(s);
+        const ACC l = top + log(s);
         const long long t = targets[blockIdx.x];
         lse[blockIdx.x] = l;
         if (t == ignore_index) loss[blockIdx.x] = 0;
-        else if (t < 0 || t >= V) loss[blockIdx.x] = (ACC)__int_as_float(0x7fc00000);
+        else if (t < 0 || t >= classes) loss[blockIdx.x] = (ACC)__int_as_float(0x7fc00000);
         else loss[blockIdx.x] = l - (ACC)row[t];
+    }
+}
+template <int V>
+__device__ void gradient_row(const ELEM* row, ELEM* out, const int classes, const long long t,
+                             const ACC l, const ACC w) {
+    typedef Pack<V> P;
+    for (int j = threadIdx.x * V; j < classes; j += blockDim.x * V) {
+        const P p = *(const P*)(row + j);
+        P d;
+        #pragma unroll
+        for (int k = 0; k < V; ++k)
+            d.v[k] = (ELEM)((exp((ACC)p.v[k] - l) - (j + k == t ? (ACC)1 : (ACC)0)) * w);
+        *(P*)(out + j) = d;
     }
 }
 extern "C" __global__ void cross_entropy_backward(const ELEM* logits, const long long* targets,
                                                   const ACC* lse, const ACC* upstream, ELEM* grad,
-                                                  const int V, const long long ignore_index,
-                                                  const double* count) {
+                                                  const int classes, const long long ignore_index,
+                                                  const double* count, const int packed) {
     /* d loss / d logits = (softmax - one-hot) * upstream / count, 0 on an ignored row; the count
-       read on the device (it changes with the batch: a captured launch must not hold it) */
+       read on the device (it changes with the batch: a captured launch must not hold it); in
+       packs as the forward */
     const size_t r = blockIdx.x;
     const long long t = targets[r];
     const ACC w = (t == ignore_index) ? (ACC)0 : upstream[0] * (ACC)(1.0 / count[0]);
-    const ACC l = lse[r];
-    const ELEM* row = logits + r * V;
-    ELEM* out = grad + r * V;
-    for (int j = threadIdx.x; j < V; j += blockDim.x)
-        out[j] = (ELEM)((exp((ACC)row[j] - l) - (j == t ? (ACC)1 : (ACC)0)) * w);
+    if (packed) gradient_row<PACK>(logits + r * classes, grad + r * classes, classes, t, lse[r], w);
+    else gradient_row<1>(logits + r * classes, grad + r * classes, classes, t, lse[r], w);
 }
 """
 KERNELS = ("cross_entropy_forward", "cross_entropy_backward")
@@ -67,7 +99,7 @@ def source(dtype) -> str:
 
 
 def _forward_twin(grid, block, args, shared_mem=0):
-    logits, targets, lse, loss, V, ignore_index = args
+    logits, targets, lse, loss, V, ignore_index, _packed = args
     rows = logits.reshape(-1, int(V)).astype(np.float64)
     peak = rows.max(axis=1, keepdims=True)
     lse[...] = (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))[:, 0]
@@ -78,7 +110,7 @@ def _forward_twin(grid, block, args, shared_mem=0):
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
-    logits, targets, lse, upstream, grad, V, ignore_index, count = args
+    logits, targets, lse, upstream, grad, V, ignore_index, count, _packed = args
     rows = logits.reshape(-1, int(V)).astype(np.float64)
     t = targets.reshape(-1)
     scale = float(upstream.reshape(-1)[0]) / float(np.ravel(count)[0])
@@ -130,8 +162,14 @@ def _forward(kernels, xp, logits2, targets, ignore_index: int):
     n, V = logits2.shape
     acc = gk.accumulator(logits2.dtype.type)
     lse, loss = xp.empty(n, dtype=acc), xp.empty(n, dtype=acc)
-    kernels[0]((n,), (THREADS,), (logits2, targets, lse, loss, np.int32(V), np.int64(ignore_index)))
+    sizes = (np.int32(V), np.int64(ignore_index), _packed(logits2))
+    kernels[0]((n,), (THREADS,), (logits2, targets, lse, loss, *sizes))
     return lse, loss
+
+
+def _packed(logits2):
+    """The kernels' `packed` argument: rows of whole 16-byte packs, from a 16-byte boundary."""
+    return np.int32(logits2.shape[1] % gk.pack_width(logits2.dtype) == 0 and gk.packs_fit(logits2))
 
 
 def forward(logits2, targets, ignore_index: int):
@@ -148,7 +186,7 @@ def _backward(kernels, xp, logits2, targets, lse, upstream, ignore_index: int, c
     acc = gk.accumulator(logits2.dtype.type)
     grad = xp.empty_like(logits2)
     args = (logits2, targets, lse, xp.asarray(upstream, dtype=acc).reshape(1), grad)
-    kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), count))
+    kernels[1]((n,), (THREADS,), (*args, np.int32(V), np.int64(ignore_index), count, _packed(logits2)))
     return grad
 
 
@@ -166,10 +204,14 @@ def backward(logits2, targets, lse, upstream, ignore_index: int, count):
 
 
 def _probe(xp, dtype, backward: bool = False):
-    """Both kernels on 9 rows of 300 classes (one target ignored) against their twins on host copies
-    of the same inputs."""
+    """Both kernels on 9 rows of 301 classes (one element at a time) and of 304 (in packs in every
+    dtype), one target ignored, against their twins on host copies of the same inputs."""
+    return _probe_rows(xp, dtype, backward, 301) + _probe_rows(xp, dtype, backward, 304)
+
+
+def _probe_rows(xp, dtype, backward: bool, V: int):
     rng = np.random.default_rng(11)
-    n, V = 9, 300
+    n = 9
     host_logits = rng.normal(0, 3, (n, V)).astype(dtype)
     host_targets = rng.integers(0, V, n).astype(np.int64)
     host_targets[4] = -1
@@ -177,14 +219,15 @@ def _probe(xp, dtype, backward: bool = False):
     kernels = _kernels(logits, targets)
     lse, loss = _forward(kernels, xp, logits, targets, -1)
     want = {"lse": np.empty(n), "loss": np.empty(n)}
-    _forward_twin(None, None, (host_logits, host_targets, want["lse"], want["loss"], V, -1))
+    _forward_twin(None, None, (host_logits, host_targets, want["lse"], want["loss"], V, -1, 0))
     got = {"lse": lse, "loss": loss}
     if backward:
         upstream = xp.asarray(np.array([0.75], dtype=gk.accumulator(dtype)))
         count = xp.asarray(np.array([7.5]))  # a share of a global count need not be whole
         got["grad"] = _backward(kernels, xp, logits, targets, lse, upstream, -1, count)
         want["grad"] = np.empty((n, V))
-        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, [7.5])
+        twin = (host_logits, host_targets, to_numpy(lse), np.array([0.75]), want["grad"], V, -1, [7.5], 0)
         _backward_twin(None, None, twin)
     scale = {k: float(np.max(np.abs(v))) for k, v in want.items()}
-    return [(k, to_numpy(got[k]), want[k], gk.error_bound(dtype, 4 * V, scale[k])) for k in want]
+    bound = {k: gk.error_bound(dtype, 4 * V, scale[k]) for k in want}
+    return [(f"{k} of rows of {V}", to_numpy(got[k]), want[k], bound[k]) for k in want]

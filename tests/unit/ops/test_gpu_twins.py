@@ -199,12 +199,14 @@ def test_the_cross_entropy_twins_compute_fused_cross_entropy():
     (want_grad,) = fused._cross_entropy_vjp(np.float64(0.5), saved, logits, targets, ignore_index=-1)
     twins = kernels.TWINS
     lse, rows = np.empty(n), np.empty(n)
-    twins["cross_entropy_forward"]((n,), None, (logits, targets, lse, rows, V, -1))
+    twins["cross_entropy_forward"]((n,), None, (logits, targets, lse, rows, V, -1, 0))
     _close(lse, saved[0], V)
     _close(rows.sum() / 10, loss, n * V)  # 10 valid targets
     grad = np.empty((n, V))
     count = np.array([10.0])  # read on the device (float64): it changes with the batch
-    twins["cross_entropy_backward"]((n,), None, (logits, targets, lse, np.array([0.5]), grad, V, -1, count))
+    twins["cross_entropy_backward"](
+        (n,), None, (logits, targets, lse, np.array([0.5]), grad, V, -1, count, 0)
+    )
     _close(grad, want_grad, V)
     assert (grad[[2, 7]] == 0).all()
 
