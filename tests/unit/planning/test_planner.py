@@ -159,8 +159,10 @@ def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
     """plan --device cuda --compute-bytes 2: the gathered gradients at 4 bytes an element
     (Unit.full_grad_dtype), and three blocks' alive at once in backward, not two (the running one,
     the one reducing, and the next, bound ahead: UnitLifecycle.bind_grads_ahead); the gathered
-    parameters as the CPU's plus every block's kept float16 cast (Unit.cast_target). The GPU
-    runtime's ledgers are held to these in bench/standin_checks.py."""
+    parameters: the root's and every block's kept float16 cast (Unit.cast_target), which on one
+    rank is a block's gathered parameters too (Unit._gathers_nothing), where the CPU has the root
+    and two blocks gathered at once. The GPU runtime's ledgers are held to these in
+    bench/standin_checks.py."""
     config = ["n_layer=4", "n_embd=64"]
     command = [sys.executable, "-m", "mpifsdp", "plan", "--gpt", *config, "--compute-bytes", "2", "--json"]
     command += ["--world", "1", "--ranks-per-node", "1"]  # both given: no MPI asked (inside an MPI run)
@@ -174,7 +176,8 @@ def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
     block = max(u.numel for u in units if not u.kept)
     assert runs["cpu"]["gathered_grads_peak"] == 2 * (root + 2 * block)
     assert runs["cuda"]["gathered_grads_peak"] == 4 * (root + 3 * block)
-    assert runs["cuda"]["gathered_params_peak"] == runs["cpu"]["gathered_params_peak"] + 2 * 4 * block
+    assert runs["cpu"]["gathered_params_peak"] == 2 * (root + 2 * block)
+    assert runs["cuda"]["gathered_params_peak"] == 2 * (root + 4 * block)
 
 
 @pytest.mark.parametrize(
