@@ -209,8 +209,15 @@ class _Sizes:
         casts = sum(s for s, k in zip(self.shard, kept) if not k) if self.gpu and self.wire != itemsize else 0
         # one rank's gathered parameters are that cast itself (Unit._gathers_nothing)
         live = 0 if casts and self.S == 1 else _live(blocks, prefetch)
-        grads = _grads_peak(
-            padded, self.shard, self.outer, trainable, accumulating, self.no_sync, self.grads_alive
+        # one GPU rank: a unit's full gradient is its gradient shard while that holds no earlier
+        # micro-batch's (Unit._grad_is_whole)
+        whole = self.gpu and self.S == self.R == 1 and self.grad_itemsize == itemsize and not accumulating
+        grads = (
+            0
+            if whole
+            else _grads_peak(
+                padded, self.shard, self.outer, trainable, accumulating, self.no_sync, self.grads_alive
+            )
         )
         memory = {
             "param_shards": itemsize * sum(self.shard),

@@ -156,28 +156,39 @@ def test_time_model_and_the_command_line(tmp_path):
 
 
 def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
-    """plan --device cuda --compute-bytes 2: the gathered gradients at 4 bytes an element
+    """plan --device cuda --compute-bytes 2 at 2 ranks: the gathered gradients at 4 bytes an element
     (Unit.full_grad_dtype), and three blocks' alive at once in backward, not two (the running one,
     the one reducing, and the next, bound ahead: UnitLifecycle.bind_grads_ahead); the gathered
-    parameters: the root's and every block's kept float16 cast (Unit.cast_target), which on one
-    rank is a block's gathered parameters too (Unit._gathers_nothing), where the CPU has the root
-    and two blocks gathered at once. The GPU runtime's ledgers are held to these in
-    bench/standin_checks.py."""
+    parameters as the CPU's plus every block's kept float16 cast of its shard (Unit.cast_target).
+    On one rank a unit's full gradient is its gradient shard (Unit._grad_is_whole) and a block's
+    kept cast its gathered parameters (Unit._gathers_nothing). The GPU runtime's ledgers are held
+    to these in bench/standin_checks.py."""
     config = ["n_layer=4", "n_embd=64"]
     command = [sys.executable, "-m", "mpifsdp", "plan", "--gpt", *config, "--compute-bytes", "2", "--json"]
-    command += ["--world", "1", "--ranks-per-node", "1"]  # both given: no MPI asked (inside an MPI run)
     runs = {
-        device: json.loads(subprocess.run([*command, "--device", device], capture_output=True, text=True,
-                                          check=True).stdout)["memory_bytes"]
+        (device, world): json.loads(
+            subprocess.run(
+                [*command, "--world", str(world), "--ranks-per-node", str(world), "--device", device],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )["memory_bytes"]
         for device in ("cpu", "cuda")
-    }  # fmt: skip
+        for world in (1, 2)
+    }  # both --world and --ranks-per-node given: no MPI asked (inside an MPI run too)
     units, _ = gpt_units(GPTConfig(n_layer=4, n_embd=64))  # the command line's, its defaults otherwise
-    root = sum(u.numel for u in units if u.kept)
-    block = max(u.numel for u in units if not u.kept)
-    assert runs["cpu"]["gathered_grads_peak"] == 2 * (root + 2 * block)
-    assert runs["cuda"]["gathered_grads_peak"] == 4 * (root + 3 * block)
-    assert runs["cpu"]["gathered_params_peak"] == 2 * (root + 2 * block)
-    assert runs["cuda"]["gathered_params_peak"] == 2 * (root + 4 * block)
+    root = sum(-(-u.numel // 2) * 2 for u in units if u.kept)  # padded to 2 shards
+    block = max(-(-u.numel // 2) * 2 for u in units if not u.kept)
+    assert runs["cpu", 2]["gathered_grads_peak"] == 2 * (root + 2 * block)
+    assert runs["cuda", 2]["gathered_grads_peak"] == 4 * (root + 3 * block)
+    assert (
+        runs["cuda", 2]["gathered_params_peak"] == runs["cpu", 2]["gathered_params_peak"] + 2 * 4 * block // 2
+    )
+    root, block = sum(u.numel for u in units if u.kept), max(u.numel for u in units if not u.kept)
+    assert runs["cuda", 1]["gathered_grads_peak"] == 0
+    assert runs["cpu", 1]["gathered_params_peak"] == 2 * (root + 2 * block)
+    assert runs["cuda", 1]["gathered_params_peak"] == 2 * (root + 4 * block)
 
 
 @pytest.mark.parametrize(
