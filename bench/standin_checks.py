@@ -370,12 +370,14 @@ class _TwoHeads(Module):
 def unreached_parameters_get_zero_gradients() -> bool:
     """Backward writes a GPU's gradient buffer without zeroing it first: a parameter it never
     reaches must still get zeros, not the buffer's old bytes (NaN where the device memory is fresh,
-    the last step's gradients after). Two steps, so that the second reuses the first's buffer."""
+    the last step's gradients after). Two steps, so that the second reuses the first's buffer. On one
+    rank that buffer is the gradient shard itself (Unit._grad_is_whole): its old bytes made NaN."""
     comm = mpifsdp.Comm(device="cuda", transport="nccl")
     model = _TwoHeads()
     mpifsdp.fully_shard(model, comm, units=[model.body])
     xp, root = mpifsdp.array_module("cuda"), sharded_model(model).units[-1]
     x, y = xp.ones((2, 4), dtype=np.float32), np.array([0, 2])
+    root.grad_shard[...] = np.nan
     for _ in range(2):
         root.zero_grad()
         model(x, y).backward()
