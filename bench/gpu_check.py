@@ -162,7 +162,7 @@ def speed(args):
         (scaler.scale(loss) if scaler else loss).backward()
         return loss
 
-    def step(run):
+    def step(run, sync=True):
         loss = run(x, y)
         if scaler:
             scaler.step(opt, max_norm=1.0)
@@ -171,8 +171,21 @@ def speed(args):
                 opt.clip_grad_norm(1.0)
             opt.step()
         opt.zero_grad()
-        synchronize()
+        if sync:
+            synchronize()
         return loss
+
+    def steady_s(run) -> float:
+        """A step's seconds with args.steps of them back to back and one sync at the end, as a
+        training loop runs them (the next step's host work overlapping this one's optimizer on the
+        device): the per-step times above also hold the host's time before a step's first kernel."""
+        synchronize()
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step(run, sync=False)
+        synchronize()
+        return (time.perf_counter() - t0) / args.steps
 
     times, loss = _timed(lambda: step(passes), args.steps, 1, synchronize, comm)
     step_s = float(np.median(times))
@@ -200,6 +213,7 @@ def speed(args):
         "tokens_per_s": round(tokens / step_s, 1),
         "tflops": round(tflops, 2),
         "mfu": round(tflops / PEAK_TFLOPS[args.dtype], 4),
+        "steady_step_s": round(steady_s(passes), 4),
         # CuPy's pool keeps what it once held: its size is the step's high-water mark
         "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),
         "formula_mib_without_activations": round(formula / 2**20, 1),
@@ -217,6 +231,8 @@ def speed(args):
             "steps_s": [round(t, 4) for t in graphed_times],
             "speedup": round(step_s / graphed_s, 3),
             "mfu": round(result["mfu"] * step_s / graphed_s, 4),
+            "steady_step_s": round(steady := steady_s(graphed), 4),
+            "steady_mfu": round(result["mfu"] * step_s / steady, 4),
             "graph_pool_mib": round(graphed.pool_bytes() / 2**20, 1),
         }
         if comm.rank == 0:
