@@ -633,6 +633,8 @@ def _folded_grads(padded, g, into, needs) -> bool:
     dw, db = into[1:3] if needs[1] and needs[2] else (None, None)
     if dw is None or db is None or not gpu_gemm.writes(padded.dtype, dw.dtype) or db.dtype != dw.dtype:
         return False
+    if not (dw.flags.c_contiguous and db.flags.c_contiguous):  # a reshaped copy would take the GEMM
+        return False
     C, g2 = dw.shape[0], _rows(g)
     gpu_gemm.gemm_into(padded[:, :C].T, g2, dw)
     gpu_gemm.gemm_into(padded[:, C : C + 1].T, g2, db.reshape(1, -1))

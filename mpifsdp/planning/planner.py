@@ -128,7 +128,9 @@ def plan(
     bfloat16; default itemsize). gpu: the GPU's runtime, which gathers 16-bit parameters' gradients
     in float32 (Unit.full_grad_dtype), binds the next unit's gradient before its backward (one
     more alive, UnitLifecycle.bind_grads_ahead) and keeps each resharded unit's param_dtype cast
-    of its shard (Unit.cast_target). Exact against the ledgers with one dtype, and on a GPU with
+    of its shard (Unit.cast_target); reduced in float32 there, on one rank a unit's full gradient
+    is its gradient shard and a block's gathered parameters its kept cast (Unit._grad_is_whole,
+    Unit._gathers_nothing). Exact against the ledgers with one dtype, and on a GPU with
     param_dtype narrower than the masters (bench/standin_checks.py).
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
