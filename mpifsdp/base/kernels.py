@@ -229,10 +229,14 @@ def pack_width(dtype) -> int:
     return 16 // np.dtype(dtype).itemsize
 
 
-def packs_fit(*arrays) -> bool:
-    """Whether every array given (None: not one) starts on a 16-byte boundary, as a kernel's packed
-    loads and stores need (the kernels' packs_fit)."""
-    return all(device_address(a) % 16 == 0 for a in arrays if a is not None)
+def in_packs(dtype, lengths, *arrays) -> bool:
+    """Whether a kernel can read and write in whole packs of `dtype`: every row length in `lengths`
+    a multiple of pack_width(dtype), every array given (None: not one) on a 16-byte boundary (the
+    kernels' packs_fit)."""
+    width = pack_width(dtype)
+    return all(n % width == 0 for n in lengths) and all(
+        device_address(a) % 16 == 0 for a in arrays if a is not None
+    )
 
 
 TABLE_DTYPES = ("float16", "float32", "float64", "bfloat16")  # a table's dtype entry: a place here

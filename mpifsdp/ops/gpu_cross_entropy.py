@@ -169,7 +169,7 @@ def _forward(kernels, xp, logits2, targets, ignore_index: int):
 
 def _packed(logits2):
     """The kernels' `packed` argument: rows of whole 16-byte packs, from a 16-byte boundary."""
-    return np.int32(logits2.shape[1] % gk.pack_width(logits2.dtype) == 0 and gk.packs_fit(logits2))
+    return np.int32(gk.in_packs(logits2.dtype, logits2.shape[1:], logits2))
 
 
 def forward(logits2, targets, ignore_index: int):

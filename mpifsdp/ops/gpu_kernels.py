@@ -29,9 +29,9 @@ from ..base.kernels import (
     column_sum_counters,
     compiled,
     error_bound,
+    in_packs,
     multiprocessors,
     pack_width,
-    packs_fit,
     row_runs,
     typed_source,
 )
@@ -132,7 +132,7 @@ def _gelu_bias_rows_launch(kernel, out, x, b):
     C = x.shape[-1]
     n = x.size // C
     width = pack_width(x.dtype)
-    packed = C % width == 0 and packs_fit(x, b, out)
+    packed = in_packs(x.dtype, (C,), x, b, out)
     tile = GELU_PACKS * width * GELU_ROWS_THREADS if packed else GELU_COLUMNS * GELU_ROWS_THREADS
     grid = (-(-C // tile), min(n, GELU_ROWS_MAX_Y))
     kernel(grid, (GELU_ROWS_THREADS,), (x, b, out, np.int32(n), np.int32(C), np.int32(packed)))

@@ -50,6 +50,41 @@ __device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const 
         for (int j = lane * V; j < N; j += 32 * V) *(P*)(row_of_biased + j) = *(const P*)(next_bias + j);
     }
 }
+template <int V> __device__ __forceinline__ void add_pack(ACC& s, const Pack<V>& p) {
+    #pragma unroll
+    for (int k = 0; k < V; ++k) s += (ACC)p.v[k];
+}
+template <int V> __device__ __forceinline__ void add_squares_about(ACC& q, const Pack<V>& p, const ACC m) {
+    #pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const ACC d = (ACC)p.v[k] - m;
+        q += d * d;
+    }
+}
+template <int V>
+__device__ __forceinline__ void write_normalized(const Pack<V>& p, const int j, const ELEM* w,
+                                                 const ELEM* b, const ELEM* seed_bias, ELEM* o,
+                                                 ELEM* seeded, const ACC m, const ACC rs,
+                                                 const int flags) {
+    /* columns j.. of a row: the output ((x - m) rs w (+ b)) and, with flag 4, the seed x + seed_bias */
+    typedef Pack<V> P;
+    const P wp = *(const P*)(w + j);
+    const P bp = (flags & 1) ? *(const P*)(b + j) : P();
+    P y;
+    #pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const ACC v = ((ACC)p.v[k] - m) * rs * (ACC)wp.v[k];
+        y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
+    }
+    *(P*)(o + j) = y;
+    if (flags & 4) {
+        const P sp = *(const P*)(seed_bias + j);
+        P sum;
+        #pragma unroll
+        for (int k = 0; k < V; ++k) sum.v[k] = (ELEM)((ACC)p.v[k] + (ACC)sp.v[k]);
+        *(P*)(seeded + j) = sum;
+    }
+}
 template <int V>
 __device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
                             ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
@@ -60,42 +95,15 @@ __device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* o
     const int lane = threadIdx.x & 31;
     const ELEM* row = x + r * C;
     ACC s = 0;
-    for (int j = lane * V; j < C; j += 32 * V) {
-        const P p = *(const P*)(row + j);
-        #pragma unroll
-        for (int k = 0; k < V; ++k) s += (ACC)p.v[k];
-    }
+    for (int j = lane * V; j < C; j += 32 * V) add_pack(s, *(const P*)(row + j));
     const ACC m = warp_sum(s) / (ACC)C;
     ACC q = 0;
-    for (int j = lane * V; j < C; j += 32 * V) {
-        const P p = *(const P*)(row + j);
-        #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const ACC d = (ACC)p.v[k] - m;
-            q += d * d;
-        }
-    }
+    for (int j = lane * V; j < C; j += 32 * V) add_squares_about(q, *(const P*)(row + j), m);
     const ACC rs = (ACC)1 / sqrt(warp_sum(q) / (ACC)C + eps);
     ELEM* o = out + r * ld;
     ELEM* seeded = seed + r * C;
-    for (int j = lane * V; j < C; j += 32 * V) {
-        const P p = *(const P*)(row + j), wp = *(const P*)(w + j);
-        const P bp = (flags & 1) ? *(const P*)(b + j) : P();
-        P y;
-        #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const ACC v = ((ACC)p.v[k] - m) * rs * (ACC)wp.v[k];
-            y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
-        }
-        *(P*)(o + j) = y;
-        if (flags & 4) {
-            const P sp = *(const P*)(seed_bias + j);
-            P sum;
-            #pragma unroll
-            for (int k = 0; k < V; ++k) sum.v[k] = (ELEM)((ACC)p.v[k] + (ACC)sp.v[k]);
-            *(P*)(seeded + j) = sum;
-        }
-    }
+    for (int j = lane * V; j < C; j += 32 * V)
+        write_normalized(*(const P*)(row + j), j, w, b, seed_bias, o, seeded, m, rs, flags);
     finish_row<V>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
 }
 #define ROW_PACKS 8
@@ -116,48 +124,20 @@ __device__ void forward_row_held(const ELEM* x, const ELEM* w, const ELEM* b, EL
     }
     ACC s = 0;
     #pragma unroll
-    for (int i = 0; i < ROW_PACKS; ++i) {
-        if ((lane + 32 * i) * PACK < C) {
-            #pragma unroll
-            for (int k = 0; k < PACK; ++k) s += (ACC)held[i].v[k];
-        }
-    }
+    for (int i = 0; i < ROW_PACKS; ++i)
+        if ((lane + 32 * i) * PACK < C) add_pack(s, held[i]);
     const ACC m = warp_sum(s) / (ACC)C;
     ACC q = 0;
     #pragma unroll
-    for (int i = 0; i < ROW_PACKS; ++i) {
-        if ((lane + 32 * i) * PACK < C) {
-            #pragma unroll
-            for (int k = 0; k < PACK; ++k) {
-                const ACC d = (ACC)held[i].v[k] - m;
-                q += d * d;
-            }
-        }
-    }
+    for (int i = 0; i < ROW_PACKS; ++i)
+        if ((lane + 32 * i) * PACK < C) add_squares_about(q, held[i], m);
     const ACC rs = (ACC)1 / sqrt(warp_sum(q) / (ACC)C + eps);
     ELEM* o = out + r * ld;
     ELEM* seeded = seed + r * C;
     #pragma unroll
     for (int i = 0; i < ROW_PACKS; ++i) {
         const int j = (lane + 32 * i) * PACK;
-        if (j < C) {
-            const P wp = *(const P*)(w + j);
-            const P bp = (flags & 1) ? *(const P*)(b + j) : P();
-            P y;
-            #pragma unroll
-            for (int k = 0; k < PACK; ++k) {
-                const ACC v = ((ACC)held[i].v[k] - m) * rs * (ACC)wp.v[k];
-                y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
-            }
-            *(P*)(o + j) = y;
-            if (flags & 4) {
-                const P sp = *(const P*)(seed_bias + j);
-                P sum;
-                #pragma unroll
-                for (int k = 0; k < PACK; ++k) sum.v[k] = (ELEM)((ACC)held[i].v[k] + (ACC)sp.v[k]);
-                *(P*)(seeded + j) = sum;
-            }
-        }
+        if (j < C) write_normalized(held[i], j, w, b, seed_bias, o, seeded, m, rs, flags);
     }
     finish_row<PACK>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
 }
@@ -437,9 +417,8 @@ def _forward(
     args += (w if seed_bias is None else seed_bias, absent if biased is None else biased)
     args += (w if next_bias is None else next_bias,)
     N = 0 if biased is None else biased.shape[1]
-    width = gk.pack_width(x2.dtype)
-    aligned = gk.packs_fit(x2, w, b, out, seed, seed_bias, biased, next_bias)
-    flags |= 16 if aligned and C % width == 0 and out.shape[1] % width == 0 and N % width == 0 else 0
+    if gk.in_packs(x2.dtype, (C, out.shape[1], N), x2, w, b, out, seed, seed_bias, biased, next_bias):
+        flags |= 16
     sizes = (np.int32(C), np.int32(out.shape[1]), np.int32(N), acc(eps), np.int32(flags), np.int32(n))
     kernels[0]((-(-n // ROWS_A_BLOCK),), (32 * ROWS_A_BLOCK,), args + sizes)
 
@@ -490,8 +469,8 @@ def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, ma
 def _in_packs(C: int, dtype, *arrays) -> bool:
     """Whether the backward runs in packs: a thread a pack of every row (C / PACK threads, whole
     warps, at most 1024), every array on a 16-byte boundary."""
-    width = gk.pack_width(dtype)
-    return C % (32 * width) == 0 and C // width <= 1024 and gk.packs_fit(*arrays)
+    threads = C // gk.pack_width(dtype)
+    return gk.in_packs(dtype, (C,), *arrays) and threads % 32 == 0 and threads <= 1024
 
 
 def _shared_bytes(C: int, dtype, column_sums: bool) -> int:

@@ -61,7 +61,6 @@ __device__ __forceinline__ void adamw_at(ELEM* p, ELEM* g, ELEM* m, ELEM* v, con
 }
 template <typename T> struct FourAtOnce { static const bool value = false; };
 template <> struct FourAtOnce<float> { static const bool value = true; };
-__device__ __forceinline__ bool aligned_16(const void* a) { return ((size_t)a & 15) == 0; }
 __device__ __forceinline__ int decays_at(const long long i, const long long* segments,
                                          const long long first, const long long last) {
     /* how many of the decay segments first..last (start, stop pairs) hold element i */
@@ -111,7 +110,7 @@ extern "C" __global__ void adamw_groups(const long long* table, const int groups
     const long long stop = min(start + (long long)PIECE, n[k]);
     const long long s0 = first_segment[k], s1 = first_segment[k + 1];
     long long rest = start;  /* where the one-at-a-time loop begins */
-    if (FourAtOnce<ELEM>::value && aligned_16(p) && aligned_16(g) && aligned_16(m) && aligned_16(v)) {
+    if (FourAtOnce<ELEM>::value && packs_fit(p) && packs_fit(g) && packs_fit(m) && packs_fit(v)) {
         /* float32 masters: four elements a thread at a time, 16-byte loads and stores (a piece
            starts at a multiple of PIECE, so every quad is aligned); the last < 4 one at a time */
         rest = start + (stop - start) / 4 * 4;
