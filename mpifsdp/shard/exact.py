@@ -31,9 +31,11 @@ LEVEL_STEP = 4  # levels are multiples of this many bits
 TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TOP_BITS
 BLOCK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64 scratch, in cache
 LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
-# chunks a level adds as float64 integers before it turns int64: 8 of |q| <= 2**TOP_BITS stay <= 2**53,
-# where every integer, and so every partial sum, is exact in float64
-FLOAT_CHUNKS = 2 ** (53 - TOP_BITS)
+# x + ROUNDING_OFFSET, for |x| < 2**51, lands in [2**52, 2**53), where float64's spacing is 1: the add
+# rounds x to an integer (to nearest, ties to even, as rint) and the sum's bits are OFFSET_BITS + rint(x),
+# so an int64 subtraction of the bits turns it int64, without a float-to-int conversion (the slowest pass)
+ROUNDING_OFFSET = 1.5 * 2**52
+OFFSET_BITS = int(np.float64(ROUNDING_OFFSET).view(np.int64))
 
 
 _scratch: dict = {}  # (array module, dtype) -> the largest scratch vector asked for so far
@@ -49,48 +51,37 @@ def scratch(xp, numel: int, dtype, which: int = 0):
     return buffer[:numel]
 
 
-def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, floats: int | None) -> list:
-    """Add the fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs`: rint of it, and with
-    two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS more bits, so a float64 chunk
-    keeps its precision relative to its smaller elements too (2**-96 of its largest, not 2**-46).
-    floats: how many chunks the limbs hold as float64 integers (0: none yet, write them), None:
-    they are int64. One product (exact for float32 and float16 chunks: 24 bits times an integer
+def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, first: bool) -> list:
+    """Add the fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (first: write them):
+    rint of it, and with two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS more
+    bits, so a float64 chunk keeps its precision relative to its smaller elements too (2**-96 of its
+    largest, not 2**-46). One product (exact for float32 and float16 chunks: 24 bits times an integer
     weight times a power of two), then in place, a cache-sized block at a time on the CPU
     (elementwise: the blocks change no bit)."""
     for start, stop in blocks(xp, chunk.size):
         n = stop - start
         scaled = xp.multiply(chunk[start:stop], factor, out=scratch(xp, n, np.float64), dtype=np.float64)
-        high = xp.rint(scaled, out=scratch(xp, n, np.float64, which=1) if two else scaled)
-        parts = [high]
+        parts = [scaled]
         if two:
+            high = xp.rint(scaled, out=scratch(xp, n, np.float64, which=1))
             scaled -= high
             scaled *= 2.0**LOW_BITS
-            parts.append(xp.rint(scaled, out=scaled))
+            parts = [high, scaled]
         for total, part in zip(limbs, parts):
-            _accumulate(xp, total[start:stop], part, floats)
+            _add_rounded(xp, total[start:stop], part, first)
     return limbs
 
 
-def _accumulate(xp, total, integral, floats: int | None):
-    """total (an int64 slice) += integral (float64 integers), where total holds int64 (floats None)
-    or, viewed as float64, `floats` chunks' float64 integers (0: written, not added): no float64 to
-    int64 conversion per chunk, the slowest pass of the add."""
-    if floats is None:
-        whole = scratch(xp, integral.size, np.int64)
-        xp.copyto(whole, integral, casting="unsafe")  # integral values: exact
-        total += whole
-    elif floats == 0:
-        xp.copyto(total.view(np.float64), integral)
+def _add_rounded(xp, total, values, first: bool):
+    """total (int64) += rint(values) (float64, |.| < 2**51; first: total = rint(values)), through
+    ROUNDING_OFFSET; values is scratch, overwritten."""
+    values += ROUNDING_OFFSET
+    whole = values.view(np.int64)
+    if first:
+        xp.subtract(whole, OFFSET_BITS, out=total)
     else:
-        xp.add(total.view(np.float64), integral, out=total.view(np.float64))
-
-
-def _to_int64(xp, vector):
-    """A vector of float64 integers (viewed as int64) made int64 in place, a block at a time."""
-    for start, stop in blocks(xp, vector.size):
-        whole = scratch(xp, stop - start, np.int64)
-        xp.copyto(whole, vector[start:stop].view(np.float64), casting="unsafe")
-        vector[start:stop] = whole
+        whole -= OFFSET_BITS
+        total += whole
 
 
 def blocks(xp, numel: int):
@@ -98,6 +89,15 @@ def blocks(xp, numel: int):
     in cache; the whole vector on a GPU (each piece there is launches)."""
     step = BLOCK if xp is np else max(numel, 1)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def largest_magnitude(xp, vector) -> float:
+    """max |v| (NaN where any v is), reading the vector once: a cache-sized block's maximum and
+    minimum at a time (0 for an empty vector)."""
+    ends = [0.0]
+    for start, stop in blocks(xp, vector.size):
+        ends += (float(vector[start:stop].max()), -float(vector[start:stop].min()))
+    return math.nan if any(math.isnan(e) for e in ends) else max(ends)
 
 
 def level_of(largest: float) -> int:
@@ -122,14 +122,13 @@ class ExactSum:
         self.take, self.give = buffers or ((lambda n: xp.empty(n, dtype=np.int64)), (lambda vector: None))
         self.limbs = 2 if np.dtype(dtype) == np.float64 else 1
         self.levels: dict[int, list] = {}  # level -> its limbs, int64 buffers of numel
-        self.floats: dict[int, int] = {}  # level -> chunks its limbs hold as float64 integers, until int64
         self.nonfinite = False
         self.weight = self.chunks = 0  # the weights given with the chunks, summed (integers: exact)
 
     def add(self, chunk, weight: int = 1):
         """Add `weight` * chunk (a flat float array of numel), exactly; weight: an integer >= 0 (the
         chunk's count of targets, or of rows), the same for the same chunk at any N."""
-        largest = max(float(chunk.max()), -float(chunk.min())) if chunk.size else 0.0
+        largest = largest_magnitude(self.xp, chunk)
         self.weight += weight
         self.chunks += 1
         if not math.isfinite(largest) or not math.isfinite(largest * weight):
@@ -138,27 +137,17 @@ class ExactSum:
         if largest == 0.0 or weight == 0:
             return
         level = level_of(largest * weight)
-        if level not in self.levels:
-            self.levels[level], self.floats[level] = [self.take(self.numel) for _ in range(self.limbs)], 0
-        elif self.floats.get(level) == FLOAT_CHUNKS:
-            self._to_int64(level)
-        factor, floats = math.ldexp(weight, level), self.floats.get(level)
-        _add_limbs(self.xp, chunk, factor, self.levels[level], self.limbs == 2, floats)
-        if floats is not None:
-            self.floats[level] = floats + 1
-
-    def _to_int64(self, level: int):
-        """The level's limbs, held as float64 integers, made int64 (for more chunks, or the reduction)."""
-        if self.floats.pop(level, None) is not None:
-            for vector in self.levels[level]:
-                _to_int64(self.xp, vector)
+        first = level not in self.levels
+        if first:
+            self.levels[level] = [self.take(self.numel) for _ in range(self.limbs)]
+        _add_limbs(self.xp, chunk, math.ldexp(weight, level), self.levels[level], self.limbs == 2, first)
 
     def release(self):
         """Give back the vectors of chunks added and not reduced (the sum is forgotten)."""
         for limbs in self.levels.values():
             for vector in limbs:
                 self.give(vector)
-        self.levels, self.floats = {}, {}
+        self.levels = {}
 
     def reduce_scatter(self, comm, shard_numel: int, replicas=None, *, unit: str, phase: str):
         """Collective: (this rank's float64 slice of the total over every rank's chunks, and over
@@ -182,8 +171,6 @@ class ExactSum:
         pending = PendingSum(comm, replicas, unit, phase, nonfinite, weight, shard_numel, self.xp, self.give)
         # every chunk's level, whichever rank holds it: the same at any N
         levels = sorted({level for used, *_ in everyone for level in used})
-        for level in list(self.floats):
-            self._to_int64(level)
         merged = merged_level(levels, chunks)
         if merged is not None:  # one vector (per limb) to reduce: bytes as with a single level
             self._shift_into(merged)
@@ -279,13 +266,15 @@ class PendingSum:
                 self.replicas.all_reduce(part, unit=self.unit, phase=self.phase)
 
     def _total(self, start: int, stop: int):
-        """Elements start:stop of the total (float64 scratch), its levels added in ascending order."""
+        """Elements start:stop of the total (float64 scratch), its levels added in ascending order
+        (the first written, not added to zeros: the same bits, as int64 gives no -0)."""
         total = scratch(self.xp, stop - start, np.float64, which=2)
-        if self.nonfinite:
-            total[...] = np.nan
+        if self.nonfinite or not self.parts:
+            total[...] = np.nan if self.nonfinite else 0.0
             return total
-        total[...] = 0.0
-        for _, _, part, exponent in self.parts:
+        (_, _, part, exponent), *finer = self.parts
+        _times_power_of_two(self.xp, part[start:stop], exponent, out=total)
+        for _, _, part, exponent in finer:
             total += _times_power_of_two(
                 self.xp, part[start:stop], exponent, out=scratch(self.xp, stop - start, np.float64, which=3)
             )

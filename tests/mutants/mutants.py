@@ -91,10 +91,13 @@ def _merge_past_headroom():
     _replace(exact, "merged_level", lambda levels, chunks: levels[-1] if len(levels) > 1 else None)
 
 
-def _float_chunks_past_2_53():
+def _offset_below_negatives():
+    import numpy as np
+
     from mpifsdp.shard import exact
 
-    _replace(exact, "FLOAT_CHUNKS", 2**10)
+    _replace(exact, "ROUNDING_OFFSET", 2.0**52)
+    _replace(exact, "OFFSET_BITS", int(np.float64(2.0**52).view(np.int64)))
 
 
 def _no_step_verdict():
@@ -782,11 +785,12 @@ MUTANTS = {
         "an exact sum's levels are merged only while the int64 headroom allows the shift",
         ["tests/unit/shard/test_exact.py::test_levels_are_not_merged_past_the_int64_headroom"],
     ),
-    "float_chunks": Mutant(
-        _float_chunks_past_2_53,
-        "an exact sum's level turns int64 before its float64 integers could pass 2**53",
+    "rounding_offset": Mutant(
+        _offset_below_negatives,
+        "an exact sum turns int64 through an offset whose binade (spacing 1) holds negative values too",
         [
-            "tests/unit/shard/test_exact.py::test_chunks_held_as_float64_integers_turn_int64_before_they_could_round"
+            "tests/unit/shard/test_exact.py::"
+            "test_chunks_of_either_sign_at_the_top_of_a_level_add_exactly_in_any_order"
         ],
     ),
     "step_verdict": Mutant(

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from mpifsdp import Comm
-from mpifsdp.shard.exact import FLOAT_CHUNKS, LEVEL_STEP, MAX_CHUNKS, ExactSum, exact_squared_norm, level_of
+from mpifsdp.shard.exact import LEVEL_STEP, MAX_CHUNKS, ExactSum, exact_squared_norm, level_of
 
 
 def _alone():
@@ -110,15 +110,16 @@ def test_levels_are_not_merged_past_the_int64_headroom():
     assert total.tolist() == [600 * float(np.float32(3.9)) + float(np.float32(0.2))] * 8
 
 
-def test_chunks_held_as_float64_integers_turn_int64_before_they_could_round():
-    """A level adds its first FLOAT_CHUNKS chunks as float64 integers (exact up to 2**53) and then
-    turns int64: 40 float64 chunks at the top of one level (odd |q| ~ 2**50, whose float64 sums past
-    2**53 would round, by order) give the exact integer total, in any order."""
+def test_chunks_of_either_sign_at_the_top_of_a_level_add_exactly_in_any_order():
+    """Fixed point through ROUNDING_OFFSET: 40 float64 chunks of either sign at the top of one level
+    (|q| ~ 2**50, whose float64 sums past 2**53 would round, by order) give the exact integer total,
+    in any order; an offset whose binade did not hold the negative values would turn them wrongly."""
     rng = np.random.default_rng(3)
-    chunks = [rng.uniform(2.0, 3.9, 6) for _ in range(40)]
-    assert len({level_of(float(c.max())) for c in chunks}) == 1 and len(chunks) > FLOAT_CHUNKS
+    chunks = [rng.uniform(2.0, 3.9, 6) * rng.choice([-1.0, 1.0], 6) for _ in range(40)]
+    assert len({level_of(float(abs(c).max())) for c in chunks}) == 1
+    assert min(c.min() for c in chunks) < 0 < max(c.max() for c in chunks)
     truth = [sum(Fraction(float(c[i])) for c in chunks) for i in range(6)]
-    bound = 40 * 3.9 * 2.0**-95 + 2.0**-52 * float(max(truth))  # the limbs' rounding, then float64's
+    bound = 40 * 3.9 * 2.0**-95 + 2.0**-52 * float(max(abs(t) for t in truth))  # the limbs', then float64's
     totals = set()
     for order in (range(40), reversed(range(40)), rng.permutation(40)):
         exact = ExactSum(6, np, np.float64)
