@@ -142,12 +142,11 @@ class UnitLifecycle:
 
     def _bind_grads(self):
         fresh = not self.unit.holds_full_grad()  # else no_sync kept earlier micro-batches' sum
-        unfilled = fresh and self.unit.xp is not np  # a GPU: the first gradient is written, no fill
-        grads = self.unit.zero_full_grad(unfilled=unfilled)
+        grads = self.unit.zero_full_grad(unfilled=fresh)  # a fresh one: the first gradient is written
         for name, p in self.params:
             p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
             p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
-            p.grad_unfilled = unfilled
+            p.grad_unfilled = fresh
 
     def bind_grads_ahead(self):
         """On a GPU, bind a fresh zeroed gradient to this unit (its backward comes next) while the

@@ -240,16 +240,22 @@ class PendingSum:
         self._give_back()
         return total, self.weight
 
-    def add_mean_into(self, target) -> int:
+    def add_mean_into(self, target, unfilled: bool = False) -> int:
         """target += (the total / the total weight), rounded to target's dtype, as target +=
         (finish()'s total / weight).astype(target.dtype) would, a cache-sized block at a time;
-        nothing where the weight is 0. Returns the total weight."""
+        nothing where the weight is 0. unfilled: target stands for zeros nothing wrote (a unit's
+        lazily zeroed shard): the mean is written over it, with the same one rounding, so the same
+        bits and no fill. Returns the total weight."""
         self._wait()
-        if self.weight > 0:
-            for start, stop in blocks(self.xp, self.shard_numel):
-                mean = self._total(start, stop)
-                mean /= self.weight
-                target[start:stop] += mean.astype(target.dtype, copy=False)
+        for start, stop in blocks(self.xp, self.shard_numel) if self.weight > 0 else ():
+            mean = self._total(start, stop)
+            if unfilled:
+                self.xp.divide(mean, self.weight, out=target[start:stop], casting="unsafe")
+                continue
+            mean /= self.weight
+            target[start:stop] += mean.astype(target.dtype, copy=False)
+        if unfilled and self.weight == 0:
+            target.fill(0)
         self._give_back()
         return self.weight
 

@@ -369,7 +369,7 @@ class Unit:
     def zero_full_grad(self, unfilled: bool = False) -> dict:
         """A zeroed flat `full_grad` (idempotent); returns name -> view to accumulate into.
         unfilled=True (a fresh buffer only): just the padding zeroed, the caller writes every view
-        before reading it (one launch a unit less on a GPU: FSDP's backward, see lifecycle.py)."""
+        before reading it (a fill less: FSDP's backward, see lifecycle.py)."""
         self._require_trainable("accumulate")
         if self.full_grad is None and self._grad_is_whole():
             self.full_grad, self._grad_zeroed_lazily = self._grad, False
@@ -589,7 +589,8 @@ class Unit:
 
     def _finish_chunk_sum(self) -> int:
         pending, self._pending_sum = self._pending_sum, None
-        weight = pending.add_mean_into(self.grad_shard)
+        unfilled, self._grad_zeroed_lazily = self._grad_zeroed_lazily, False  # written over: no fill
+        weight = pending.add_mean_into(self._grad, unfilled)
         if weight > 0:
             self.has_grad = True
         return weight

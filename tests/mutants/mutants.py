@@ -590,8 +590,8 @@ MUTANTS = {
     ),
     "fresh_zeroed_grads": Mutant(
         _zeroed_grads_always_fresh,
-        "a VJP writes into a parameter's gradient only while it is freshly zeroed (fsdp/lifecycle.py)",
-        ["tests/project/test_gpu_budget.py::test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus"],
+        "a VJP writes over a parameter's gradient only while it is fresh, not no_sync's sum (lifecycle.py)",
+        ["tests/features/test_accumulation.py::test_k_micro_batches_equal_one_global_batch[no_sync]"],
     ),
     "grads_ahead_dropped": Mutant(
         _grads_bound_ahead_kept,
