@@ -58,8 +58,9 @@ def primitive(
     kept), so activations consumed only by such ops (add, reshape, ...) are freed during forward.
     takes_needs=True: backward passes the VJP `needs`, one bool per input (does it require grad?), so
     the gradient of a frozen weight is never computed (it may return None there).
-    takes_into=True: backward passes `into`, per input the parameter's .grad where it is known to be
-    all zeros (FSDP's freshly zeroed flat gradient, Param.grad_is_zero), else None; the VJP may write
+    takes_into=True: backward passes `into`, per input the parameter's .grad where nothing has added
+    to it yet (FSDP's fresh flat gradient, Param.grad_is_zero: zeros, or memory the first gradient is
+    written over), else None; the VJP may write
     that input's gradient there (a GEMM's output, say) and return tape.WROTE for it: no temporary, and no
     launch to add it on a GPU.
     takes_pending=True: backward passes `pending`, per input the gradient its other uses gave it so

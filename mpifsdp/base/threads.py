@@ -99,22 +99,24 @@ def elementwise_threads() -> int:
     return _workers
 
 
-def row_blocks(n_rows: int, row_elements: int) -> list[tuple[int, int]]:
-    """[lo, hi) blocks of rows: one per thread for large arrays, a single block otherwise."""
-    parts = min(elementwise_threads(), n_rows, max(1, n_rows * row_elements // MIN_PARALLEL_ELEMENTS))
-    bounds = [n_rows * i // parts for i in range(parts + 1)]
+def row_blocks(n_rows: int, row_elements: int, align: int = 1) -> list[tuple[int, int]]:
+    """[lo, hi) blocks of rows: one per thread for large arrays, a single block otherwise; their
+    bounds at multiples of `align` rows (a caller's fixed groups of rows stay whole)."""
+    groups = -(-n_rows // align)
+    parts = min(elementwise_threads(), groups, max(1, n_rows * row_elements // MIN_PARALLEL_ELEMENTS))
+    bounds = [min(n_rows, align * (groups * i // parts)) for i in range(parts + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def for_row_blocks(n_rows: int, row_elements: int, work, calls_blas: bool = False) -> int:
+def for_row_blocks(n_rows: int, row_elements: int, work, calls_blas: bool = False, align: int = 1) -> int:
     """Call work(i, lo, hi) for each block of rows, in parallel on this rank's threads.
 
     calls_blas: work runs GEMMs of its own (blocked attention); BLAS then runs one thread per call
-    while the blocks run in parallel. Returns the number of blocks (callers that reduce across rows
-    keep one partial per block).
+    while the blocks run in parallel. align: the blocks' bounds at multiples of it (row_blocks).
+    Returns the number of blocks.
     """
     global _executor
-    blocks = row_blocks(n_rows, row_elements)
+    blocks = row_blocks(n_rows, row_elements, align)
     if len(blocks) == 1:
         work(0, *blocks[0])
         return 1

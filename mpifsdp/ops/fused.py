@@ -32,11 +32,12 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def by_rows(xp, n_rows: int, row_elements: int, work, calls_blas: bool = False) -> int:
+def by_rows(xp, n_rows: int, row_elements: int, work, calls_blas: bool = False, align: int = 1) -> int:
     """work(i, lo, hi) over blocks of rows on the CPU; in one piece (i = 0) on a GPU. calls_blas:
-    work runs GEMMs (threads.for_row_blocks then keeps BLAS to one thread per block)."""
+    work runs GEMMs (threads.for_row_blocks then keeps BLAS to one thread per block); align: the
+    blocks' bounds at multiples of it."""
     if xp is np:
-        return for_row_blocks(n_rows, row_elements, work, calls_blas)
+        return for_row_blocks(n_rows, row_elements, work, calls_blas, align)
     work(0, 0, n_rows)
     return 1
 
@@ -160,20 +161,24 @@ def _gelu(x):
 
 
 def writable(into, k: int, shape, *dtypes):
-    """into[k] where a GPU VJP may write input k's gradient itself (primitive's takes_into): a zeroed
-    device buffer of the gradient's shape and of one of `dtypes` (what the VJP can write: a unit
-    gathers 16-bit parameters' gradients in float32 on a GPU); None otherwise (the CPU path adds)."""
+    """into[k] where a VJP may write input k's gradient itself (primitive's takes_into): a zeroed
+    buffer of the gradient's shape and of one of `dtypes` (what the VJP can write: a unit gathers
+    16-bit parameters' gradients in float32 on a GPU; on the CPU, the first, the operands' type);
+    None otherwise (the VJP returns it, to be added)."""
     target = None if into is None else into[k]
-    if target is None or array_module_of(target) is np:
+    if target is None:
         return None
+    if array_module_of(target) is np:
+        dtypes = dtypes[:1]
     fits = target.shape == tuple(shape) and target.dtype in dtypes and target.flags.c_contiguous
     return target if fits else None
 
 
 def _weight_grad_into(a, c, target):
     """target = a @ c, a zeroed parameter gradient in the operands' type or their float32
-    accumulator (cuBLAS's gemmEx: no 16-bit temporary, no cast)."""
-    if a.dtype == c.dtype and gpu_gemm.writes(a.dtype, target.dtype):
+    accumulator (cuBLAS's gemmEx: no 16-bit temporary, no cast); on the CPU NumPy's, the same call
+    as without `out` (the same bits)."""
+    if array_module_of(target) is not np and a.dtype == c.dtype and gpu_gemm.writes(a.dtype, target.dtype):
         gpu_gemm.gemm_into(a, c, target)
     else:
         array_module_of(a).matmul(a, c, out=target)
@@ -193,9 +198,9 @@ def _linear_vjp(
     gelu_bias=None,
 ):
     """needs: which of x, w, b (and gelu_bias) want a gradient (a frozen weight's GEMM is skipped,
-    and so is the input's where nothing upstream trains). into: on a GPU the GEMM writes the
-    weight's gradient, and the column sum the bias's, into a zeroed parameter gradient directly
-    (tape.WROTE). sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its
+    and so is the input's where nothing upstream trains). into: the GEMM writes the weight's
+    gradient, and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE:
+    no temporary and no copy). sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its
     column sums into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's
     first linear). gelu_bias: the linear's input is gelu(x + gelu_bias) (linear_add's); its
     gradient, the column sums of x's, comes after the others."""
@@ -401,6 +406,17 @@ def sum_of_products(xp, a, b, axis: int):
     return np.einsum("ij,ij->j" if axis == 0 else "ij,ij->i", a, b)
 
 
+SUM_GROUP = 1 << 18  # elements of rows whose column sums make one partial sum (sum_group)
+
+
+def sum_group(xp, rows: int, row_elements: int) -> int:
+    """Rows whose column sums (a LayerNorm's weight and bias gradients) make one partial sum, the
+    partials then added in row order: fixed by the shape alone, so the number of threads that split
+    the rows changes no bit (in deterministic mode neither does the world size, whose ranks have
+    other thread counts); all rows on a GPU (one launch)."""
+    return max(1, SUM_GROUP // row_elements) if xp is np else rows
+
+
 def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None, sums_into=None):
     """Recomputes xhat from x (kept by the tape anyway) and the saved per-row mean and 1/std. into:
     on a GPU the kernel writes the weight and bias gradients into zeroed parameter gradients; adds
@@ -423,25 +439,28 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None, s
             gx = gx if add is None else Summed(gx)
             gx = SumsWritten(gx) if wrote_sums else gx
             return (gx, params[0]) if b is None else (gx, *params)
-    parts = {}  # per block: partial sums for the weight and bias gradients
+    group = sum_group(xp, n, C)
+    parts = {}  # per group of rows: partial sums for the weight and bias gradients, added in row order
 
     def work(i, lo, hi):
-        gc = g2[lo:hi]
-        xhat = x2[lo:hi] - mean[lo:hi]
-        xhat *= rstd[lo:hi]
-        parts[i] = (sum_of_products(xp, gc, xhat, axis=0), gc.sum(axis=0))
-        gxhat = gc * w  # gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat))
-        projection = sum_of_products(xp, gxhat, xhat, axis=1)[:, None]
-        projection *= 1.0 / C
-        out = gx2[lo:hi]
-        xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
-        xhat *= projection
-        out -= xhat
-        out *= rstd[lo:hi]
+        for start in range(lo, hi, group):
+            stop = min(start + group, hi)
+            gc = g2[start:stop]
+            xhat = x2[start:stop] - mean[start:stop]
+            xhat *= rstd[start:stop]
+            parts[start // group] = (sum_of_products(xp, gc, xhat, axis=0), gc.sum(axis=0))
+            gxhat = gc * w  # gx = rstd (gxhat - mean(gxhat) - xhat mean(gxhat xhat))
+            projection = sum_of_products(xp, gxhat, xhat, axis=1)[:, None]
+            projection *= 1.0 / C
+            out = gx2[start:stop]
+            xp.subtract(gxhat, gxhat.mean(axis=-1, keepdims=True), out=out)
+            xhat *= projection
+            out -= xhat
+            out *= rstd[start:stop]
 
-    blocks = by_rows(xp, n, C, work)
-    gw = sum(parts[i][0] for i in range(blocks))
-    return (gx, gw) if b is None else (gx, gw, sum(parts[i][1] for i in range(blocks)))
+    by_rows(xp, n, C, work, align=group)
+    gw = sum(parts[k][0] for k in sorted(parts))
+    return (gx, gw) if b is None else (gx, gw, sum(parts[k][1] for k in sorted(parts)))
 
 
 def _gpu_layer_norm_vjp(xp, g2, x2, w, b, mean, rstd, gx2, into, add, sums):

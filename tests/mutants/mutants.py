@@ -100,6 +100,15 @@ def _offset_below_negatives():
     _replace(exact, "OFFSET_BITS", int(np.float64(2.0**52).view(np.int64)))
 
 
+def _sums_grouped_by_thread():
+    """LayerNorm's weight and bias gradients summed by each thread's rows: the partials, and so the
+    bits, then depend on how many threads split the rows."""
+    from mpifsdp.base import threads
+    from mpifsdp.ops import fused
+
+    _replace(fused, "sum_group", lambda xp, rows, row_elements: -(-rows // threads.elementwise_threads()))
+
+
 def _no_step_verdict():
     from mpifsdp.optim.flat_optimizer import FlatOptimizer
 
@@ -791,6 +800,14 @@ MUTANTS = {
         [
             "tests/unit/shard/test_exact.py::"
             "test_chunks_of_either_sign_at_the_top_of_a_level_add_exactly_in_any_order"
+        ],
+    ),
+    "fixed_sum_groups": Mutant(
+        _sums_grouped_by_thread,
+        "a LayerNorm's weight and bias gradients add partials of fixed groups of rows (fused.sum_group)",
+        [
+            "tests/unit/base/test_threads.py::test_kernels_split_across_threads_match_one_thread",
+            "tests/features/test_deterministic.py::test_blas_threads_do_not_change_the_bits",
         ],
     ),
     "step_verdict": Mutant(
