@@ -2,6 +2,7 @@
 bytes its reductions move against the normal reduce-scatter's (docs/determinism.md).
 
     mpiexec -n N python bench/bench_deterministic.py [--config peer|small] [--steps 3] [--chunk 1,4]
+        [--chunk-threads 1]
 
 One JSON line per chunk size at rank 0: median step seconds of both modes (alternating, so drift
 hits both), their ratio, and the reduction bytes per step of each mode. Targets (issue 31): ratio
@@ -25,9 +26,11 @@ from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
 
 
-def _built(comm, cfg, chunk):
+def _built(comm, cfg, chunk=None, chunk_threads=1):
+    """The normal mode's model and optimizer, or (chunk: an int) deterministic mode's."""
     model = GPT(gpt_config(cfg), seed=0)
-    fully_shard(model, comm, units=model.blocks, deterministic=chunk is not None, chunk_size=chunk or 1)
+    options = {} if chunk is None else dict(deterministic=True, chunk_size=chunk, chunk_threads=chunk_threads)
+    fully_shard(model, comm, units=model.blocks, **options)
     return model, AdamW(model, lr=1e-4)
 
 
@@ -53,13 +56,14 @@ def main():
     add_config_arguments(ap)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--chunk", default="1,4", help="chunk sizes (sequences) to measure")
+    ap.add_argument("--chunk-threads", type=int, default=1, help="BLAS threads a chunk's GEMMs run on")
     args = ap.parse_args()
     cfg, comm = config_from(args), Comm()
     x, y = random_batch(cfg, cfg["batch_size"])
     for chunk in (int(c) for c in args.chunk.split(",")):
         if (cfg["batch_size"] // chunk) % comm.size or cfg["batch_size"] % chunk:
             continue
-        runs = {"normal": _built(comm, cfg, None), "deterministic": _built(comm, cfg, chunk)}
+        runs = {"normal": _built(comm, cfg), "deterministic": _built(comm, cfg, chunk, args.chunk_threads)}
         times, nbytes = {k: [] for k in runs}, {}
         for step in range(args.steps + 1):  # the first of each is warm-up
             for name, (model, opt) in runs.items():
@@ -70,6 +74,7 @@ def main():
             median = {k: statistics.median(v) for k, v in times.items()}
             print(json.dumps({
                 "bench": "deterministic", "config": args.config, "world_size": comm.size, "chunk": chunk,
+                "chunk_threads": args.chunk_threads,
                 "normal_s": round(median["normal"], 4), "deterministic_s": round(median["deterministic"], 4),
                 "ratio": round(median["deterministic"] / median["normal"], 3),
                 "reduce_bytes_normal": nbytes["normal"],

@@ -111,24 +111,25 @@ def row_blocks(n_rows: int, row_elements: int, align: int = 1) -> list[tuple[int
 def for_row_blocks(n_rows: int, row_elements: int, work, calls_blas: bool = False, align: int = 1) -> int:
     """Call work(i, lo, hi) for each block of rows, in parallel on this rank's threads.
 
-    calls_blas: work runs GEMMs of its own (blocked attention); BLAS then runs one thread per call
-    while the blocks run in parallel. align: the blocks' bounds at multiples of it (row_blocks).
-    Returns the number of blocks.
+    calls_blas: work runs GEMMs of its own (attention's heads); BLAS then runs one thread per call,
+    the blocks in parallel or a single block alone, so the GEMMs' bits do not depend on how many
+    blocks there are (deterministic mode pins BLAS for its chunks' other GEMMs). align: the blocks'
+    bounds at multiples of it (row_blocks). Returns the number of blocks.
     """
     global _executor
     blocks = row_blocks(n_rows, row_elements, align)
-    if len(blocks) == 1:
-        work(0, *blocks[0])
-        return 1
-    if _executor is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _executor = ThreadPoolExecutor(elementwise_threads(), thread_name_prefix="mpifsdp-elementwise")
     with one_blas_thread() if calls_blas else contextlib.nullcontext():
+        if len(blocks) == 1:
+            work(0, *blocks[0])
+            return 1
+        if _executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _executor = ThreadPoolExecutor(elementwise_threads(), thread_name_prefix="mpifsdp-elementwise")
         futures = [_executor.submit(work, i, lo, hi) for i, (lo, hi) in enumerate(blocks)]
         for f in futures:
             f.result()  # re-raises a block's exception here
-    return len(blocks)
+        return len(blocks)
 
 
 @contextlib.contextmanager

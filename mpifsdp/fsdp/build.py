@@ -33,6 +33,7 @@ def fully_shard(
     shard_size=None,
     deterministic: bool = False,
     chunk_size: int = 1,
+    chunk_threads: int = 1,
     checkpoint=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
@@ -62,7 +63,10 @@ def fully_shard(
     each gradient shard is all-reduced across the groups (1/S of the model per rank crosses them).
     deterministic: the same bits at any world size (docs/determinism.md): train through
     `sharded_model(model).chunks(x, y)`, chunks of `chunk_size` samples whose gradients are summed
-    exactly, as integers; N must divide the number of chunks of the global batch.
+    exactly, as integers; N must divide the number of chunks of the global batch. chunk_threads:
+    the BLAS threads a chunk's GEMMs run on, whatever the rank's own setting (OpenBLAS's bits depend
+    on the count): with chunk_size, what fixes the bits; more than 1 gives a rank of many cores (one
+    rank a node) its GEMMs' parallelism back.
     """
     recompute = _renamed("checkpoint", checkpoint, "recompute", recompute, default=False)
     if sharded_model(model) is not None:
@@ -79,8 +83,10 @@ def fully_shard(
     comm.raise_if_any(error or differs, "fully_shard")
 
     shard_comm, replicas = shard_groups(comm, shard_size)
-    chunks = chunk_size if deterministic else None
-    sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas), chunk_size=chunks)
+    if chunk_threads != 1 and not deterministic:
+        raise ValueError(f"chunk_threads={chunk_threads!r} is deterministic mode's: pass deterministic=True")
+    chunks = (chunk_size, chunk_threads) if deterministic else (None, 1)
+    sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas), chunks=chunks)
     options = dict(
         ledger=sharded.ledger,
         pool=sharded.pool,

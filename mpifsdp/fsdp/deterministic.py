@@ -2,11 +2,11 @@
 
 The global batch is cut into chunks of `chunk_size` samples; every rank runs the forward and backward
 of its own chunks one at a time (`sharded.chunks(x, y)`), so each chunk sees the same shapes, values
-and dropout masks at any N, and each unit's gradient of each chunk is added to an exact integer sum
-(shard/exact.py) instead of being reduce-scattered as floats. The last chunk's backward reduces the
-sums; the optimizer's gradient norm is exact too. Every chunk weighs its count of valid targets (a
-loss that divides by one: cross_entropy), or its number of samples, so the mean is the global
-batch's.
+and dropout masks at any N (its GEMMs on `chunk_threads` BLAS threads), and each unit's gradient of
+each chunk is added to an exact integer sum (shard/exact.py) instead of being reduce-scattered as
+floats. The last chunk's backward reduces the sums; the optimizer's gradient norm is exact too.
+Every chunk weighs its count of valid targets (a loss that divides by one: cross_entropy), or its
+number of samples, so the mean is the global batch's.
 """
 
 from __future__ import annotations
@@ -49,11 +49,19 @@ class ChunkedBatch:
                 f"of chunk_size={size}"
             )
         self.count = next(iter(rows)) // size
-        counts = sharded.comm.gather_ints(self.count, phase="forward", op="chunk_count")[:, 0].tolist()
+        mine = (self.count, size, sharded.chunk_threads)
+        everyone = sharded.comm.gather_ints(*mine, phase="forward", op="chunk_count").tolist()
+        counts = [c for c, *_ in everyone]
         if len(set(counts)) > 1:
             raise ValueError(
                 f"ranks hold different numbers of chunks {dict(enumerate(counts))}: give every rank the same "
                 "number of samples (data.rank_slice splits a global batch evenly)"
+            )
+        settings = {(s, t) for _, s, t in everyone}
+        if len(settings) > 1:  # each rank's chunks would round as its own settings do
+            raise ValueError(
+                f"ranks have different (chunk_size, chunk_threads) {sorted(settings)}: pass fully_shard the "
+                "same on every rank"
             )
         self.first = sharded.comm.rank * self.count  # the batch is split by rank, in rank order
 
@@ -64,7 +72,7 @@ class ChunkedBatch:
         user_sync = sharded.requires_gradient_sync
         state.losses = []
         try:
-            with blas_pinned(1):  # the bits of a chunk's GEMMs must not depend on the threads either
+            with blas_pinned(sharded.chunk_threads):  # a chunk's GEMMs' bits depend on the thread count
                 for j in range(self.count):
                     for d, calls in zip(dropouts, start):
                         d._calls = calls  # every chunk draws as the first: masks differ by position only

@@ -44,15 +44,20 @@ class ShardedModel:
     """
 
     def __init__(
-        self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None), chunk_size=None
+        self, model, comm: Comm, prefetch: int, max_reducing: int = 1, levels=(None, None), chunks=(None, 1)
     ):
-        """chunk_size: deterministic mode (fsdp/deterministic.py), training through chunks() of this
-        many samples; None: the normal mode."""
+        """chunks: (chunk_size, chunk_threads) of deterministic mode (fsdp/deterministic.py), training
+        through chunks() of chunk_size samples, their GEMMs on chunk_threads BLAS threads; chunk_size
+        None: the normal mode."""
+        chunk_size, chunk_threads = chunks
         if not is_count(prefetch):
             raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
         if chunk_size is not None and not is_count(chunk_size, 1):
             raise ValueError(f"chunk_size must be an integer >= 1 (samples per chunk), got {chunk_size!r}")
+        if not is_count(chunk_threads, 1):
+            raise ValueError(f"chunk_threads must be an integer >= 1 (BLAS threads), got {chunk_threads!r}")
         self.deterministic, self.chunk_size = chunk_size is not None, chunk_size
+        self.chunk_threads = chunk_threads
         self.chunk_state = ChunkState()
         self.comm = comm  # every rank: input checks, valid-target counts, the schedule check
         # HSDP: (this rank's shard group, its replicas across groups); (comm, None) for plain FSDP

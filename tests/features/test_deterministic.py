@@ -110,8 +110,9 @@ def test_training_has_the_same_bits_at_every_world_size(comm, dtype, tie):
         ({"recompute": True}, {}),  # dropout replayed per chunk in the re-run
         ({"frozen": True}, {}),
         ({"param_dtype": np.float16, "reduce_dtype": np.float32, "dropout": 0.0}, {}),
+        ({"chunk_threads": 2}, {}),  # BLAS at 2 threads in every chunk, at every N
     ],
-    ids=["chunks-of-4", "accumulation", "recompute", "frozen", "mixed-precision"],
+    ids=["chunks-of-4", "accumulation", "recompute", "frozen", "mixed-precision", "chunk-threads-2"],
 )
 def test_every_feature_keeps_the_same_bits(comm, model_kwargs, train_kwargs):
     if (SAMPLES // model_kwargs.get("chunk_size", 1)) % comm.size:
@@ -254,33 +255,48 @@ def test_misuse_is_named(comm):
         sharded_model(plain).chunks(x, y)
     with pytest.raises(ValueError, match="a chunk's weight is an integer >= 0"):
         Unit("u", {"w": np.zeros(3)}, comm).add_chunk_grad({"w": np.zeros(3)}, weight=0.5)
+    with pytest.raises(ValueError, match="chunk_threads must be an integer >= 1"):
+        _model(comm, chunk_threads=0)
+    with pytest.raises(ValueError, match="chunk_threads=2 is deterministic mode's"):
+        _model(comm, deterministic=False, chunk_threads=2)
+    if comm.size > 1:  # each rank's chunks would round as its own settings do: refused on every rank
+        with pytest.raises(ValueError, match="ranks have different \\(chunk_size, chunk_threads\\)"):
+            sharded_model(_model(comm, chunk_threads=1 + comm.rank % 2)[0]).chunks(x, y)
 
 
 THREADS = """
 import hashlib, numpy as np
 from mpi4py import MPI
+from threadpoolctl import threadpool_info
 from mpifsdp import AdamW, Comm, full_state_dict, fully_shard, set_threads, sharded_model
 from mpifsdp.models import GPT, GPTConfig
-digests = []
-for threads in (1, 2):
-    set_threads(threads)
-    comm = Comm(MPI.COMM_SELF, threads=None)
-    model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=1, n_head=4, n_embd=256), seed=0)
-    fully_shard(model, comm, units=model.blocks, deterministic=True, chunk_size=8)
-    opt = AdamW(model, lr=1e-3)
-    x = np.random.default_rng(0).integers(0, 256, (2, 16, 256))  # 2 chunks of 8 x 256 rows of 256
-    for chunk in sharded_model(model).chunks(x[0], x[1]):
-        model(*chunk).backward()
-    opt.step()
-    state = full_state_dict(model)
-    digests.append(hashlib.sha256(b"".join(state[k].tobytes() for k in sorted(state))).hexdigest())
-print("same" if digests[0] == digests[1] else "differ")
+digests, pinned = {}, set()
+for chunk_threads in (1, 2):
+    for threads in (1, 2):
+        set_threads(threads)
+        comm = Comm(MPI.COMM_SELF, threads=None)
+        model = GPT(GPTConfig(vocab_size=256, block_size=256, n_layer=1, n_head=4, n_embd=256), seed=0)
+        options = dict(deterministic=True, chunk_size=8, chunk_threads=chunk_threads)
+        fully_shard(model, comm, units=model.blocks, **options)
+        opt = AdamW(model, lr=1e-3)
+        x = np.random.default_rng(0).integers(0, 256, (2, 16, 256))  # 2 chunks of 8 x 256 rows of 256
+        for chunk in sharded_model(model).chunks(x[0], x[1]):
+            blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+            pinned.add((chunk_threads, tuple(blas)))
+            model(*chunk).backward()
+        opt.step()
+        state = full_state_dict(model)
+        raw = b"".join(state[k].tobytes() for k in sorted(state))
+        digests.setdefault(chunk_threads, set()).add(hashlib.sha256(raw).hexdigest())
+same = all(len(d) == 1 for d in digests.values())
+print("same" if same and pinned == {(1, (1,)), (2, (2,))} else f"differ {pinned} {digests}")
 """
 
 
 def test_blas_threads_do_not_change_the_bits(comm, tmp_path):
     """OpenBLAS's Haswell kernel (and Zen's) computes these GEMMs with other bits at 2 threads than
-    at 1 (measured): chunks pin BLAS to one thread, so the world size's thread split does not show.
+    at 1 (measured): chunks pin BLAS to chunk_threads (1 or 2 here), so a rank's own thread count
+    (the world size's split of the cores) does not show.
     A chunk's LayerNorms (2**19 elements) split their rows across the elementwise threads too, and
     sum their weight and bias gradients by fixed groups of rows (fused.sum_group)."""
     if comm.size > 1:

@@ -109,6 +109,23 @@ def _sums_grouped_by_thread():
     _replace(fused, "sum_group", lambda xp, rows, row_elements: -(-rows // threads.elementwise_threads()))
 
 
+def _single_block_blas_free():
+    """Attention's heads, in one block, run their GEMMs at the rank's BLAS threads (in a
+    deterministic chunk: chunk_threads), in several blocks at one thread each: their bits then depend
+    on the elementwise thread count."""
+    from mpifsdp.base import threads
+    from mpifsdp.ops import fused
+
+    def for_row_blocks(n_rows, row_elements, work, calls_blas=False, align=1):
+        blocks = threads.row_blocks(n_rows, row_elements, align)
+        if len(blocks) == 1:
+            work(0, *blocks[0])
+            return 1
+        return threads.for_row_blocks(n_rows, row_elements, work, calls_blas, align)
+
+    _replace(fused, "for_row_blocks", for_row_blocks)
+
+
 def _no_step_verdict():
     from mpifsdp.optim.flat_optimizer import FlatOptimizer
 
@@ -809,6 +826,11 @@ MUTANTS = {
             "tests/unit/base/test_threads.py::test_kernels_split_across_threads_match_one_thread",
             "tests/features/test_deterministic.py::test_blas_threads_do_not_change_the_bits",
         ],
+    ),
+    "single_block_blas": Mutant(
+        _single_block_blas_free,
+        "work that calls BLAS from the row blocks runs it at one thread, in a single block too",
+        ["tests/features/test_deterministic.py::test_blas_threads_do_not_change_the_bits"],
     ),
     "step_verdict": Mutant(
         _no_step_verdict,
