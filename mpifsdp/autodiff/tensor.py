@@ -60,9 +60,8 @@ def primitive(
     the gradient of a frozen weight is never computed (it may return None there).
     takes_into=True: backward passes `into`, per input the parameter's .grad where nothing has added
     to it yet (FSDP's fresh flat gradient, Param.grad_is_zero: zeros, or memory the first gradient is
-    written over), else None; the VJP may write
-    that input's gradient there (a GEMM's output, say) and return tape.WROTE for it: no temporary, and no
-    launch to add it on a GPU.
+    written over), else None; the VJP may write that input's gradient there (a GEMM's output, say)
+    and return tape.WROTE for it: no temporary, no copy, and no launch to add it on a GPU.
     takes_pending=True: backward passes `pending`, per input the gradient its other uses gave it so
     far (a residual stream's, say; None for leaves and where there is none yet); the VJP may return
     tape.Summed(its gradient + that) for it, formed in its own kernel: the add is not a launch of its own.

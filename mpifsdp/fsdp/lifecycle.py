@@ -145,7 +145,7 @@ class UnitLifecycle:
         grads = self.unit.zero_full_grad(unfilled=fresh)  # a fresh one: the first gradient is written
         for name, p in self.params:
             p.grad = grads[name]  # VJPs accumulate in place into the flat full_grad
-            p.grad_is_zero = fresh  # until something adds: a GPU's VJP may write there instead
+            p.grad_is_zero = fresh  # until something adds: a VJP may write there instead
             p.grad_unfilled = fresh
 
     def bind_grads_ahead(self):

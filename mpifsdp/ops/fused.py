@@ -161,10 +161,10 @@ def _gelu(x):
 
 
 def writable(into, k: int, shape, *dtypes):
-    """into[k] where a VJP may write input k's gradient itself (primitive's takes_into): a zeroed
-    buffer of the gradient's shape and of one of `dtypes` (what the VJP can write: a unit gathers
-    16-bit parameters' gradients in float32 on a GPU; on the CPU, the first, the operands' type);
-    None otherwise (the VJP returns it, to be added)."""
+    """into[k] where a VJP may write input k's gradient itself (primitive's takes_into): a fresh
+    parameter gradient of the gradient's shape and of one of `dtypes` (what the VJP can write: a
+    unit gathers 16-bit parameters' gradients in float32 on a GPU; on the CPU, the first, the
+    operands' type); None otherwise (the VJP returns it, to be added)."""
     target = None if into is None else into[k]
     if target is None:
         return None
@@ -175,7 +175,7 @@ def writable(into, k: int, shape, *dtypes):
 
 
 def _weight_grad_into(a, c, target):
-    """target = a @ c, a zeroed parameter gradient in the operands' type or their float32
+    """target = a @ c, a fresh parameter gradient in the operands' type or their float32
     accumulator (cuBLAS's gemmEx: no 16-bit temporary, no cast); on the CPU NumPy's, the same call
     as without `out` (the same bits)."""
     if array_module_of(target) is not np and a.dtype == c.dtype and gpu_gemm.writes(a.dtype, target.dtype):
@@ -199,10 +199,10 @@ def _linear_vjp(
 ):
     """needs: which of x, w, b (and gelu_bias) want a gradient (a frozen weight's GEMM is skipped,
     and so is the input's where nothing upstream trains). into: the GEMM writes the weight's
-    gradient, and the column sum the bias's, into a zeroed parameter gradient directly (tape.WROTE:
-    no temporary and no copy). sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its
-    column sums into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's
-    first linear). gelu_bias: the linear's input is gelu(x + gelu_bias) (linear_add's); its
+    gradient, and the column sum the bias's, into a fresh parameter gradient directly (tape.WROTE).
+    sums_into: with gelu_input on a GPU, the kernel forming x's gradient writes its column sums
+    into sums_into[0] where offered (tape.SumsWritten: the bias gradient of the MLP's first
+    linear). gelu_bias: the linear's input is gelu(x + gelu_bias) (linear_add's); its
     gradient, the column sums of x's, comes after the others."""
     g2 = _rows(g)
     gx, gw, gb, g_gelu_bias = None, None, None, None
