@@ -293,10 +293,12 @@ print("same" if same and pinned == {(1, (1,)), (2, (2,))} else f"differ {pinned}
 """
 
 
-def test_blas_threads_do_not_change_the_bits(comm, tmp_path):
+@pytest.mark.parametrize("kernel", ["Haswell", "SkylakeX", "Zen", "Sandybridge", "Prescott"])
+def test_blas_threads_do_not_change_the_bits(comm, tmp_path, kernel):
     """OpenBLAS's Haswell kernel (and Zen's) computes these GEMMs with other bits at 2 threads than
     at 1 (measured): chunks pin BLAS to chunk_threads (1 or 2 here), so a rank's own thread count
-    (the world size's split of the cores) does not show.
+    (the world size's split of the cores) does not show, under each kernel bench/parity_kernels.py
+    runs.
     A chunk's LayerNorms (2**19 elements) split their rows across the elementwise threads too, and
     sum their weight and bias gradients by fixed groups of rows (fused.sum_group)."""
     if comm.size > 1:
@@ -306,6 +308,6 @@ def test_blas_threads_do_not_change_the_bits(comm, tmp_path):
     launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")  # a job of its own, under mpiexec too
     threads = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher) and k not in threads}
-    env["OPENBLAS_CORETYPE"] = "Haswell"
+    env["OPENBLAS_CORETYPE"] = kernel
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout + done.stderr[-2000:]
