@@ -94,10 +94,17 @@ def blocks(xp, numel: int):
 def largest_magnitude(xp, vector) -> float:
     """max |v| (NaN where any v is), reading the vector once: a cache-sized block's maximum and
     minimum at a time (0 for an empty vector)."""
-    ends = [0.0]
+    ends = []
     for start, stop in blocks(xp, vector.size):
         ends += (float(vector[start:stop].max()), -float(vector[start:stop].min()))
-    return math.nan if any(math.isnan(e) for e in ends) else max(ends)
+    return max_or_nan(ends)
+
+
+def max_or_nan(values) -> float:
+    """max(values), NaN where any is (Python's max keeps a NaN only where it comes first), 0.0 for
+    none."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
 
 
 def level_of(largest: float) -> int:
@@ -292,13 +299,10 @@ def exact_squared_norm(comm, vectors) -> float:
     shards: each square becomes fixed point at a level set by the global largest one (a max is
     exact), and the ranks' integer sums are added as Python integers. Collective (two exchanges)."""
     vectors = [v for v in vectors if v is not None and v.size]
-    largest = max((float(abs(v).max()) for v in vectors), default=0.0)
-    everyone = comm.allgather_object(largest, phase="optimizer")
-    if any(math.isnan(x) for x in everyone):  # max() over a NaN depends on the order
-        return math.nan
-    top = max(everyone)
-    if math.isinf(top):
-        return math.inf
+    largest = max_or_nan(float(abs(v).max()) for v in vectors)
+    top = max_or_nan(comm.allgather_object(largest, phase="optimizer"))
+    if math.isnan(top) or math.isinf(top):
+        return top
     if top == 0.0:
         return 0.0
     # Every square < 2**(2e). At this level a square is below 2**32 and rounds to an integer, so a

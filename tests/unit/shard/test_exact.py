@@ -60,6 +60,8 @@ def test_the_exact_squared_norm_is_the_true_one_and_ignores_how_vectors_are_cut(
     cut = exact_squared_norm(_alone(), [v[:1234], v[1234:2000], v[2000:]])
     assert whole == cut and abs(whole - truth) <= 2.0**-50 * float(np.abs(v).max()) ** 2 * len(v)
     assert math.isnan(exact_squared_norm(_alone(), [np.array([np.nan, 1.0])]))
+    # a NaN in a later vector (a later unit's gradient shard): NaN too, not lost to max()'s order
+    assert math.isnan(exact_squared_norm(_alone(), [np.ones(3), np.array([1.0, np.nan])]))
     assert exact_squared_norm(_alone(), [np.array([np.inf, 1.0])]) == math.inf
 
 
