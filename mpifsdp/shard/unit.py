@@ -371,14 +371,13 @@ class Unit:
         unfilled=True (a fresh buffer only): just the padding zeroed, the caller writes every view
         before reading it (a fill less: FSDP's backward, see lifecycle.py)."""
         self._require_trainable("accumulate")
-        if self.full_grad is None and self._grad_is_whole():
-            self.full_grad, self._grad_zeroed_lazily = self._grad, False
-            if not unfilled:
-                self.full_grad.fill(0)
-            elif self.layout.padded_numel > self.layout.numel:
-                self.full_grad[self.layout.numel :] = 0  # [Note: padding]
-        elif self.full_grad is None:
-            self.full_grad = self._take("gathered_grads", self.full_grad_dtype, zero=not unfilled)
+        if self.full_grad is None:
+            if self._grad_is_whole():
+                self.full_grad, self._grad_zeroed_lazily = self._grad, False
+                if not unfilled:
+                    self.full_grad.fill(0)
+            else:
+                self.full_grad = self._take("gathered_grads", self.full_grad_dtype, zero=not unfilled)
             if unfilled and self.layout.padded_numel > self.layout.numel:
                 self.full_grad[self.layout.numel :] = 0  # [Note: padding]: reduced as zeros
         return self.layout.views(self.full_grad)
