@@ -74,3 +74,18 @@ def comm():
     from mpifsdp import Comm
 
     return Comm()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What this machine could not check, by test and reason (support.require): a kernel, an
+    instruction set or a library it lacks is listed at the end of every run, not only under -rs."""
+    from support import MACHINE_LACKS
+
+    lacked = []
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if MACHINE_LACKS in reason:
+            lacked.append(f"  {report.nodeid}: {reason.split(MACHINE_LACKS, 1)[1]}")
+    if lacked:
+        terminalreporter.write_sep("-", f"not checked on this machine ({len(lacked)})")
+        terminalreporter.write_line("\n".join(lacked))

@@ -47,6 +47,18 @@ LAUNCHER_DID_NOT_START = (
 )
 
 
+# How a skip for want of a part of the machine begins: conftest.py lists these at the end of a run.
+MACHINE_LACKS = "this machine cannot run it: "
+
+
+def require(problem: str | None):
+    """Skip the calling test where the machine lacks what it needs: `problem` is mpifsdp.base.machine's
+    answer (why it cannot run here), None where it can. Such skips are listed at the end of the run
+    (conftest.py), so a kernel or library a run could not check is never silent."""
+    if problem is not None:
+        pytest.skip(MACHINE_LACKS + problem)
+
+
 def gpu_tools_python() -> str:
     """The Python of .venv-gpu-tools (NVRTC, CuPy's headers, cuDNN's library: the GPU toolchain's
     checks without a GPU), which `make test` installs; missing fails in CI and skips elsewhere."""

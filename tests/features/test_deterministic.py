@@ -14,11 +14,12 @@ import pytest
 from mpi4py import MPI
 
 from mpifsdp import AdamW, Comm, Unit, full_state_dict, fully_shard, sharded_model
+from mpifsdp.base import machine
 from mpifsdp.checkpoint import load, save
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
-from support import agree, run_job, shared_dir
+from support import agree, require, run_job, shared_dir
 from tolerance import bound, rel_err
 
 SAMPLES, BLOCK, VOCAB = 12, 8, 37  # a global batch of 12 sequences: 12 chunks of 1, 3 of 4
@@ -303,6 +304,7 @@ def test_blas_threads_do_not_change_the_bits(comm, tmp_path, kernel):
     sum their weight and bias gradients by fixed groups of rows (fused.sum_group)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
+    require(machine.blas_threads_problem() or machine.openblas_kernel_problem(kernel))
     script = tmp_path / "threads.py"
     script.write_text(THREADS)
     launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")  # a job of its own, under mpiexec too

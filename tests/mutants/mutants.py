@@ -571,6 +571,15 @@ def _column_sums_without_the_last_block():
     _replace(kernels, "BLOCK_REDUCE", short)
 
 
+def _kernels_not_asked_for():
+    """Every OpenBLAS kernel taken to run here: a test under one this CPU lacks dies of SIGILL."""
+    import functools
+
+    from mpifsdp.base import machine
+
+    _replace(machine, "openblas_kernel_problem", functools.cache(lambda kernel: None))
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -580,6 +589,14 @@ class Mutant:
 
 
 MUTANTS = {
+    "kernels_asked_for": Mutant(
+        _kernels_not_asked_for,
+        "a test asks whether this CPU runs an OpenBLAS kernel before it runs one (base/machine.py)",
+        [
+            "tests/unit/base/test_machine.py::"
+            "test_a_kernel_whose_instructions_the_cpu_lacks_is_refused_without_running_it"
+        ],
+    ),
     "exit_notices": Mutant(
         _no_exit_notices,
         "a rank that left is named by the others (comm/presence.py check)",

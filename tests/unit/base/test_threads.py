@@ -8,11 +8,16 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from mpifsdp import Comm
+from mpifsdp.base import machine
 from mpifsdp.base.threads import set_threads, threads_per_rank, usable_cores
+
+from support import require
 
 
 def _blas_threads():
-    return threadpool_info()[0]["num_threads"]
+    """This process's BLAS threads; skips where threadpoolctl can read or set none (support.require)."""
+    require(machine.blas_threads_problem())
+    return machine.blas()["num_threads"]
 
 
 def test_a_user_setting_is_respected(comm):
@@ -101,6 +106,7 @@ def test_blocks_that_run_gemms_run_them_on_one_blas_thread_each():
     def blas_threads():
         return [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
 
+    require(machine.blas_threads_problem())
     seen = []
     with threadpool_limits(2, user_api="blas"):
         set_elementwise_threads(2)
