@@ -15,7 +15,7 @@ MPIRUN  = $(BIN)/mpiexec $(MPIFLAGS) -n
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 PYTEST   = $(BIN)/python -m pytest -q --with-mpi
 
-.PHONY: install test train bench gpu-check gpu-wheels lint format clean
+.PHONY: install test train dist bench gpu-check gpu-wheels lint format clean
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,10 @@ test: install $(GPU_TOOLS_VENV)/.installed
 	  echo "== mpiexec -n $$n"; \
 	  $(TEST_ENV) timeout 900 $(MPIRUN) $$n $(BIN)/python -m mpi4py -m pytest -q --with-mpi || exit 1; \
 	done
+
+# The sdist and the wheel a user or a packager installs, in dist/ (the wheel built from the sdist).
+dist: install
+	$(BIN)/python -m build --outdir dist .
 
 # Two ranks, one BLAS thread each, on the stdlib corpus: about two minutes on 2 cores. Metrics and
 # their pictures (loss, throughput, memory, communication) land in out/train/.

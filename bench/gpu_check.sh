@@ -28,14 +28,10 @@ if [ "$DEVICE" != cpu ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export MPIFSDP_REQUIRE_GPU=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)  # no GPU: fail, never skip
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-# Run from this checkout even when it is not installed: mpifsdp.models lives in models/ (pyproject's
-# package-dir), so an uninstalled copy runs from a staging directory that holds both in one package.
+# Run from this checkout even when it is not installed: the package is mpifsdp/ whole (its models too).
 if ! $PY -c "import mpifsdp.models" 2>/dev/null; then
-  STAGE=$(mktemp -d)
-  cp -r mpifsdp models tests bench examples docs README.md pyproject.toml Makefile "$STAGE/"
-  cp -r models "$STAGE/mpifsdp/models"
-  cd "$STAGE" && export PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}"
-  echo "== mpifsdp is not installed: running from $STAGE" | tee -a "$LOG"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "== mpifsdp is not installed: running from $PWD" | tee -a "$LOG"
 fi
 FAILED=()
 run() {  # run LIMIT_SECONDS COMMAND...: at most LIMIT, and never past the budget's end

@@ -99,7 +99,10 @@ def _inspect(directory) -> int:
 def main(argv=None) -> int:
     import argparse
 
+    import mpifsdp
+
     parser = argparse.ArgumentParser(prog="python -m mpifsdp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mpifsdp {mpifsdp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="units, sizes, world size, step, integrity").add_argument("dir")
     export = sub.add_parser("export", help="one consolidated .safetensors file")

@@ -79,6 +79,24 @@ def run_gpu_tool(*args, timeout: float = 300) -> tuple[subprocess.CompletedProce
     return done, [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+def stage_source(dest: Path) -> Path:
+    """A copy of the repository's own files at `dest` (git's tracked and unignored files; everything
+    but virtual environments and build output where there is no git): what a build may read, built
+    away from the tree so that it leaves nothing there."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True
+    )
+    if listed.returncode == 0:
+        for name in filter(None, listed.stdout.split("\0")):
+            if (ROOT / name).is_file():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, dest / name)
+    else:
+        skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "out")
+        shutil.copytree(ROOT, dest, ignore=skip)
+    return dest
+
+
 def run_launched(command, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(command, capture_output=True, text=True, **kwargs) for a command that starts
     mpiexec, started again when the launcher itself failed to start (LAUNCHER_DID_NOT_START)."""

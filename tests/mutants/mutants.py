@@ -580,6 +580,27 @@ def _kernels_not_asked_for():
     _replace(machine, "openblas_kernel_problem", functools.cache(lambda kernel: None))
 
 
+def _a_subpackage_left_out_of_the_wheel():
+    """The package list as it once was: setuptools' discovery told to leave mpifsdp.optim out, in the
+    copy of the source the wheel test builds (the wheel then lacks it, as it lacked 12 packages)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, where support.py is
+    import support
+
+    staged = support.stage_source
+
+    def stage_without_optim(dest):
+        pyproject = staged(dest) / "pyproject.toml"
+        find = '[tool.setuptools.packages.find]\ninclude = ["mpifsdp*"]\n'
+        assert find in pyproject.read_text(), "the mutant's target changed: update it"
+        pyproject.write_text(pyproject.read_text().replace(find, find + 'exclude = ["mpifsdp.optim"]\n'))
+        return dest
+
+    _replace(support, "stage_source", stage_without_optim)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -589,6 +610,11 @@ class Mutant:
 
 
 MUTANTS = {
+    "wheel_complete": Mutant(
+        _a_subpackage_left_out_of_the_wheel,
+        "the built wheel is compared with the package's source tree (tests/project/test_wheel.py)",
+        ["tests/project/test_wheel.py::test_the_wheel_ships_every_file_of_the_package_and_one_version"],
+    ),
     "kernels_asked_for": Mutant(
         _kernels_not_asked_for,
         "a test asks whether this CPU runs an OpenBLAS kernel before it runs one (base/machine.py)",
