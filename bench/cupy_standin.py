@@ -90,13 +90,12 @@ def _launch(kind: str, host=()):
 
 
 def _caller() -> str:
-    """The innermost mpifsdp (or models/) function on the stack: where a recorded launch comes from."""
+    """The innermost mpifsdp function (its models' too) on the stack: where a recorded launch comes from."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        for root in ("/mpifsdp/", "/models/"):
-            if root in path:
-                return f"{path.rsplit(root, 1)[1]}:{frame.f_code.co_name}"
+        if "/mpifsdp/" in path:
+            return f"{path.rsplit('/mpifsdp/', 1)[1]}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 

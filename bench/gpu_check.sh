@@ -28,11 +28,9 @@ if [ "$DEVICE" != cpu ] && compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export MPIFSDP_REQUIRE_GPU=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)  # no GPU: fail, never skip
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-# Run from this checkout even when it is not installed: the package is mpifsdp/ whole (its models too).
-if ! $PY -c "import mpifsdp.models" 2>/dev/null; then
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "== mpifsdp is not installed: running from $PWD" | tee -a "$LOG"
-fi
+# Run this checkout, installed or not (the package is mpifsdp/ whole, its models too): `python -c`
+# would find it from here anyway, but `python -m mpi4py bench/x.py` puts bench/ first on its path.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FAILED=()
 run() {  # run LIMIT_SECONDS COMMAND...: at most LIMIT, and never past the budget's end
   local limit=$1; shift

@@ -29,7 +29,7 @@ def sampled(run, top: int) -> list:
             names, depth = set(), 0
             while frame is not None and depth < DEPTH:
                 path = frame.f_code.co_filename
-                if "/mpifsdp/" in path or "/models/" in path:  # the library's frames, not the harness's
+                if "/mpifsdp/" in path:  # the library's frames (its models' too), not the harness's
                     names.add(f"{path.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
                 frame, depth = frame.f_back, depth + 1
             samples[0] += 1

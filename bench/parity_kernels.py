@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpifsdp.base.machine import openblas_kernel_problem
+from mpifsdp.base.machine import OTHER_KERNELS, openblas_kernel_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -40,8 +40,7 @@ def run(kernel: str, size: int) -> tuple[int, list]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    kernels = ["Haswell", "SkylakeX", "Zen", "Sandybridge", "Prescott"]
-    parser.add_argument("--kernels", nargs="+", default=kernels)
+    parser.add_argument("--kernels", nargs="+", default=list(OTHER_KERNELS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4])
     args = parser.parse_args()
     not_checked = {}

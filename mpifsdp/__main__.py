@@ -1,5 +1,5 @@
-"""From the shell: `python -m mpifsdp inspect DIR`, `... export DIR OUT`, `... plan` (cli/plan.py),
-`... pictures RUN.jsonl` (observe/pictures.py).
+"""From the shell: `python -m mpifsdp inspect DIR` (or `mpifsdp inspect DIR`), `... export DIR OUT`,
+`... plan` (cli/plan.py), `... pictures RUN.jsonl` (observe/pictures.py), `--version`.
 
 inspect: units, sizes, world size, step, and an integrity check of every slice's checksum.
 export: one consolidated .safetensors file from a checkpoint, in one process, a slice at a time.
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
 
     import mpifsdp
 
-    parser = argparse.ArgumentParser(prog="python -m mpifsdp", description=__doc__.splitlines()[0])
+    prog = "python -m mpifsdp" if sys.argv[0].endswith("__main__.py") else "mpifsdp"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mpifsdp {mpifsdp.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="units, sizes, world size, step, integrity").add_argument("dir")

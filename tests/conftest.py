@@ -27,7 +27,9 @@ def pytest_configure(config):
     _CONFIG = config
     world = MPI.COMM_WORLD
     if world.Get_size() > 1 and not config.option.basetemp:
-        parent = f"/tmp/pytest-mpifsdp-{os.getuid()}"
+        # Across nodes, tests that need one directory for all ranks (support.shared_dir) need this
+        # root on a file system every rank sees: MPIFSDP_TEST_TMP; they skip, saying so, otherwise.
+        parent = os.environ.get("MPIFSDP_TEST_TMP") or f"/tmp/pytest-mpifsdp-{os.getuid()}"
         os.makedirs(parent, exist_ok=True)
         config.option.basetemp = f"{parent}/rank{world.Get_rank()}"
 

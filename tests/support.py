@@ -56,7 +56,7 @@ def require(problem: str | None):
     answer (why it cannot run here), None where it can. Such skips are listed at the end of the run
     (conftest.py), so a kernel or library a run could not check is never silent."""
     if problem is not None:
-        pytest.skip(MACHINE_LACKS + problem)
+        pytest.skip(MACHINE_LACKS + problem, allow_module_level=True)
 
 
 def gpu_tools_python() -> str:
@@ -66,7 +66,7 @@ def gpu_tools_python() -> str:
     if not python.exists():
         if os.environ.get("CI"):
             pytest.fail(".venv-gpu-tools is missing: `make test` installs it, and CI runs make test")
-        pytest.skip("no .venv-gpu-tools: `make test` installs the GPU toolchain's checks (NVRTC, cuDNN)")
+        require("no .venv-gpu-tools: `make test` installs the GPU toolchain's checks (NVRTC, cuDNN)")
     return str(python)
 
 
@@ -83,16 +83,17 @@ def stage_source(dest: Path) -> Path:
     """A copy of the repository's own files at `dest` (git's tracked and unignored files; everything
     but virtual environments and build output where there is no git): what a build may read, built
     away from the tree so that it leaves nothing there."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, text=True
-    )
-    if listed.returncode == 0:
+    git = ["git", "ls-files", "-co", "--exclude-standard", "-z"]
+    listed = subprocess.run(git, cwd=ROOT, capture_output=True, text=True) if shutil.which("git") else None
+    if listed is not None and listed.returncode == 0:
         for name in filter(None, listed.stdout.split("\0")):
             if (ROOT / name).is_file():
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, dest / name)
     else:
-        skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "out")
+        skip = shutil.ignore_patterns(
+            ".git", ".venv*", ".whl", "build", "dist", "*.egg-info", "__pycache__", "out", ".*_cache"
+        )
         shutil.copytree(ROOT, dest, ignore=skip)
     return dest
 
@@ -118,14 +119,27 @@ def run_job(script: Path, ranks: int, *args, launcher: str = "mpi4py", env=None,
     result = run_launched(command, timeout=timeout, env={**os.environ, **(env or {})})
     elapsed = time.monotonic() - start
     for _ in range(50):  # the launcher has returned: every rank must be gone (allow teardown a moment)
-        leftovers = subprocess.run(
-            ["pgrep", "-f", str(script)], capture_output=True, text=True
-        ).stdout.split()
+        leftovers = processes_running(str(script))
         if not leftovers:
             break
         time.sleep(0.1)
     assert not leftovers, f"ranks still running 5 s after the job ended: {leftovers}"
     return result, elapsed
+
+
+def processes_running(text: str) -> list[str]:
+    """The process ids whose command line holds `text`: pgrep -f where it is installed (slim images lack
+    procps), else /proc read directly."""
+    if shutil.which("pgrep"):
+        return subprocess.run(["pgrep", "-f", text], capture_output=True, text=True).stdout.split()
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:  # it ended while we looked
+            continue
+    return found
 
 
 def agree(comm, ok: bool, message: str):
@@ -136,8 +150,28 @@ def agree(comm, ok: bool, message: str):
 
 
 def shared_dir(comm, tmp_path):
-    """One directory for every rank (rank 0's tmp_path; all ranks share this machine's disk)."""
-    return comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
+    """One directory for every rank: rank 0's tmp_path. Ranks on other nodes see it only where the
+    temporary root is on a file system they share (MPIFSDP_TEST_TMP, conftest.py): asked first, by a
+    file rank 0 writes there, and the test skipped on every rank (one verdict) where one cannot."""
+    path = comm.broadcast_object(str(tmp_path) if comm.rank == 0 else None)
+    marker = Path(path).with_name(f".{Path(path).name}-shared")  # beside it: the test's own stays as made
+    if comm.rank == 0:
+        marker.touch()
+    comm.barrier()
+    blind = [rank for rank, sees in enumerate(comm.allgather_object(sees_file(marker))) if not sees]
+    if comm.rank == 0:
+        marker.unlink()
+    if blind:
+        require(
+            f"ranks {blind} do not see rank 0's directory {path} (ranks on other nodes): set "
+            "MPIFSDP_TEST_TMP to a directory on a file system every rank sees"
+        )
+    return path
+
+
+def sees_file(path: Path) -> bool:
+    """Whether this rank sees `path` (shared_dir's question; a test makes a rank blind through it)."""
+    return path.exists()
 
 
 def on_rank_0(comm, action):

@@ -4,20 +4,24 @@ NumPy computes with and the OpenBLAS kernels it can be made to use.
 Bits and speed follow the BLAS kernel, so checks of determinism and of float bounds run under the
 kernels of other CPUs (OPENBLAS_CORETYPE, set for a child process). A kernel that needs instructions
 this CPU lacks does not fail politely: the child dies of SIGILL (SkylakeX's AVX-512 on an AMD EPYC).
-A build without DYNAMIC_ARCH, or a NumPy on MKL or Accelerate, ignores the variable, and a check
-would then pass without having run the kernel it names. So whoever wants a kernel asks
-`openblas_kernel_problem` first; the test suite (tests/support.py `require`) and
-bench/parity_kernels.py skip with its answer.
+A name the OpenBLAS build lacks falls back to this CPU's own kernel without a word, and a NumPy on
+MKL or Accelerate ignores the variable: a check would then pass without having run anything new.
+So whoever wants a kernel asks `openblas_kernel_problem` first; the test suite (tests/support.py
+`require`) and bench/parity_kernels.py skip with its answer.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+# The kernels of other CPUs the suite and bench/parity_kernels.py check the bits and bounds under.
+OTHER_KERNELS = ("Haswell", "SkylakeX", "Zen", "Sandybridge", "Prescott")
 
 # The /proc/cpuinfo flags each OpenBLAS x86-64 kernel executes (OpenBLAS's driver/others/dynamic.c
 # picks them by the same instruction sets). SSE3 is "pni" there.
@@ -33,40 +37,39 @@ OPENBLAS_KERNEL_NEEDS = {
     "SapphireRapids": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile"),
 }
 
-# Run under the kernel asked for: one GEMM checked, then the kernel OpenBLAS says it chose.
-_PROBE = """
-import numpy as np
-from threadpoolctl import threadpool_info
-a = np.ones((64, 64), np.float32)
-assert (a @ a)[0, 0] == 64
-print([i.get("architecture") for i in threadpool_info() if i.get("user_api") == "blas"][0])
-"""
+# Run under the kernel asked for: OPENBLAS_VERBOSE=2 makes OpenBLAS print the kernel it chose
+# ("Core: SkylakeX") when it loads, before the GEMM that may die of it.
+_PROBE = "import numpy as np; a = np.ones((64, 64), np.float32); assert (a @ a)[0, 0] == 64"
+_CHOSE = re.compile(r"^Core: (\S+)", re.M)
 
 
-def cpu_flags() -> frozenset[str] | None:
-    """The instruction-set flags /proc/cpuinfo gives for this CPU; None where there is no such file
-    (not Linux): a probe must then decide alone."""
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's first processor, by field; empty where there is no such file (not Linux)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return None
+        return {}
+    fields = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The instruction-set flags /proc/cpuinfo gives for this CPU; None where it gives none (not
+    Linux): a probe must then decide alone."""
+    info = _cpuinfo()
+    flags = info.get("flags", info.get("Features"))
+    return None if flags is None else frozenset(flags.split())
 
 
 def cpu_name() -> str:
     """The CPU's model name, for messages ('AMD EPYC', 'Intel Xeon ...'); the platform's where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or platform.machine() or "this CPU"
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine() or "this CPU"
 
 
 def blas() -> dict | None:
@@ -76,7 +79,9 @@ def blas() -> dict | None:
     import numpy  # noqa: F401  (loads its BLAS, which threadpoolctl then finds)
     from threadpoolctl import threadpool_info
 
-    return next((i for i in threadpool_info() if i.get("user_api") == "blas"), None)
+    found = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    numpys = [i for i in found if "numpy" in i.get("filepath", "")]  # SciPy may load a BLAS of its own
+    return (numpys or found or [None])[0]
 
 
 def blas_threads_problem() -> str | None:
@@ -111,26 +116,36 @@ def openblas_kernel_problem(kernel: str) -> str | None:
     return probe_openblas_kernel(kernel)
 
 
-def probe_openblas_kernel(kernel: str, timeout: float = 120) -> str | None:
-    """Run one GEMM under OPENBLAS_CORETYPE=kernel in a child process: why it failed (it died of a
-    signal, or OpenBLAS ran this process's own kernel instead: the name is unknown, an alias of it,
-    or ignored), or None when it ran another kernel."""
-    env = {**os.environ, "OPENBLAS_CORETYPE": kernel, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
+def run_openblas_kernel(kernel: str, timeout: float = 120) -> tuple[str | None, int | None]:
+    """One GEMM in a child process under OPENBLAS_CORETYPE=kernel: (the kernel OpenBLAS chose, as it
+    reports it; the child's exit status: negative for a signal, None when it did not finish)."""
+    env = {**os.environ, "OPENBLAS_CORETYPE": kernel, "OPENBLAS_VERBOSE": "2", "OPENBLAS_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, None
+    chose = _CHOSE.search(done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace"))
+    return (chose[1] if chose else None), done.returncode
+
+
+def probe_openblas_kernel(kernel: str) -> str | None:
+    """Why a GEMM under OPENBLAS_CORETYPE=kernel checks nothing here (it died of a signal, failed, or
+    ran this process's own kernel: the name is unknown to this OpenBLAS, an alias of its own, or
+    ignored), or None when it ran another kernel than this process's. That kernel may go by another
+    name (Prescott's is Katmai, Zen's is Haswell in builds without Zen kernels)."""
+    chose, status = run_openblas_kernel(kernel)
+    if status is None:
+        return f"a GEMM under OpenBLAS's {kernel} kernel did not finish in time"
+    if status < 0:
+        name = signal.Signals(-status).name
         why = " (an instruction this CPU lacks)" if name == "SIGILL" else ""
         return f"a GEMM under OpenBLAS's {kernel} kernel died of {name}{why} on {cpu_name()}"
-    if done.returncode != 0:
-        return f"a GEMM under OpenBLAS's {kernel} kernel failed: {done.stderr.strip()[-300:]}"
-    chose = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "?"
+    if status != 0:
+        return f"a GEMM under OpenBLAS's {kernel} kernel failed (exit status {status})"
     own = (blas() or {}).get("architecture")
-    if chose.lower() != kernel.lower() and chose == own:  # an alias (Zen is Haswell), or ignored
+    if chose is None or (chose.lower() != kernel.lower() and chose.lower() == str(own).lower()):
         return (
             f"OPENBLAS_CORETYPE={kernel} ran this process's own {own} kernel (an alias, a name this "
-            "OpenBLAS lacks, or a build without DYNAMIC_ARCH): nothing more to check"
+            "OpenBLAS lacks, or a build that ignores it): nothing more to check"
         )
-    return None  # that kernel, or one OpenBLAS reports by another name (Prescott's is Katmai)
-
+    return None

@@ -294,7 +294,7 @@ print("same" if same and pinned == {(1, (1,)), (2, (2,))} else f"differ {pinned}
 """
 
 
-@pytest.mark.parametrize("kernel", ["Haswell", "SkylakeX", "Zen", "Sandybridge", "Prescott"])
+@pytest.mark.parametrize("kernel", machine.OTHER_KERNELS)
 def test_blas_threads_do_not_change_the_bits(comm, tmp_path, kernel):
     """OpenBLAS's Haswell kernel (and Zen's) computes these GEMMs with other bits at 2 threads than
     at 1 (measured): chunks pin BLAS to chunk_threads (1 or 2 here), so a rank's own thread count

@@ -571,6 +571,23 @@ def _column_sums_without_the_last_block():
     _replace(kernels, "BLOCK_REDUCE", short)
 
 
+def _support():
+    """tests/support.py, for a mutant of the suite's own safety checks (tests/ is not yet on sys.path
+    when this runs at interpreter start)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import support
+
+    return support
+
+
+def _machine_not_asked():
+    """support.require lets every test run: one that needs a kernel this CPU lacks dies of SIGILL."""
+    _replace(_support(), "require", lambda problem: None)
+
+
 def _kernels_not_asked_for():
     """Every OpenBLAS kernel taken to run here: a test under one this CPU lacks dies of SIGILL."""
     import functools
@@ -580,15 +597,16 @@ def _kernels_not_asked_for():
     _replace(machine, "openblas_kernel_problem", functools.cache(lambda kernel: None))
 
 
+def _shared_dir_not_asked_for():
+    """Rank 0's directory handed to every rank unasked: across nodes, a rank that cannot see it fails."""
+    support = _support()
+    _replace(support, "shared_dir", lambda comm, tmp_path: comm.broadcast_object(str(tmp_path)))
+
+
 def _a_subpackage_left_out_of_the_wheel():
     """The package list as it once was: setuptools' discovery told to leave mpifsdp.optim out, in the
     copy of the source the wheel test builds (the wheel then lacks it, as it lacked 12 packages)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, where support.py is
-    import support
-
+    support = _support()
     staged = support.stage_source
 
     def stage_without_optim(dest):
@@ -610,10 +628,21 @@ class Mutant:
 
 
 MUTANTS = {
+    "shared_dir_asked": Mutant(
+        _shared_dir_not_asked_for,
+        "every rank is asked whether it sees the shared test directory before a test uses it (support.py)",
+        ["tests/project/test_support.py::test_a_directory_some_rank_cannot_see_skips_the_test_on_every_rank"],
+        ranks=2,
+    ),
     "wheel_complete": Mutant(
         _a_subpackage_left_out_of_the_wheel,
         "the built wheel is compared with the package's source tree (tests/project/test_wheel.py)",
         ["tests/project/test_wheel.py::test_the_wheel_ships_every_file_of_the_package_and_one_version"],
+    ),
+    "machine_asked": Mutant(
+        _machine_not_asked,
+        "a test that needs a part of the machine asks first and skips where it lacks it (support.require)",
+        ["tests/unit/base/test_machine.py::test_the_tests_that_need_a_kernel_skip_where_the_cpu_lacks_it"],
     ),
     "kernels_asked_for": Mutant(
         _kernels_not_asked_for,

@@ -1,4 +1,4 @@
-"""A GPT exported as a Hugging Face GPT-2 directory (models/hf_gpt2.py) and loaded back. The logits
+"""A GPT exported as a Hugging Face GPT-2 directory (mpifsdp/models/hf_gpt2.py) and loaded back. The logits
 against transformers itself are checked by bench/interop_torch.py where torch is installed."""
 
 import dataclasses
