@@ -1,13 +1,13 @@
 """The tape: recorded nodes, the recording state (no_grad, scopes), and the backward sweep.
 
-Each Node is one primitive application (see autodiff.py): the primitive, its inputs, what its forward
+Each Node is one primitive application (see tensor.py): the primitive, its inputs, what its forward
 saved for the VJP, its settings, and the scopes active when it ran. `backward` runs the VJPs from a
 root to the leaves, in reverse topological order, freeing each node once its VJP has run.
 
 Scopes: while `with scope(obj):` is active, every recorded node remembers obj (scopes nest). During
 backward, obj.pre_backward() runs before the first of its nodes and obj.post_backward() after the last
 one; an outer scope's post_backward therefore runs after everything recorded inside it. That is the
-whole interface between autodiff and whatever drives it (fsdp.py's units and sharded model).
+whole interface between autodiff and whatever drives it (fsdp/lifecycle.py's units, fsdp/model.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A small reverse-mode autodiff: Tensors, Params, a registry of primitives with their VJPs.
 
-Each primitive is a pair of plain array functions (see ops.py):
+Each primitive is a pair of plain array functions (see ops/primitives.py):
     forward(*arrays, **settings) -> (out, saved)
     vjp(g, saved, *arrays, **settings) -> one gradient (or None) per array input
 Arrays are positional, settings are keyword (as in JAX's Autodidax).
@@ -168,7 +168,7 @@ class Tensor:
     def backward(self, grad=None):
         backward(self, grad)
 
-    # -- operators: thin sugar over the registry (primitives live in ops.py) ----------------------
+    # -- operators: thin sugar over the registry (primitives live in ops/primitives.py) ---------
     def __add__(self, other):
         return apply("add", self, other)
 

@@ -15,7 +15,7 @@ A forward may run again while AWAITING_BACKWARD (a unit used twice, a second for
 backward); backward may reach a unit that is IDLE (a second backward through an older forward's
 graph). Any other move is a bug in the runtime and raises; after an exception cut a pass short (a VJP
 that raised), `abandon` is the way back to IDLE. What concerns all units at once (prefetch
-order, reduce-scatters in flight, the end of a pass) is the ShardedModel's (fsdp.py): the lifecycle
+order, reduce-scatters in flight, the end of a pass) is the ShardedModel's (model.py): the lifecycle
 asks it to prefetch after itself, tells it the order it ran in, and hands it its reduce-scatter.
 """
 

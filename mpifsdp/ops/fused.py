@@ -1,5 +1,5 @@
 """The fused transformer primitives: linear (optionally of GELU), GELU, LayerNorm, cross-entropy
-(causal attention: attention.py). Registered like every primitive (forward next to VJP).
+(causal attention: causal_attention.py). Registered like every primitive (forward next to VJP).
 
 On the CPU their elementwise work runs in blocks of rows across this rank's threads
 (threads.for_row_blocks), so the cores BLAS uses for GEMMs are not idle in between; on a GPU each

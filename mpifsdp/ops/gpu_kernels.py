@@ -1,4 +1,4 @@
-"""Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU and of attention.py's
+"""Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU and of causal_attention.py's
 causal softmax and its backward (base/kernels.py: what every raw kernel shares; AdamW's kernel is
 optim/gpu_adamw.py; gpu_layer_norm.py and gpu_cross_entropy.py hold the LayerNorm and
 cross-entropy kernels).

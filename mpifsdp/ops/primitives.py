@@ -1,7 +1,7 @@
 """The primitives: each forward next to its VJP, registered in autodiff.PRIMITIVES.
 
 The transformer's fused kernels (linear, GELU, LayerNorm, cross-entropy) live in fused.py, attention in
-attention.py.
+causal_attention.py.
 
 Forward: (*arrays, **settings) -> (out, saved). VJP: (g, saved, *arrays, **settings) -> grads.
 `saved` holds activations only, never parameter arrays (see autodiff, lazy parameter data).

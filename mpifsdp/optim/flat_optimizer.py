@@ -1,5 +1,5 @@
 """The optimizer base on flat 1-D vectors: groups, global gradient norm and clipping, NaN/Inf policy,
-per-group step counts and state, the state accessor checkpoints use. optim.py: AdamW, Adam, SGD.
+per-group step counts and state, the state accessor checkpoints use. optimizers.py: AdamW, Adam, SGD.
 
 The optimizer sees only *flat groups* (FlatGroup below): a plain Param is one group (WholeParam); an
 FSDP Unit's shard is one group (its decay segments come from the layout). So the sharded optimizer is

@@ -70,7 +70,7 @@ def gpt_activation_bytes(
     both, 12: fused.keeps_norm_output, the first padded with a ones column where the qkv bias's
     gradient comes out of its weight's GEMM: fused.folded_row_length) and 4 per token (LayerNorm
     statistics), and past the attention block (256 positions on the CPU, 1024 on a GPU:
-    attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
+    ops/causal_attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
     keeps them); outside them the final LayerNorm's input (and on a GPU its output), the logits,
     and per token two statistics and the log-sum-exp; on the CPU a one-byte mask per token, on a
     GPU the int64 device copies of the host batch (token ids, and targets with their valid count)

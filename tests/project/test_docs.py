@@ -1,14 +1,16 @@
 """Every ```python block of the README and the docs runs as written, on 1 rank and on 2.
 
 The blocks of one file run in order in one script (later blocks use what earlier ones defined, as a
-reader would), in a fresh directory, as a user would run them: `python script.py` and
-`mpiexec -n 2 python -m mpi4py script.py`.
+reader would), in a fresh directory, as a user would run them: with `python`, and with
+`mpiexec -n 2 python -m mpi4py`. And every file the docs, docstrings and comments cite exists.
 """
 
 import ast
+import io
 import os
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,62 @@ def test_the_api_reference_is_what_make_api_writes():
     make_api = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_api)
     assert (ROOT / "docs" / "api.md").read_text() == make_api.render(), "run python docs/make_api.py"
+
+
+# A file named in prose: a path (from the repository root, inside mpifsdp/, or beside the citing file)
+# or a bare file name (any file of the repository of that name).
+NAMED_FILE = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[A-Za-z_][\w-]*\.(?:py|md|sh|cu|sbatch))\b")
+HISTORY = ("CHANGELOG.md", "HISTORY.md")  # they name what was, on purpose
+
+
+def missing_citations(texts: dict[Path, str], files: list[Path]) -> list[str]:
+    """'where: name' for every file named in `texts` ({the citing file: its prose}) that is not there."""
+    names = {f.name for f in files}
+    missing = []
+    for where, text in texts.items():
+        for name in NAMED_FILE.findall(text):
+            places = [ROOT / name, ROOT / "mpifsdp" / name, where.parent / name]
+            if not (any(p.is_file() for p in places) if "/" in name else name in names):
+                missing.append(f"{where.relative_to(ROOT)}: {name}")
+    return missing
+
+
+def prose_of(path: Path) -> str:
+    """A Python file's docstrings and comments; a Markdown file whole."""
+    if path.suffix != ".py":
+        return path.read_text()
+    source = path.read_text()
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docs = [ast.get_docstring(n) or "" for n in ast.walk(ast.parse(source)) if isinstance(n, kinds)]
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return "\n".join(docs + [t.string for t in tokens if t.type == tokenize.COMMENT])
+
+
+def repository_files() -> list[Path]:
+    """The repository's own files: none under a hidden folder (.git, .venv) or a build's output."""
+    skip = {"build", "dist", "out", "__pycache__"}
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.is_file() and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts)
+    ]
+
+
+def test_every_file_the_docs_docstrings_and_comments_cite_exists():
+    """A renamed or moved module leaves no prose pointing at the old file (the fsdp module's after the
+    package split, the models' after they moved into mpifsdp/)."""
+    files = repository_files()
+    cited = [p for p in files if p.suffix in (".py", ".md") and p.name not in HISTORY]
+    assert len(cited) > 150, len(cited)
+    missing = missing_citations({p: prose_of(p) for p in cited}, files)
+    assert not missing, "prose cites files that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_citation_of_a_file_that_is_gone_is_found():
+    planted = {
+        ROOT / "mpifsdp" / "fsdp" / "model.py": "the ShardedModel (fsdp.py); ../shard/unit.py; ops/nope.py"
+    }
+    assert missing_citations(planted, repository_files()) == [
+        "mpifsdp/fsdp/model.py: fsdp.py",
+        "mpifsdp/fsdp/model.py: ops/nope.py",
+    ]
