@@ -1,8 +1,9 @@
 """Optimizers on flat groups (a Unit's shard, or one whole Param): the base with norms, clipping and
 the non-finite policy (flat_optimizer.py), one step's arithmetic of AdamW, Adam and SGD
-(optimizers.py), and the float16 loss scaler (scaler.py). Every step is local to the rank's shards.
+(optimizers.py), and the float16 loss scaler (scaler.py). Every update is local to the rank's shards
+(the step's collectives: the global gradient norm and the schedule check).
 
-May import: ops (the GPU AdamW kernel), autodiff, base. Never the FSDP runtime: a sharded model is
+May import: autodiff, shard, base (its own GPU kernels: gpu_adamw.py, gpu_norm.py). Never the FSDP runtime: a sharded model is
 recognised by `Module._sharded`, and a list of Units is taken as it is.
 """
 

@@ -78,6 +78,16 @@ def layering_problems(package: Path, allowed: dict, members: dict) -> list[str]:
     return problems
 
 
+def unused_edges(package: Path, allowed: dict) -> list[str]:
+    """'group: other' for every import the layering allows that no module of the group makes: an edge
+    on paper only tells a reader of a dependency that is not there."""
+    used = {}
+    for path in package.rglob("*.py"):
+        group = group_of(path, package)
+        used.setdefault(group, set()).update(imported_groups(path, package))
+    return [f"{g}: {other}" for g in sorted(allowed) for other in sorted(allowed[g] - used.get(g, set()))]
+
+
 def group_of(path: Path, package: Path) -> str:
     """The group a file of the package belongs to: its sub-package, or its own name at the top."""
     parts = path.relative_to(package).parts
@@ -103,6 +113,21 @@ def test_every_import_follows_the_layering():
     allowed, members = documented_layers()
     problems = layering_problems(PACKAGE, allowed, members)
     assert not problems, "imports against docs/design.md's Layers:\n" + "\n".join(problems)
+
+
+def test_every_import_the_layering_allows_is_made():
+    allowed, _ = documented_layers()
+    unused = unused_edges(PACKAGE, allowed)
+    assert not unused, "docs/design.md's Layers allows imports no module makes (drop them):\n" + "\n".join(
+        unused
+    )
+
+
+def test_an_allowed_import_no_module_makes_is_found(tmp_path):
+    package = tmp_path / "mpifsdp"
+    (package / "nn").mkdir(parents=True)
+    (package / "nn" / "layers.py").write_text("from ..ops import gelu\n")
+    assert unused_edges(package, {"nn": {"ops", "autodiff"}}) == ["nn: autodiff"]
 
 
 def test_the_layering_has_no_cycle():
