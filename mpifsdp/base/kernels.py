@@ -1,6 +1,7 @@
 """Raw GPU kernels: what every one shares (its C types, a block-wide reduction, compiling it, its
-NumPy twin, its check at first use). The kernels themselves live where they are used (ops/gpu_*.py,
-and the non-finite flag below, which shard/unit.py uses); nothing here imports CuPy.
+NumPy twin, its check at first use). Each kernel's CUDA C is a .cu file beside the module that
+launches it (ops/gpu_*.cu, optim/gpu_*.cu; here block_reduce.cu, which every kernel includes, and
+flag_nonfinite.cu, which shard/unit.py uses), read by `cuda_source`; nothing here imports CuPy.
 
 Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
 the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
@@ -25,139 +26,22 @@ from .checks import bfloat16, finfo, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
+
+def cuda_source(package: str, name: str) -> str:
+    """The CUDA C of `name`, a .cu file beside its launcher in `package`, as it is: package data, so
+    it ships in the wheel, and NVRTC, the CPU emulator and the compile check all read this one text."""
+    from importlib.resources import files
+
+    return files(package).joinpath(name).read_text()
+
+
 SUM_GROUP = 32  # blocks a group of column_sums_done adds (BLOCK_REDUCE below)
 MAX_SUM_BLOCKS = 64 * SUM_GROUP  # the most blocks a launch using column_sums_done may have
 # BLOCK_REDUCE: the sum (or max) of one value per thread over a thread block, every thread gets it;
 # and column sums across thread blocks in one launch: each block writes its partial sums, the last
 # block of each group of blocks to finish (self-resetting counters, after a fence) adds its group's,
 # and the last group to finish adds the groups', in a fixed order.
-BLOCK_REDUCE = r"""
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-__device__ __forceinline__ ACC block_reduce(ACC v, bool is_max) {
-    __shared__ ACC part[32];
-    for (int o = 16; o > 0; o >>= 1) {
-        ACC w = __shfl_xor_sync(0xffffffff, v, o);
-        v = is_max ? max(v, w) : v + w;
-    }
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = part[0];
-    for (int k = 1; k < (int)(blockDim.x >> 5); ++k) v = is_max ? max(v, part[k]) : v + part[k];
-    __syncthreads();
-    return v;
-}
-__device__ __forceinline__ ACC warp_sum(ACC v) {
-    /* the sum over a warp's 32 lanes, every lane gets it (the same order of additions in each) */
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-template <int N> __device__ __forceinline__ void block_sums(ACC (&v)[N]) {
-    /* the sums of N values a thread over a thread block, every thread gets them all: block_reduce's
-       order of additions for each, at one exchange's barriers */
-    __shared__ ACC parts[N][32];
-    #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        v[i] = warp_sum(v[i]);
-        if ((threadIdx.x & 31) == 0) parts[i][threadIdx.x >> 5] = v[i];
-    }
-    __syncthreads();
-    #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        v[i] = parts[i][0];
-        for (int k = 1; k < (int)(blockDim.x >> 5); ++k) v[i] += parts[i][k];
-    }
-    __syncthreads();
-}
-/* PACK elements in one 16-byte load or store (Pack<PACK>), where a row's length and its pointers
-   allow (packs_fit); Pack<1>: one element, for any row. A thread that loads several rows' packs
-   before using any keeps that many loads in flight: the H200 needs ~30 KB in flight an SM. */
-constexpr int PACK = 16 / sizeof(ELEM);
-template <int V> struct alignas(sizeof(ELEM) * V) Pack { ELEM v[V]; };
-__device__ __forceinline__ bool packs_fit(const void* p) { return ((size_t)p & 15) == 0; }
-/* Whether this block is the last of `count` to get here, its writes before visible to every block
-   after the fence. counter: back at 0 once all `count` came (atomicInc wraps). */
-__device__ bool last_to_finish(unsigned int* counter, const unsigned int count) {
-    __threadfence();
-    __shared__ bool is_last;
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicInc(counter, count - 1) == count - 1;
-    __syncthreads();
-    return is_last;
-}
-/* V accumulators from p, read past L1 (other blocks wrote them): one 16-byte load for V > 1 */
-template <int V> __device__ __forceinline__ void load_past_l1(const ACC* p, ACC (&v)[V]) {
-    if constexpr (V == 1) {
-        v[0] = __ldcg(p);
-    } else if constexpr (sizeof(ACC) == 4) {
-        const float4 t = __ldcg((const float4*)p);
-        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
-    } else {
-        const double2 t = __ldcg((const double2*)p);
-        v[0] = t.x; v[1] = t.y;
-    }
-}
-/* out[j] = column j of `count` rows of C, `step` rows apart, added in row order, for every column
-   (out may be the first row). A thread takes V columns at a time, `ahead` rows' loads in flight
-   before it adds them: one block adds a group's partials, so its loads in flight bound its time
-   (one column of 16 rows a thread at a time, before: the two adding phases were an estimated
-   half of layer_norm_backward's 89 us a call on an H200). */
-template <int V>
-__device__ void add_rows_by(const ACC* rows, ACC* out, const int C, const int count, const int step) {
-    constexpr int ahead = 16;
-    for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
-        ACC s[V];
-        #pragma unroll
-        for (int e = 0; e < V; ++e) s[e] = 0;
-        int k = 0;
-        for (; k + ahead <= count; k += ahead) {
-            ACC loaded[ahead][V];
-            #pragma unroll
-            for (int u = 0; u < ahead; ++u) load_past_l1<V>(rows + (size_t)(k + u) * step * C + j, loaded[u]);
-            #pragma unroll
-            for (int u = 0; u < ahead; ++u) {
-                #pragma unroll
-                for (int e = 0; e < V; ++e) s[e] += loaded[u][e];
-            }
-        }
-        for (; k < count; ++k) {
-            ACC loaded[V];
-            load_past_l1<V>(rows + (size_t)k * step * C + j, loaded);
-            #pragma unroll
-            for (int e = 0; e < V; ++e) s[e] += loaded[e];
-        }
-        #pragma unroll
-        for (int e = 0; e < V; ++e) out[j + e] = s[e];
-    }
-}
-__device__ void add_rows(const ACC* rows, ACC* out, const int C, const int count, const int step) {
-    constexpr int V = 16 / sizeof(ACC);
-    if (C % V == 0 && packs_fit(rows) && packs_fit(out)) add_rows_by<V>(rows, out, C, count, step);
-    else add_rows_by<1>(rows, out, C, count, step);
-}
-/* Column sums across the grid's blocks, in two levels, so that no one block adds them all (one
-   block adding 512 blocks' partials was the slowest kernel of an H200 step: layer_norm_backward
-   0.55 ms a call, ~25 times its traffic's time). Every block has written its partials: `planes`
-   planes of (gridDim.x, C), one after another. Blocks form groups of SUM_GROUP, in block order; the
-   last of a group to finish adds its group's rows, in block order, into the group's first row; the
-   last group to finish returns true, and then writes the totals with sum_over_groups (the groups'
-   rows in group order): the same order of additions whichever block finishes when. done:
-   1 + ceil(gridDim.x / SUM_GROUP) counters (column_sum_counters), each back at 0 after a launch. */
-#define SUM_GROUP @SUM_GROUP@
-__device__ bool column_sums_done(ACC* partial, const int planes, const int C, unsigned int* done) {
-    const int group = blockIdx.x / SUM_GROUP, first = group * SUM_GROUP;
-    const int members = min(SUM_GROUP, (int)gridDim.x - first);
-    if (!last_to_finish(done + 1 + group, members)) return false;
-    for (int p = 0; p < planes; ++p) {
-        ACC* rows = partial + ((size_t)p * gridDim.x + first) * C;
-        add_rows(rows, rows, C, members, 1);
-    }
-    return last_to_finish(done, (gridDim.x + SUM_GROUP - 1) / SUM_GROUP);
-}
-__device__ void sum_over_groups(const ACC* plane, ACC* out, const int C) {
-    add_rows(plane, out, C, ((int)gridDim.x + SUM_GROUP - 1) / SUM_GROUP, SUM_GROUP);
-}
-""".replace("@SUM_GROUP@", str(SUM_GROUP))
+BLOCK_REDUCE = cuda_source(__package__, "block_reduce.cu").replace("@SUM_GROUP@", str(SUM_GROUP))
 
 SHARED_BYTES = 48 * 1024  # the shared memory a thread block may take without opting in to more
 _counters: dict = {}  # (kernel, device id) -> its counters of finished blocks (they reset themselves)
@@ -325,43 +209,7 @@ def error_bound(dtype, terms: int, scale: float) -> float:
 # flag_nonfinite checks an array; cast_flag_nonfinite casts float32 masters to ELEM and checks the
 # cast in the same pass (a gather's send buffer: one launch, not a cast and a check).
 FLAG_THREADS, FLAG_BLOCKS = 256, 1024
-FLAG_SOURCE = r"""
-extern "C" __global__ void flag_nonfinite(const ELEM* x, int* flag, const long long n, const int token) {
-    /* flag[0] = token where x holds a NaN or an Inf (a plain store: any thread that finds one may) */
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        if (!isfinite((ACC)x[i])) { flag[0] = token; return; }
-}
-extern "C" __global__ void cast_flag_nonfinite(const float* x, ELEM* out, int* flag, const long long n,
-                                               const int token) {
-    /* out = (ELEM)x; flag[0] = token where out holds a NaN or an Inf. Four elements a thread at a
-       time where x and out allow (a 16-byte load, one store of four), the last < 4 one at a time */
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long rest = 0;
-    bool bad = false;
-    if (packs_fit(x) && ((size_t)out & (4 * sizeof(ELEM) - 1)) == 0) {
-        rest = n / 4 * 4;
-        for (long long q = first; q < n / 4; q += stride) {
-            const float4 v = ((const float4*)x)[q];
-            const float in[4] = {v.x, v.y, v.z, v.w};
-            Pack<4> o;
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                o.v[e] = (ELEM)in[e];
-                bad |= !isfinite((ACC)o.v[e]);
-            }
-            *(Pack<4>*)(out + 4 * q) = o;
-        }
-    }
-    for (long long i = rest + first; i < n; i += stride) {
-        const ELEM v = (ELEM)x[i];
-        out[i] = v;
-        bad |= !isfinite((ACC)v);
-    }
-    if (bad) flag[0] = token;
-}
-"""
+FLAG_SOURCE = cuda_source(__package__, "flag_nonfinite.cu")
 FLAG_KERNELS = ("flag_nonfinite", "cast_flag_nonfinite")
 
 

@@ -3,8 +3,8 @@ the non-finite policy (flat_optimizer.py), one step's arithmetic of AdamW, Adam 
 (optimizers.py), and the float16 loss scaler (scaler.py). Every update is local to the rank's shards
 (the step's collectives: the global gradient norm and the schedule check).
 
-May import: autodiff, shard, base (its own GPU kernels: gpu_adamw.py, gpu_norm.py). Never the FSDP runtime: a sharded model is
-recognised by `Module._sharded`, and a list of Units is taken as it is.
+May import: autodiff, shard, base (its own GPU kernels: gpu_adamw.py, gpu_norm.py). Never the FSDP
+runtime: a sharded model is recognised by `Module._sharded`, and a list of Units is taken as it is.
 """
 
 from .flat_optimizer import NonFiniteError

@@ -619,6 +619,21 @@ def _a_subpackage_left_out_of_the_wheel():
     _replace(support, "stage_source", stage_without_optim)
 
 
+def _cuda_files_left_out_of_the_wheel():
+    """No package-data: the wheel ships the Python alone, and every raw kernel's .cu file is missing."""
+    support = _support()
+    staged = support.stage_source
+
+    def stage_without_package_data(dest):
+        pyproject = staged(dest) / "pyproject.toml"
+        data = '[tool.setuptools.package-data]\n"*" = ["*.cu"]\n'
+        assert data in pyproject.read_text(), "the mutant's target changed: update it"
+        pyproject.write_text(pyproject.read_text().replace(data, ""))
+        return dest
+
+    _replace(support, "stage_source", stage_without_package_data)
+
+
 @dataclass
 class Mutant:
     switch_off: callable
@@ -633,6 +648,11 @@ MUTANTS = {
         "every rank is asked whether it sees the shared test directory before a test uses it (support.py)",
         ["tests/project/test_support.py::test_a_directory_some_rank_cannot_see_skips_the_test_on_every_rank"],
         ranks=2,
+    ),
+    "wheel_data": Mutant(
+        _cuda_files_left_out_of_the_wheel,
+        "the package's data files (the kernels' .cu) ship in the wheel (tests/project/test_wheel.py)",
+        ["tests/project/test_wheel.py::test_the_wheel_ships_every_file_of_the_package_and_one_version"],
     ),
     "wheel_complete": Mutant(
         _a_subpackage_left_out_of_the_wheel,
