@@ -79,22 +79,34 @@ def run_gpu_tool(*args, timeout: float = 300) -> tuple[subprocess.CompletedProce
     return done, [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def stage_source(dest: Path) -> Path:
-    """A copy of the repository's own files at `dest` (git's tracked and unignored files; everything
-    but virtual environments and build output where there is no git): what a build may read, built
-    away from the tree so that it leaves nothing there."""
+def repository_files() -> list[Path]:
+    """The repository's own files, as paths from its root: git's tracked and unignored ones; where
+    there is no git (an unpacked sdist), every file outside hidden folders, virtual environments and
+    build output."""
     git = ["git", "ls-files", "-co", "--exclude-standard", "-z"]
     listed = subprocess.run(git, cwd=ROOT, capture_output=True, text=True) if shutil.which("git") else None
     if listed is not None and listed.returncode == 0:
-        for name in filter(None, listed.stdout.split("\0")):
-            if (ROOT / name).is_file():
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / name, dest / name)
-    else:
-        skip = shutil.ignore_patterns(
-            ".git", ".venv*", ".whl", "build", "dist", "*.egg-info", "__pycache__", "out", ".*_cache"
-        )
-        shutil.copytree(ROOT, dest, ignore=skip)
+        return [Path(n) for n in listed.stdout.split("\0") if n and (ROOT / n).is_file()]
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and d not in ("build", "dist", "out", "__pycache__")
+            and not d.endswith(".egg-info")
+            and not (Path(folder) / d / "pyvenv.cfg").exists()
+        ]
+        found += [(Path(folder) / f).relative_to(ROOT) for f in files if not f.endswith(".pyc")]
+    return found
+
+
+def stage_source(dest: Path) -> Path:
+    """A copy of the repository's own files (repository_files) at `dest`: what a build may read, built
+    away from the tree so that it leaves nothing there."""
+    for name in repository_files():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
     return dest
 
 

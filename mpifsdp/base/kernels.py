@@ -1,7 +1,8 @@
 """Raw GPU kernels: what every one shares (its C types, a block-wide reduction, compiling it, its
 NumPy twin, its check at first use). Each kernel's CUDA C is a .cu file beside the module that
-launches it (ops/gpu_*.cu, optim/gpu_*.cu; here block_reduce.cu, which every kernel includes, and
-flag_nonfinite.cu, which shard/unit.py uses), read by `cuda_source`; nothing here imports CuPy.
+launches it (ops/*.cu, optim/*.cu; here block_reduce.cu, which `typed_source` puts before every
+kernel's own, and flag_nonfinite.cu, which shard/unit.py uses), read by `cuda_source`; nothing here
+imports CuPy.
 
 Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
 the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
@@ -32,7 +33,7 @@ def cuda_source(package: str, name: str) -> str:
     it ships in the wheel, and NVRTC, the CPU emulator and the compile check all read this one text."""
     from importlib.resources import files
 
-    return files(package).joinpath(name).read_text()
+    return files(package).joinpath(name).read_text(encoding="utf-8")
 
 
 SUM_GROUP = 32  # blocks a group of column_sums_done adds (BLOCK_REDUCE below)

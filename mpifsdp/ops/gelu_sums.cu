@@ -1,5 +1,6 @@
 /* GELU's backward with its gradient's column sums, and GELU with its bias by rows: launched by
-   ops/gpu_kernels.py (GELU_* defined there). */
+   ops/gpu_kernels.py, which defines A (ACC), GELU_COLUMNS, GELU_PACKS, GELU_SUMS_THREADS,
+   GELU_SUMS_AN_SM and the GELU_SIGMOID and GELU_SLOPE macros before it. */
 #define ROWS_AHEAD 2
 template <int V>
 __device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restrict__ bias,

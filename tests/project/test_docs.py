@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support import ROOT, mpiexec, run_launched
+from support import ROOT, mpiexec, repository_files, run_launched
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -144,20 +144,10 @@ def prose_of(path: Path) -> str:
     return "\n".join(docs + [t.string for t in tokens if t.type == tokenize.COMMENT])
 
 
-def repository_files() -> list[Path]:
-    """The repository's own files: none under a hidden folder (.git, .venv) or a build's output."""
-    skip = {"build", "dist", "out", "__pycache__"}
-    return [
-        p
-        for p in ROOT.rglob("*")
-        if p.is_file() and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts)
-    ]
-
-
 def test_every_file_the_docs_docstrings_and_comments_cite_exists():
     """A renamed or moved module leaves no prose pointing at the old file (the fsdp module's after the
     package split, the models' after they moved into mpifsdp/)."""
-    files = repository_files()
+    files = [ROOT / f for f in repository_files()]
     cited = [p for p in files if p.suffix in (".py", ".md") and p.name not in HISTORY]
     assert len(cited) > 150, len(cited)
     missing = missing_citations({p: prose_of(p) for p in cited}, files)
@@ -168,7 +158,7 @@ def test_a_citation_of_a_file_that_is_gone_is_found():
     planted = {
         ROOT / "mpifsdp" / "fsdp" / "model.py": "the ShardedModel (fsdp.py); ../shard/unit.py; ops/nope.py"
     }
-    assert missing_citations(planted, repository_files()) == [
+    assert missing_citations(planted, [ROOT / f for f in repository_files()]) == [
         "mpifsdp/fsdp/model.py: fsdp.py",
         "mpifsdp/fsdp/model.py: ops/nope.py",
     ]
