@@ -14,7 +14,7 @@ import os
 # launcher (README, "Speed and memory knobs"). A value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from . import moved, ops  # noqa: E402
+from . import ops  # noqa: E402
 from .autodiff import AbsentDataError, Param, Tensor, no_grad  # noqa: E402
 from .base.backend import array_module, to_device, to_numpy  # noqa: E402
 from .base.threads import set_threads  # noqa: E402
@@ -29,15 +29,12 @@ from .fsdp import (  # noqa: E402
     no_sync,
     report,
     sharded_model,
-    state_dict,
 )
 from .nn import Module, deferred_init  # noqa: E402
 from .observe import StepMetrics  # noqa: E402
 from .optim import SGD, Adam, AdamW, LossScaler, NonFiniteError  # noqa: E402
 from .planning import plan  # noqa: E402
 from .shard import Unit  # noqa: E402
-
-moved.install()  # the flat layout's module paths, for one more release (moved.py)
 
 __version__ = "0.1.0"
 
@@ -64,7 +61,6 @@ __all__ = [
     "StepMetrics",
     "full_state_dict",
     "Unit",
-    "state_dict",
     # optimizers
     "AdamW",
     "Adam",

@@ -6,7 +6,7 @@ the outermost scope of every step: input check, prefetch, end of backward. Graph
 May import: nn, ops, autodiff, shard, comm, base.
 """
 
-from .build import full_state_dict, fully_shard, no_sync, report, sharded_model, state_dict
+from .build import full_state_dict, fully_shard, no_sync, report, sharded_model
 from .graphed import GraphedPasses
 from .model import ShardedModel
 
@@ -18,5 +18,4 @@ __all__ = [
     "no_sync",
     "report",
     "sharded_model",
-    "state_dict",
 ]

@@ -8,8 +8,6 @@ report, full_state_dict.
 
 from __future__ import annotations
 
-import warnings
-
 from ..comm.communicator import Comm
 from ..nn.module import Module, initial_value
 from ..shard.unit import Unit, gathered_params
@@ -34,7 +32,6 @@ def fully_shard(
     deterministic: bool = False,
     chunk_size: int = 1,
     chunk_threads: int = 1,
-    checkpoint=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -56,7 +53,6 @@ def fully_shard(
     unit's forward keeps only its input, and its backward runs the forward again (with the same
     dropout masks) before the VJPs; its parameters are gathered for backward anyway, so no extra
     gather. Activations held drop to every unit's input plus one unit's activations during backward.
-    (`checkpoint=` is its old name: it still works, with a DeprecationWarning.)
     shard_size: hybrid sharding (HSDP). None shards over every rank; an int S (dividing the world
     size) or "node" (the ranks of one node) shards inside groups of S consecutive ranks and
     replicates across the groups: gathers and reduce-scatters stay inside a group (fast links), and
@@ -68,7 +64,6 @@ def fully_shard(
     on the count): with chunk_size, what fixes the bits; more than 1 gives a rank of many cores (one
     rank a node) its GEMMs' parallelism back.
     """
-    recompute = _renamed("checkpoint", checkpoint, "recompute", recompute, default=False)
     if sharded_model(model) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
     units = _unit_modules(model, units)
@@ -109,18 +104,6 @@ def fully_shard(
         lifecycle.release()  # from here on, parameters exist only as shards
     model._sharded = sharded
     return model
-
-
-def _renamed(old: str, old_value, new: str, new_value, default):
-    """The value of an option whose old name still works for one release, with a DeprecationWarning."""
-    if old_value is None:
-        return new_value
-    if new_value is not default:
-        raise TypeError(f"fully_shard: {old}= is the old name of {new}=: pass {new}= alone")
-    warnings.warn(
-        f"fully_shard({old}=...) is now {new}=...; {old}= goes in the next release", DeprecationWarning, 3
-    )
-    return old_value
 
 
 def _unit_modules(model: Module, units) -> list:
@@ -189,12 +172,3 @@ def full_state_dict(target) -> dict:
     raise TypeError(
         f"full_state_dict takes a Module, a Unit or a list of Units, not a {type(target).__name__}"
     )
-
-
-def state_dict(units) -> dict:
-    """Deprecated: `full_state_dict(units)`, which takes Units as it takes a model."""
-    message = (
-        "mpifsdp.state_dict(units) is now mpifsdp.full_state_dict(units); state_dict goes in the next release"
-    )
-    warnings.warn(message, DeprecationWarning, stacklevel=2)
-    return full_state_dict(list(units))

@@ -1,4 +1,4 @@
-"""Activation checkpointing (recompute.py, fully_shard(checkpoint=...)): the same numbers, less memory.
+"""Activation checkpointing (recompute.py, fully_shard(recompute=...)): the same numbers, less memory.
 
 A re-run forward performs the same operations in the same order on the same values, so checkpointed
 training is bit-identical to plain training, dropout included (its masks are replayed): the tests
@@ -131,16 +131,6 @@ def test_dropout_replay_restores_positions():
     with replay():  # rewound to where it was when replay was made
         assert np.array_equal(drop(x).data, masks[0])
     assert np.array_equal(drop(x).data, masks[2])  # and back where it was after
-
-
-def test_the_old_option_name_checkpoint_still_works_with_a_warning(comm):
-    model = _gpt()
-    with pytest.warns(DeprecationWarning, match=r"fully_shard\(checkpoint=...\) is now recompute="):
-        fully_shard(model, comm, units=model.blocks, checkpoint={model.blocks[1]: True})
-    assert [lc.recomputes for lc in sharded_model(model).lifecycles] == [False, True, False, False]
-    fresh = _gpt()
-    with pytest.raises(TypeError, match="pass recompute= alone"):
-        fully_shard(fresh, comm, units=fresh.blocks, checkpoint=True, recompute=True)
 
 
 def test_the_re_run_draws_the_same_numbers_from_the_global_generators():

@@ -217,33 +217,6 @@ def test_the_public_surface_names_every_error_class():
     assert defined and defined <= set(mpifsdp.__all__), f"not exported: {defined - set(mpifsdp.__all__)}"
 
 
-def test_the_old_module_paths_import_the_moved_modules_with_a_warning():
-    """mpifsdp.moved: an old path is the new module itself (a patch or isinstance sees what the package
-    uses), with a DeprecationWarning naming the new path; every old name maps to a module that exists."""
-    import importlib
-    import sys
-
-    import pytest
-
-    from mpifsdp.moved import MOVED
-
-    for old, homes in MOVED.items():
-        for home in homes.split():
-            assert (PACKAGE / (home.replace(".", "/") + ".py")).exists(), f"{old} -> {home}: no such module"
-    for name in ("mpifsdp.consolidated", "mpifsdp.layers"):
-        sys.modules.pop(name, None)
-    with pytest.warns(
-        DeprecationWarning, match=r"mpifsdp.consolidated moved to mpifsdp.checkpoint.consolidated"
-    ):
-        old = importlib.import_module("mpifsdp.consolidated")
-    assert old is importlib.import_module("mpifsdp.checkpoint.consolidated")
-    with pytest.warns(DeprecationWarning, match="mpifsdp.nn.module and mpifsdp.nn.layers"):
-        layers = importlib.import_module("mpifsdp.layers")
-    from mpifsdp.nn import Block, Module
-
-    assert layers.Module is Module and layers.Block is Block
-
-
 def test_only_the_backend_imports_cupy():
     """docs/design.md, Layers: base/backend.py is the one module that imports cupy or cupyx (by name
     or through importlib); every other module reaches CuPy through it."""

@@ -251,12 +251,11 @@ def test_state_dict_of_units_is_full_host_copies(comm):
 
 
 def test_full_state_dict_takes_a_unit_and_names_what_it_takes(comm):
-    """One name for a whole state: a Unit, a list of Units or a model; the old state_dict(units) warns."""
+    """One name for a whole state: a Unit, a list of Units or a model."""
     import mpifsdp
 
     a = Unit("a", {"w": np.arange(4.0)}, comm)
     assert np.array_equal(mpifsdp.full_state_dict(a)["w"], np.arange(4.0))
-    with pytest.warns(DeprecationWarning, match=r"state_dict\(units\) is now mpifsdp.full_state_dict"):
-        assert np.array_equal(mpifsdp.state_dict([a])["w"], np.arange(4.0))
+    assert np.array_equal(mpifsdp.full_state_dict([a])["w"], np.arange(4.0))
     with pytest.raises(TypeError, match="takes a Module, a Unit or a list of Units, not a dict"):
         mpifsdp.full_state_dict({"w": a})
