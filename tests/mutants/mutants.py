@@ -603,35 +603,30 @@ def _shared_dir_not_asked_for():
     _replace(support, "shared_dir", lambda comm, tmp_path: comm.broadcast_object(str(tmp_path)))
 
 
-def _a_subpackage_left_out_of_the_wheel():
-    """The package list as it once was: setuptools' discovery told to leave mpifsdp.optim out, in the
-    copy of the source the wheel test builds (the wheel then lacks it, as it lacked 12 packages)."""
+def _staged_pyproject_edited(text: str, replacement: str):
+    """The wheel test builds a copy of the source whose pyproject.toml has `text` replaced."""
     support = _support()
     staged = support.stage_source
 
-    def stage_without_optim(dest):
+    def stage_edited(dest):
         pyproject = staged(dest) / "pyproject.toml"
-        find = '[tool.setuptools.packages.find]\ninclude = ["mpifsdp*"]\n'
-        assert find in pyproject.read_text(), "the mutant's target changed: update it"
-        pyproject.write_text(pyproject.read_text().replace(find, find + 'exclude = ["mpifsdp.optim"]\n'))
+        assert text in pyproject.read_text(), "the mutant's target changed: update it"
+        pyproject.write_text(pyproject.read_text().replace(text, replacement))
         return dest
 
-    _replace(support, "stage_source", stage_without_optim)
+    _replace(support, "stage_source", stage_edited)
+
+
+def _a_subpackage_left_out_of_the_wheel():
+    """The package list as it once was: setuptools' discovery told to leave mpifsdp.optim out, in the
+    copy of the source the wheel test builds (the wheel then lacks it, as it lacked 12 packages)."""
+    find = '[tool.setuptools.packages.find]\ninclude = ["mpifsdp*"]\n'
+    _staged_pyproject_edited(find, find + 'exclude = ["mpifsdp.optim"]\n')
 
 
 def _cuda_files_left_out_of_the_wheel():
     """No package-data: the wheel ships the Python alone, and every raw kernel's .cu file is missing."""
-    support = _support()
-    staged = support.stage_source
-
-    def stage_without_package_data(dest):
-        pyproject = staged(dest) / "pyproject.toml"
-        data = '[tool.setuptools.package-data]\n"*" = ["*.cu"]\n'
-        assert data in pyproject.read_text(), "the mutant's target changed: update it"
-        pyproject.write_text(pyproject.read_text().replace(data, ""))
-        return dest
-
-    _replace(support, "stage_source", stage_without_package_data)
+    _staged_pyproject_edited('[tool.setuptools.package-data]\n"*" = ["*.cu"]\n', "")
 
 
 @dataclass
