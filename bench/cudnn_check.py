@@ -1,5 +1,5 @@
 """Build every cuDNN graph mpifsdp would run, with no GPU: the SDPA forward and backward of
-ops/gpu_attention.py (q, k and v read out of the fused projection by strides, dq, dk and dv written
+cuda/sdpa.py (q, k and v read out of the fused projection by strides, dq, dk and dv written
 into its gradient, causal), float16 and bfloat16, at the 370M GPT's shape and at a test model's,
 validated and lowered by cuDNN's own library (validate + build_operation_graph, with no device: its
 execution plans need one). One JSON line per graph, then a summary; exit 1 if one fails. Needs
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cudnn  # noqa: E402
 
-from mpifsdp.ops import gpu_attention  # noqa: E402
+from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 
 SHAPES = {"gpt370m": (8, 16, 1024, 64), "test gpt": (2, 4, 64, 16)}  # batch, heads, positions, head size
 

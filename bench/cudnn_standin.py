@@ -1,5 +1,5 @@
 """A stand-in for cuDNN Frontend's Python graphs on a CPU, beside bench/cupy_standin.py: the calls
-mpifsdp/ops/gpu_attention.py makes, with each SDPA graph's execute run as a NumPy twin on the
+mpifsdp/cuda/sdpa.py makes, with each SDPA graph's execute run as a NumPy twin on the
 memory its tensors' addresses and strides name (the stand-in's arrays are host memory). The twin
 computes as flash attention does: float32 arithmetic, the probabilities P (and dS in backward)
 rounded to the element type before their products, one log-sum-exp per row kept for backward.

@@ -180,7 +180,7 @@ def _wrapped(parts: tuple, shape: tuple) -> tuple:
 
 def _through_cupys_cublas():
     """CuPy's cuBLAS bindings (its matmul) refuse to run while the current stream captures, as CuPy
-    14's do (seen on an H200); cuBLAS's C API captures (cublas_library: base/cublas_api.py's)."""
+    14's do (seen on an H200); cuBLAS's C API captures (cublas_library: cuda/cublas_api.py's)."""
     if _current_stream().is_capturing():
         raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
 
@@ -492,14 +492,14 @@ def _event_query(ptr):
 
 
 class ElementwiseKernel:
-    """mpifsdp's own kernels (ops/gpu_kernels.py), by name, as NumPy formulas of the same math."""
+    """mpifsdp's own kernels (cuda/kernels.py), by name, as NumPy formulas of the same math."""
 
     def __init__(self, in_params, out_params, operation, name, preamble=""):
         self.name = name
 
     @on_device
     def __call__(self, *arrays):
-        from mpifsdp.ops.gpu_kernels import _C, _K
+        from mpifsdp.cuda.kernels import _C, _K
 
         _launch(self.name, arrays)
         a = [_host(x) for x in arrays]
@@ -635,11 +635,11 @@ class _Nccl:
         pass
 
 
-# cuBLAS's C API as base/cublas_api.py calls it through ctypes, on host addresses: the column-major
+# cuBLAS's C API as cuda/cublas_api.py calls it through ctypes, on host addresses: the column-major
 # product cublasGemmEx computes, in float32 (CUBLAS_COMPUTE_32F) or float64, and its workspace rule.
 def _cuda_dtype(code: int):
     from mpifsdp.base.checks import bfloat16
-    from mpifsdp.base.cublas_api import DATA_TYPES
+    from mpifsdp.cuda.cublas_api import DATA_TYPES
 
     name = {c: n for n, c in DATA_TYPES.items()}[code]
     return bfloat16() if name == "bfloat16" else np.dtype(name)
@@ -654,7 +654,7 @@ def _column_major(address: int, dtype, rows: int, cols: int, ld: int) -> np.ndar
 
 
 def cublas_library():
-    """libcublas's functions that base/cublas_api.py calls. As in cuBLAS, a handle runs on cuBLAS's own
+    """libcublas's functions that cuda/cublas_api.py calls. As in cuBLAS, a handle runs on cuBLAS's own
     workspace until one is set, and cublasSetStream puts it back there; cuBLAS allocates its own at
     a stream's first GEMM, which a capturing stream refuses (CaptureError)."""
     has_workspace = {}  # handle -> whether one of ours is set

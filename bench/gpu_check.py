@@ -36,9 +36,9 @@ import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
+from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
-from mpifsdp.ops import gpu_attention  # noqa: E402
 from mpifsdp.planning.planner import gpt_activation_bytes, gpt_loss_gradient_bytes  # noqa: E402
 
 SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
@@ -392,7 +392,8 @@ def columns(args):
     several counts of thread blocks (the adding blocks' share grows with them); the row kernels
     without column sums beside them (layer_norm_forward, gelu_bias_rows)."""
     from mpifsdp.base import kernels
-    from mpifsdp.ops import gpu_kernels, gpu_layer_norm
+    from mpifsdp.cuda import kernels as gpu_kernels
+    from mpifsdp.cuda import layer_norm as gpu_layer_norm
 
     xp = mpifsdp.array_module(args.device)
     synchronize = synchronizer(xp)
@@ -461,7 +462,7 @@ def _gemm_variants(a, t, w, m: int, k: int) -> dict:
     through gemm_into, against CuPy's float16 product cast after); with one more K row from a padded
     operand (a bias folded into the forward GEMM: an odd K) and one more M row (the backward's weight
     and bias gradients in one GEMM: an odd M)."""
-    from mpifsdp.ops.gpu_gemm import gemm_into
+    from mpifsdp.cuda.gemm import gemm_into
 
     xp = mpifsdp.base.backend.array_module_of(a)
     n = w.shape[1]

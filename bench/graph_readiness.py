@@ -40,7 +40,7 @@ import gpu_budget  # noqa: E402
 
 # where the batch (token ids, positions; targets with their valid count) is copied from the host: a
 # graph's static inputs
-BATCH_COPIES = ("ops/primitives.py:_embedding", "ops/gpu_cross_entropy.py:targets_with_count")
+BATCH_COPIES = ("cuda/fused.py:_embedding", "cuda/cross_entropy.py:targets_with_count")
 
 
 def _batch_copy(launch) -> bool:

@@ -31,7 +31,7 @@ import mpifsdp.ops  # noqa: E402, F401 - registers every kernel family
 import mpifsdp.optim  # noqa: E402, F401 - and AdamW's
 from mpifsdp.base import kernels  # noqa: E402
 from mpifsdp.base.checks import bfloat16  # noqa: E402
-from mpifsdp.ops import gpu_kernels  # noqa: E402
+from mpifsdp.cuda import kernels as gpu_kernels  # noqa: E402
 
 ARCHES = ("sm_80", "sm_90")
 DTYPES = (np.float16, bfloat16().type, np.float32, np.float64)  # bfloat16: ml_dtypes', as CuPy takes it

@@ -23,7 +23,7 @@ import mpifsdp
 from mpifsdp.base import kernels
 from mpifsdp.base.backend import to_numpy
 from mpifsdp.base.checks import bfloat16
-from mpifsdp.ops import gpu_attention
+from mpifsdp.cuda import sdpa as gpu_attention
 
 B, T, HEADS, HEAD = 2, 64, 4, 16
 
@@ -89,8 +89,8 @@ def model_shape_checks() -> dict:
 def main() -> int:
     with_cudnn = "cudnn" in sys.modules
     said = []
-    logging.getLogger("mpifsdp.ops.gpu_attention").addHandler(logging.Handler())
-    logging.getLogger("mpifsdp.ops.gpu_attention").handlers[-1].emit = lambda r: said.append(r.getMessage())
+    logging.getLogger("mpifsdp.cuda.sdpa").addHandler(logging.Handler())
+    logging.getLogger("mpifsdp.cuda.sdpa").handlers[-1].emit = lambda r: said.append(r.getMessage())
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * HEADS * HEAD)).astype(np.float16)
     g = rng.standard_normal((B, T, HEADS * HEAD)).astype(np.float16)

@@ -290,8 +290,8 @@ def the_devices_peak_over_the_plan() -> float:
 
 def _workspace_bytes() -> int:
     """cuBLAS's and cuDNN's workspaces alive: fixed sizes, not the model's."""
-    from mpifsdp.base import cublas_api
-    from mpifsdp.ops import gpu_attention
+    from mpifsdp.cuda import cublas_api
+    from mpifsdp.cuda import sdpa as gpu_attention
 
     spaces = [w for handle in cublas_api._HANDLES.values() for w in handle.workspaces.values()]
     return sum(w.nbytes for w in spaces + [gpu_attention.workspace()] if w is not None)
@@ -392,20 +392,21 @@ def failed_backward_leaves_nothing_bound_ahead() -> bool:
     (UnitLifecycle.bind_grads_ahead), leaves no unit holding a gradient (a kept one would be taken
     for earlier micro-batches' sum and added to), and the next backward gives the gradients of a
     model that never failed, to the bit."""
-    from mpifsdp.autodiff.tensor import PRIMITIVES
+    from mpifsdp.autodiff.tensor import ON_DEVICE
 
     model, xp, sharded = _sharded_gpt("cuda")
     x, y = (xp.asarray(a) for a in random_batch(CONFIG, 4, seed=0))
-    attention = PRIMITIVES["attention_qkv"]
+    key = ("attention_qkv", "cuda")  # the GPU's implementation (the device seam)
+    attention = ON_DEVICE[key]
 
     def fails(*args, **kwargs):
         raise ValueError("a VJP failed")
 
-    PRIMITIVES["attention_qkv"] = dataclasses.replace(attention, vjp=fails)
+    ON_DEVICE[key] = dataclasses.replace(attention, vjp=fails)
     try:
         loss = model(x, y)
     finally:
-        PRIMITIVES["attention_qkv"] = attention
+        ON_DEVICE[key] = attention
     try:
         loss.backward()
         return False

@@ -9,12 +9,12 @@ extended with (new primitives, scopes, gradient checks). Submodules with a job o
 import os
 
 # OpenBLAS's idle threads spin for 2**28 cycles after each GEMM, on the cores the elementwise kernels
-# between GEMMs then run on (measured: 6-9 % of the peer-config step on 2 cores). OpenBLAS reads this
+# between GEMMs then run on (a few % of the peer-config step: bench/HISTORY.md). OpenBLAS reads this
 # once, when NumPy loads it: it takes effect when mpifsdp is imported before NumPy, or set by the
 # launcher (README, "Speed and memory knobs"). A value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-from . import ops  # noqa: E402
+from . import cuda, ops  # noqa: E402, F401  (cuda: the GPU implementations, registered)
 from .autodiff import AbsentDataError, Param, Tensor, no_grad  # noqa: E402
 from .base.backend import array_module, to_device, to_numpy  # noqa: E402
 from .base.threads import set_threads  # noqa: E402

@@ -15,13 +15,14 @@ its data gave the reason). The tape itself (nodes, no_grad, scopes, backward) is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..base import deferred
-from ..base.backend import array_module_of, host_values, to_numpy
+from ..base.backend import array_module_of, device_kind, host_values, to_numpy
 from ..base.checks import is_floating
 from .tape import Node, active_scopes, backward, grad_enabled, nodes_in_reverse_order, timed
 
@@ -39,7 +40,13 @@ class Primitive:
     bias_input: Callable | None = None  # (settings, number of inputs) -> the index of the bias, or None
 
 
-PRIMITIVES: dict[str, Primitive] = {}
+PRIMITIVES: dict[str, Primitive] = {}  # the reference implementations (NumPy's arithmetic, any device)
+# [Note: the device seam] A primitive may have, beside its reference, an implementation of its own
+# for a device (mpifsdp/cuda/ registers the GPU's: its kernels and their fusions), the way mpi4jax
+# lowers one operation per platform. `apply` picks it by the device of the primitive's first input;
+# no operation, layer or model asks which device it runs on.
+ON_DEVICE: dict[tuple[str, str], Primitive] = {}
+FUSIONS: dict[tuple[str, str], dict] = {}  # (name, device) -> the fusions that implementation offers
 
 
 def primitive(
@@ -85,6 +92,34 @@ def primitive(
         return PRIMITIVES[name]
 
     return register
+
+
+def implement(name: str, device: str, vjp: Callable | None = None, fusions: dict | None = None, **flags):
+    """Decorator registering `forward` as primitive `name`'s implementation on `device` ('cuda'), with
+    its own `vjp` (else the reference's) and flags (the reference's, updated by `flags`: a device's
+    VJP may take more, see `primitive`). fusions: what this implementation offers beyond the
+    reference, by name (`fusion` answers a layer that asks before it passes such a setting)."""
+
+    def register(forward):
+        reference = PRIMITIVES[name]
+        if (name, device) in ON_DEVICE:
+            raise ValueError(f"primitive {name!r} has an implementation on {device!r} already")
+        own = dataclasses.replace(reference, forward=forward, vjp=vjp or reference.vjp, **flags)
+        ON_DEVICE[name, device], FUSIONS[name, device] = own, dict(fusions or {})
+        return own
+
+    return register
+
+
+def implementation(name: str, array) -> Primitive:
+    """Primitive `name` as it runs on the device holding `array`: that device's own, else the reference."""
+    return ON_DEVICE.get((name, device_kind(array)), PRIMITIVES[name])
+
+
+def fusion(name: str, which: str, array):
+    """What primitive `name`'s implementation on the device holding `array` registered as fusion
+    `which` (a value, a class, a predicate), or None: the reference offers none."""
+    return FUSIONS.get((name, device_kind(array)), {}).get(which)
 
 
 class ArrayMeta:
@@ -327,9 +362,9 @@ def _same_error(exc: Exception, message: str) -> Exception | None:
 
 def apply(name: str, *args, **settings) -> Tensor:
     """Run primitive `name` on `args` (Tensors, arrays or scalars) and record it when grads are needed."""
-    prim = PRIMITIVES[name]
     like = next((a for a in args if isinstance(a, Tensor)), None)
     inputs = tuple(as_tensor(a, like) for a in args)
+    prim = implementation(name, inputs[0].data)  # the device seam
     float_dtypes = {t.dtype for t in inputs if is_floating(t.dtype)}
     if len(float_dtypes) > 1:  # numpy would silently promote, and gradients would change dtype
         raise TypeError(

@@ -62,6 +62,11 @@ def array_module_of(array):
     return np
 
 
+def device_kind(array) -> str:
+    """'cpu' or 'cuda': which implementation of an operation runs on `array` (autodiff's device seam)."""
+    return CPU if array_module_of(array) is np else "cuda"
+
+
 def device_of(array) -> str:
     if array_module_of(array) is np:
         return CPU
@@ -157,7 +162,7 @@ def nccl():
 
 @functools.cache
 def cublas_library():
-    """libcublas as CuPy loaded it, for base/cublas_api.py's ctypes calls: CuPy's handle is made first,
+    """libcublas as CuPy loaded it, for cuda/cublas_api.py's ctypes calls: CuPy's handle is made first,
     which maps the library into this process, and it is found by its path there."""
     _cupy().cuda.device.get_cublas_handle()
     try:

@@ -40,7 +40,7 @@ template <int N> __device__ __forceinline__ void block_sums(ACC (&v)[N]) {
 }
 /* PACK elements in one 16-byte load or store (Pack<PACK>), where a row's length and its pointers
    allow (packs_fit); Pack<1>: one element, for any row. A thread that loads several rows' packs
-   before using any keeps that many loads in flight: the H200 needs ~30 KB in flight an SM. */
+   before using any keeps that many loads in flight (a GPU needs tens of KB in flight an SM). */
 constexpr int PACK = 16 / sizeof(ELEM);
 template <int V> struct alignas(sizeof(ELEM) * V) Pack { ELEM v[V]; };
 __device__ __forceinline__ bool packs_fit(const void* p) { return ((size_t)p & 15) == 0; }
@@ -70,7 +70,7 @@ template <int V> __device__ __forceinline__ void load_past_l1(const ACC* p, ACC 
    (out may be the first row). A thread takes V columns at a time, `ahead` rows' loads in flight
    before it adds them: one block adds a group's partials, so its loads in flight bound its time
    (one column of 16 rows a thread at a time, before: the two adding phases were an estimated
-   half of layer_norm_backward's 89 us a call on an H200). */
+   half of layer_norm_backward's time, bench/HISTORY.md). */
 template <int V>
 __device__ void add_rows_by(const ACC* rows, ACC* out, const int C, const int count, const int step) {
     constexpr int ahead = 16;
@@ -105,8 +105,8 @@ __device__ void add_rows(const ACC* rows, ACC* out, const int C, const int count
     else add_rows_by<1>(rows, out, C, count, step);
 }
 /* Column sums across the grid's blocks, in two levels, so that no one block adds them all (one
-   block adding 512 blocks' partials was the slowest kernel of an H200 step: layer_norm_backward
-   0.55 ms a call, ~25 times its traffic's time). Every block has written its partials: `planes`
+   block adding 512 blocks' partials was the slowest kernel of the step, ~25 times its traffic's
+   time: bench/HISTORY.md). Every block has written its partials: `planes`
    planes of (gridDim.x, C), one after another. Blocks form groups of SUM_GROUP, in block order; the
    last of a group to finish adds its group's rows, in block order, into the group's first row; the
    last group to finish returns true, and then writes the totals with sum_over_groups (the groups'

@@ -71,8 +71,8 @@ def set_threads(threads: int | str | None = "auto", ranks_on_node: int = 1) -> i
 # -- elementwise work split across this rank's threads ---------------------------------------------
 # NumPy runs each elementwise op on one thread, so between GEMMs the other BLAS threads of a rank sit
 # idle. A row-wise kernel split into one block per thread runs in parallel: NumPy releases the GIL
-# inside its loops. Blocks are few and large on purpose (measured here: 4 KiB-row blocks made GELU
-# 2x slower through GIL hand-offs; one block per thread made it 1.4x faster at 2 threads).
+# inside its loops. Blocks are few and large on purpose: small blocks lose to GIL hand-offs, one
+# block per thread wins (bench/HISTORY.md).
 
 MIN_PARALLEL_ELEMENTS = 1 << 18  # below this, splitting costs more than it gains
 _workers: int | None = None
@@ -135,8 +135,8 @@ def for_row_blocks(n_rows: int, row_elements: int, work, calls_blas: bool = Fals
 @contextlib.contextmanager
 def one_blas_thread():
     """BLAS on one thread inside: GEMMs called from several threads at once, each also starting BLAS's
-    own threads, oversubscribe the cores (measured here: blocked attention at T = 1024 on 2 threads
-    took 1.27-1.51 s per forward and backward, 0.29-0.49 s with BLAS on one thread per block)."""
+    own threads, oversubscribe the cores (blocked attention ran several times slower so:
+    bench/HISTORY.md)."""
     global _controller
     if _controller is None:
         from threadpoolctl import ThreadpoolController

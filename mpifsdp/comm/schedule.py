@@ -30,8 +30,8 @@ from . import presence
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
-# A wait tests without sleeping this long first: a sleep costs ~100 us here, many times a small
-# collective whose ranks arrive together (measured: a 2-int exchange 280 us with sleeps at once).
+# A wait tests without sleeping this long first: a sleep costs many times a small collective whose
+# ranks arrive together (bench/HISTORY.md).
 SPIN_S = 2e-4
 _OP_WORDS = {
     "all_gather": "gather",
@@ -94,7 +94,7 @@ _DTYPE_NAMES: dict = {}
 
 
 def _dtype_name(dtype) -> str:
-    """str(dtype), cached: NumPy builds the name anew on every call (~15 us, per collective)."""
+    """str(dtype), cached: NumPy builds the name anew on every call (once per collective)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)

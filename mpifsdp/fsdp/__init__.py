@@ -3,7 +3,7 @@ each unit's stages in a step are a UnitLifecycle (lifecycle.py), and the Sharded
 the outermost scope of every step: input check, prefetch, end of backward. GraphedPasses
 (graphed.py) replays a step's forward and backward from one CUDA graph.
 
-May import: nn, ops, autodiff, shard, comm, base.
+May import: nn, cuda (cuDNN's workspace, cuBLAS's streams: graphed.py), ops, autodiff, shard, comm, base.
 """
 
 from .build import full_state_dict, fully_shard, no_sync, report, sharded_model

@@ -1,8 +1,8 @@
 """A sharded model's forward and backward replayed from one CUDA graph: GraphedPasses.
 
-Why: Python issues a GPU step's ~590 launches one call at a time, 50-70 ms of host work a step on
-the stand-in (bench/gpu_budget.py, host_ms_per_step): more than the 370M model's whole step at the
-issue's target (42.6 ms). A graph issues the passes' launches, collectives included, as one.
+Why: Python issues a GPU step's hundreds of launches one call at a time, more host work a step than
+the 370M model's whole step on the device (bench/gpu_budget.py host_ms_per_step; bench/HISTORY.md).
+A graph issues the passes' launches, collectives included, as one.
 
     graphed = mpifsdp.GraphedPasses(model, passes)  # passes(*batch): forward and backward
     for x, y in batches:
@@ -34,11 +34,11 @@ import contextlib
 import numpy as np
 
 from ..autodiff.tensor import Tensor
-from ..base import backend, cublas_api, deferred
+from ..base import backend, deferred
 from ..base.backend import array_module_of, host_value
 from ..base.checks import finfo
+from ..cuda import cublas_api, sdpa
 from ..nn.layers import Dropout
-from ..ops import gpu_attention
 from .build import sharded_model
 
 
@@ -119,7 +119,7 @@ class GraphedPasses:
                 graph = stream.end_capture()  # (a pass that raised leaves no graph to replay)
         self._graph, self._outputs = graph, outputs
         self._after, self._checks = _host_state(self._sharded), deferred.since(mark)
-        self._collectives, self._kept = noted, (pool, stream, gpu_attention.workspace())
+        self._collectives, self._kept = noted, (pool, stream, sdpa.workspace())
 
     def _launch(self):
         """Replay the graph on the current stream; the optimizer's verdict waits for it."""
@@ -297,7 +297,7 @@ def _bound(elements: int, units) -> float:
     elements * float32's eps (an embedding's gradient rows: one term per batch element). cuDNN's
     attention backward accumulates so too, and a reordered sum then rounded to a 16-bit type can
     round the other way: one eps of that type, which flows on into every gradient computed from it,
-    at most once per unit on its path (on an H200, a bfloat16 24-layer GPT's last unit: 0.004). A
+    at most once per unit on its path (a bfloat16 24-layer GPT's last unit: bench/HISTORY.md). A
     value the capture froze that should have changed is off by far more."""
     computed_in = max(float(finfo(unit.param_dtype).eps) for unit in units)
     return elements * float(np.finfo(np.float32).eps) + len(units) * computed_in

@@ -10,8 +10,7 @@ import math
 import numpy as np
 
 from .. import ops
-from ..base.backend import array_module_of
-from ..ops import fused
+from ..autodiff.tensor import fusion
 from .module import Module, constant_param, normal_param
 
 
@@ -148,13 +147,15 @@ class MLP(Module):
         return project_into(residual, self.c_proj, self.drop, h, gelu_input=True, seed=seed)
 
     def _bias_in_gelu(self, x, residual) -> bool:
-        """Where c_fc's bias goes into the GELU of c_proj's linear_add (fused.adds_bias_in_gelu):
-        both linears plain ones with biases, the dropout off, a residual to add into."""
+        """Where c_fc's bias goes into the GELU of c_proj's linear_add: where linear_add's
+        implementation on x's device offers it (a GPU: a launch less; the CPU keeps x + b in place
+        in c_fc instead, no temporary), both linears plain ones with biases, the dropout off, a
+        residual to add into."""
         plain = all(
             fusable(linear, Linear) and linear.bias is not None for linear in (self.c_fc, self.c_proj)
         )
         fits = plain and residual is not None and self.drop.inactive()
-        return fits and fused.adds_bias_in_gelu(array_module_of(x.data))
+        return fits and fusion("linear_add", "gelu_bias", x.data) is not None
 
 
 class CausalSelfAttention(Module):
@@ -223,7 +224,7 @@ def fusable(module: Module, cls: type) -> bool:
 def norm_then_linear(norm: LayerNorm, x, weight, bias=None, transpose_w: bool = False, seed=None):
     """linear(norm(x), weight, bias): one op (layer_norm_linear: norm's output recomputed in backward,
     not stored) where norm is fusable, else norm's own call first (a tied head's weight, say). seed:
-    a fused.Seed its LayerNorm kernel writes (branch_seed)."""
+    what its LayerNorm kernel writes on a device that offers it (branch_seed)."""
     if fusable(norm, LayerNorm):
         return ops.layer_norm_linear(
             x, norm.weight, norm.bias, weight, bias, eps=norm.eps, transpose_w=transpose_w, seed=seed
@@ -250,13 +251,15 @@ def _closes_in_linear_add(linear: Linear, dropout: Dropout) -> bool:
 
 
 def branch_seed(norm: LayerNorm | None, x, residual, linear: Linear, dropout: Dropout):
-    """A fused.Seed for a block's branch residual + dropout(linear(... norm(x) ...)) on a GPU: its
-    LayerNorm kernel writes x + linear's bias, and linear's GEMM adds into that (no launch for the
-    add). None elsewhere: the CPU, a residual other than x, a LayerNorm or a close not fused."""
+    """The seed of a block's branch residual + dropout(linear(... norm(x) ...)), where the LayerNorm's
+    implementation on x's device offers one (a GPU's, cuda/fused.py Seed: its LayerNorm kernel
+    writes x + linear's bias, and linear's GEMM adds into that, a launch less). None elsewhere: the
+    reference, a residual other than x, a LayerNorm or a close not fused."""
     fuses = norm is not None and residual is x and fusable(norm, LayerNorm)
-    if not (fuses and _closes_in_linear_add(linear, dropout)):
+    seed = fusion("layer_norm_linear", "seed", x.data)
+    if seed is None or not (fuses and _closes_in_linear_add(linear, dropout)):
         return None
-    return fused.Seed(linear.bias) if fused.seeds_residuals(array_module_of(x.data)) else None
+    return seed(linear.bias)
 
 
 def project_into(residual, linear: Linear, dropout: Dropout, x, gelu_input: bool = False, seed=None):

@@ -1,8 +1,8 @@
 """The differentiable operations: `mpifsdp.ops.<name>` is the functional API (functional.py) and the
 loss with its collective (loss.py). Underneath: the primitives, each forward next to its VJP
-(primitives.py), the fused transformer kernels (fused.py), causal attention (causal_attention.py) and
-their GPU kernels (gpu_kernels.py, gpu_layer_norm.py, gpu_cross_entropy.py; cuDNN's attention:
-gpu_attention.py).
+(primitives.py), the fused transformer primitives (fused.py) and causal attention
+(causal_attention.py): the reference implementations, NumPy's arithmetic. A GPU runs its own,
+registered by mpifsdp/cuda/ (the device seam: autodiff/tensor.py's `implementation`).
 
 May import: autodiff, base.
 """

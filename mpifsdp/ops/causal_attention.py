@@ -2,20 +2,18 @@
 
 Up to ATTENTION_BLOCK positions the (B, nh, T, T) probabilities are built whole inside the op and
 recomputed in its VJP; longer sequences run block by block with an online softmax (flash-style), so
-no (T, T) array exists and memory grows with T, not T². On the CPU both split their heads across
-this rank's threads (fused.by_rows), each block running its GEMMs with BLAS on one thread, and their
-softmax passes run over cache-sized pieces.
+no (T, T) array exists and memory grows with T, not T². Both split their heads across this rank's
+threads (fused.by_rows), each block running its GEMMs with BLAS on one thread, and their softmax
+passes run over cache-sized pieces. The reference implementation; a GPU runs its own
+(mpifsdp/cuda/attention.py: cuDNN's fused attention, else these passes with its softmax kernels).
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from ..autodiff.tensor import primitive
 from ..base.backend import array_module_of
-from . import gpu_attention, gpu_kernels
 from .fused import by_rows, row_slices
 
 
@@ -24,39 +22,42 @@ def swap_last(a):
     return a.swapaxes(-1, -2)
 
 
-def matmul_into(xp, a, b, out):
-    """out[...] = a @ b; on the CPU written in place, also into a strided view (a head of the fused
-    projection), with no temporary."""
-    if xp is np:
-        np.matmul(a, b, out=out)
-    else:
-        out[...] = a @ b
-
-
-def _probabilities(xp, q, k, scale):
-    """softmax(q k^T * scale + causal mask) on (B, heads, T, T), built in place."""
-    T = q.shape[-2]
-    scores = q @ swap_last(k)
-    s3 = scores.reshape(-1, T, T)
-    if xp is not np and gpu_kernels.causal_softmax_(s3, scale):
-        return scores
-    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=scores.dtype), k=1)  # no looking ahead
-    for a, b in row_slices(xp, 0, s3.shape[0], T * T):
+def causal_softmax_(s3, scale):
+    """s3 (heads, T, T) <- softmax(s3 * scale + causal mask), in place."""
+    xp, T = array_module_of(s3), s3.shape[-1]
+    causal = xp.triu(xp.full((T, T), -xp.inf, dtype=s3.dtype), k=1)  # no looking ahead
+    for a, b in row_slices(0, s3.shape[0], T * T):
         s = s3[a:b]
         s *= scale
         s += causal
         s -= s.max(axis=-1, keepdims=True)
         xp.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
+
+
+def softmax_backward_(gs3, att3, scale):
+    """gs3 (heads, T, T): d probabilities <- d scores = att (gatt - rowsum(gatt att)) scale, in place."""
+    for a, b in row_slices(0, gs3.shape[0], gs3.shape[-1] ** 2):
+        d, p = gs3[a:b], att3[a:b]
+        d -= (d * p).sum(axis=-1, keepdims=True)
+        d *= p
+        d *= scale
+
+
+def _probabilities(q, k, scale):
+    """softmax(q k^T * scale + causal mask) on (B, heads, T, T), built in place."""
+    T = q.shape[-2]
+    scores = q @ swap_last(k)
+    causal_softmax_(scores.reshape(-1, T, T), scale)
     return scores
 
 
-def _by_heads(xp, q, work):
+def _by_heads(q, work):
     """work(i, lo, hi) over blocks of heads (axis 1 of (B, heads, T, hs)), in parallel on the CPU with
     BLAS on one thread per block: one head's GEMMs (T x hs) are too small for BLAS's own threads to
     pay, and the softmax passes between them then run in parallel too."""
     B, heads, T = q.shape[:3]
-    by_rows(xp, heads, B * T * T, work, calls_blas=True)
+    by_rows(heads, B * T * T, work, calls_blas=True)
 
 
 def _whole_attention(q, k, v, scale):
@@ -68,9 +69,9 @@ def _whole_attention(q, k, v, scale):
 
     def work(i, lo, hi):
         h = slice(lo, hi)
-        matmul_into(xp, _probabilities(xp, q[:, h], k[:, h], scale), v[:, h], out[:, h])
+        xp.matmul(_probabilities(q[:, h], k[:, h], scale), v[:, h], out=out[:, h])  # written in place
 
-    _by_heads(xp, q, work)
+    _by_heads(q, work)
     return out
 
 
@@ -83,37 +84,24 @@ def _attention_vjp(g, q, k, v, scale, grads):
 
     def work(i, lo, hi):
         h = slice(lo, hi)
-        att = _probabilities(xp, q[:, h], k[:, h], scale)
-        matmul_into(xp, swap_last(att), g[:, h], gv[:, h])
+        att = _probabilities(q[:, h], k[:, h], scale)
+        xp.matmul(swap_last(att), g[:, h], out=gv[:, h])
         gs = g[:, h] @ swap_last(v[:, h])  # d att, turned into d scores in place
-        gs3, att3 = gs.reshape(-1, T, T), att.reshape(-1, T, T)
-        if xp is np or not gpu_kernels.softmax_backward_(gs3, att3, scale):
-            for a, b in row_slices(xp, 0, gs3.shape[0], T * T):  # att (gatt - rowsum(gatt att))
-                d, p = gs3[a:b], att3[a:b]
-                d -= (d * p).sum(axis=-1, keepdims=True)
-                d *= p
-                d *= scale
-        matmul_into(xp, gs, k[:, h], gq[:, h])
-        matmul_into(xp, swap_last(gs), q[:, h], gk[:, h])
+        softmax_backward_(gs.reshape(-1, T, T), att.reshape(-1, T, T), scale)
+        xp.matmul(gs, k[:, h], out=gq[:, h])
+        xp.matmul(swap_last(gs), q[:, h], out=gk[:, h])
 
-    _by_heads(xp, q, work)
+    _by_heads(q, work)
 
 
 ATTENTION_BLOCK = 256  # queries and keys per block when T is longer: memory O(T * block) per head
-# On a GPU each block pair costs a dozen kernel launches and small GEMMs, and memory is plentiful:
-# blocks of 1024 positions there (GPT-2's whole context in one block).
-GPU_ATTENTION_BLOCK = 1024
-
-
-def attention_block(xp) -> int:
-    return ATTENTION_BLOCK if xp is np else GPU_ATTENTION_BLOCK
 
 
 def _attention_vjp_of(g, saved, q, k, v, scale=None, grads=None):
     """(d q, d k, d v), written into `grads` where given (three arrays of q's shape)."""
     xp = array_module_of(g)
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if saved is not None:  # past attention_block: the blocked path's own arrays, copied where asked
+    if saved is not None:  # past the block: the blocked path's own arrays, copied where asked
         blocked = _blocked_attention_vjp(g, saved, q, k, v, scale)
         for grad, value in zip(grads or (), blocked):
             grad[...] = value
@@ -123,16 +111,20 @@ def _attention_vjp_of(g, saved, q, k, v, scale=None, grads=None):
     return grads
 
 
-def _causal_attention(q, k, v, scale=None):
-    """Causal scaled dot-product attention on (B, nh, T, hs). Up to ATTENTION_BLOCK positions it keeps
+def attention_in_blocks(q, k, v, scale, block: int):
+    """Causal scaled dot-product attention on (B, nh, T, hs). Up to `block` positions it keeps
     nothing beyond q, k, v (backward recomputes the (B, nh, T, T) probabilities, which exist only
     inside this op and its VJP); longer sequences run block by block (flash-style) and keep the
-    output and one log-sum-exp per row, so no (T, T) array exists at all."""
-    scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-2] <= attention_block(array_module_of(q)):
+    output, one log-sum-exp per row and the block size, so no (T, T) array exists at all."""
+    if q.shape[-2] <= block:
         return _whole_attention(q, k, v, scale), None
-    out, lse = _blocked_attention(q, k, v, scale)
-    return out, (out, lse)
+    out, lse = _blocked_attention(q, k, v, scale, block)
+    return out, (out, lse, block)
+
+
+def _causal_attention(q, k, v, scale=None):
+    """attention_in_blocks of ATTENTION_BLOCK positions."""
+    return attention_in_blocks(q, k, v, scale or 1.0 / math.sqrt(q.shape[-1]), ATTENTION_BLOCK)
 
 
 primitive("attention", vjp=_attention_vjp_of)(_causal_attention)
@@ -146,8 +138,6 @@ def split_heads(qkv, n_head: int):
 
 def _attention_qkv_vjp(g, saved, qkv, n_head, scale=None):
     """The three head gradients written into one (B, T, 3C) array (no zero-filled slices to sum)."""
-    if isinstance(saved, gpu_attention.Saved):
-        return (gpu_attention.backward(g, saved, qkv),)
     xp = array_module_of(qkv)
     B, T, C = g.shape
     g_heads = g.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
@@ -158,24 +148,26 @@ def _attention_qkv_vjp(g, saved, qkv, n_head, scale=None):
     return (gqkv,)
 
 
+def qkv_scale(qkv, n_head: int, scale):
+    """The scale (default 1/sqrt(head size)), once the projection is checked to split into heads."""
+    C3 = qkv.shape[-1]
+    if C3 % (3 * n_head):
+        raise ValueError(f"attention_qkv: {C3} features are not 3 x {n_head} heads of equal size")
+    return scale or 1.0 / math.sqrt(C3 // (3 * n_head))
+
+
 @primitive("attention_qkv", vjp=_attention_qkv_vjp)
 def _attention_qkv(qkv, n_head, scale=None):
     """Causal attention from the fused q/k/v projection (B, T, 3C) to the heads' outputs side by side
     (B, T, C). The heads are views of the projection, so no slicing, reshape or transpose of q, k and
     v is recorded, and backward returns one (B, T, 3C) gradient."""
     B, T, C3 = qkv.shape
-    if C3 % (3 * n_head):
-        raise ValueError(f"attention_qkv: {C3} features are not 3 x {n_head} heads of equal size")
-    scale = scale or 1.0 / math.sqrt(C3 // (3 * n_head))
-    graphs = gpu_attention.graphs_for(qkv, n_head, scale) if qkv.flags.c_contiguous else None
-    if graphs is not None:  # a GPU with cuDNN: one fused launch, no (T, T) scores
-        return gpu_attention.forward(graphs, qkv, n_head)
+    scale = qkv_scale(qkv, n_head, scale)
     y, saved = _causal_attention(*split_heads(qkv, n_head), scale)
     return y.transpose(0, 2, 1, 3).reshape(B, T, C3 // 3), saved
 
 
-def _blocks(xp, T: int):
-    block = attention_block(xp)
+def _blocks(T: int, block: int):
     return [(start, min(start + block, T)) for start in range(0, T, block)]
 
 
@@ -188,7 +180,7 @@ def _causal_scores(xp, qb, kb, q0: int, k0: int):
     return s
 
 
-def _blocked_attention(q, k, v, scale):
+def _blocked_attention(q, k, v, scale, block):
     """(out, lse): each query block against the key blocks at or before it, with an online softmax
     (running max m, normaliser l and output, rescaled as each key block arrives)."""
     xp = array_module_of(q)
@@ -197,12 +189,12 @@ def _blocked_attention(q, k, v, scale):
     out, lse = xp.empty_like(q3), xp.empty(q3.shape[:2], dtype=q.dtype)
 
     def work(i, lo, hi):
-        for q0, q1 in _blocks(xp, T):
+        for q0, q1 in _blocks(T, block):
             qb = q3[lo:hi, q0:q1] * scale
             m = xp.full((hi - lo, q1 - q0, 1), -xp.inf, dtype=q.dtype)
             l = xp.zeros_like(m)
             acc = xp.zeros((hi - lo, q1 - q0, hs), dtype=q.dtype)
-            for k0, k1 in _blocks(xp, q1):
+            for k0, k1 in _blocks(q1, block):
                 s = _causal_scores(xp, qb, k3[lo:hi, k0:k1], q0, k0)
                 m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
                 s -= m_new
@@ -215,7 +207,7 @@ def _blocked_attention(q, k, v, scale):
             out[lo:hi, q0:q1] = acc / l
             lse[lo:hi, q0:q1] = (m + xp.log(l))[..., 0]
 
-    by_rows(xp, q3.shape[0], T * hs, work, calls_blas=True)
+    by_rows(q3.shape[0], T * hs, work, calls_blas=True)
     return out.reshape(q.shape), lse
 
 
@@ -223,18 +215,18 @@ def _blocked_attention_vjp(g, saved, q, k, v, scale):
     """Flash-attention's backward: per block pair, p = exp(s - lse) recomputed, then
     dv += p^T g, ds = p (g v^T - rowsum(g o)) scale, dq += ds k, dk += ds^T q."""
     xp = array_module_of(q)
-    out, lse = saved
+    out, lse, block = saved
     T, hs = q.shape[-2:]
     q3, k3, v3, g3 = (a.reshape(-1, T, hs) for a in (q, k, v, g))
     delta = (g3 * out.reshape(-1, T, hs)).sum(axis=-1)  # rowsum(g o), (heads, T)
     dq, dk, dv = xp.zeros_like(q3), xp.zeros_like(k3), xp.zeros_like(v3)
 
     def work(i, lo, hi):
-        for q0, q1 in _blocks(xp, T):
+        for q0, q1 in _blocks(T, block):
             qb, gb = q3[lo:hi, q0:q1], g3[lo:hi, q0:q1]
             qs = qb * scale
             rows = (lse[lo:hi, q0:q1, None], delta[lo:hi, q0:q1, None])
-            for k0, k1 in _blocks(xp, q1):
+            for k0, k1 in _blocks(q1, block):
                 kb, vb = k3[lo:hi, k0:k1], v3[lo:hi, k0:k1]
                 p = _causal_scores(xp, qs, kb, q0, k0)
                 p -= rows[0]
@@ -247,5 +239,5 @@ def _blocked_attention_vjp(g, saved, q, k, v, scale):
                 dq[lo:hi, q0:q1] += ds @ kb
                 dk[lo:hi, k0:k1] += swap_last(ds) @ qb
 
-    by_rows(xp, q3.shape[0], T * hs, work, calls_blas=True)
+    by_rows(q3.shape[0], T * hs, work, calls_blas=True)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

@@ -21,11 +21,17 @@ def linear(x, weight, bias=None, transpose_w=False, gelu_input=False) -> Tensor:
 def linear_add(
     x, weight, bias, residual, transpose_w=False, gelu_input=False, gelu_bias=None, seed=None
 ) -> Tensor:
-    """residual + linear(x, weight, bias) as one op: on a GPU the bias and the residual are added to
-    the GEMM's output in one pass, or the GEMM adds into them where a LayerNorm wrote them into
-    `seed` (fused.Seed). gelu_bias (with gelu_input): the input is gelu(x + gelu_bias)."""
+    """residual + linear(x, weight, bias) as one op. gelu_bias (with gelu_input): the input is
+    gelu(x + gelu_bias). seed: where a device's implementation offers one (nn/layers.py
+    branch_seed), the output begun by the LayerNorm before it."""
     inputs = (x, weight, bias, residual) + (() if gelu_bias is None else (gelu_bias,))
-    return apply("linear_add", *inputs, transpose_w=transpose_w, gelu_input=gelu_input, seed=seed)
+    settings = dict(transpose_w=transpose_w, gelu_input=gelu_input) | _given(seed=seed)
+    return apply("linear_add", *inputs, **settings)
+
+
+def _given(**settings) -> dict:
+    """The settings that are not None: a device's own ones, which the reference does not take."""
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def relu(x) -> Tensor:
@@ -56,12 +62,11 @@ def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:
 def layer_norm_linear(
     x, ln_weight, ln_bias, weight, bias=None, eps=1e-5, transpose_w=False, seed=None
 ) -> Tensor:
-    """linear(layer_norm(x)) as one op: the normalized x is recomputed in backward, not stored. seed
-    (a fused.Seed, on a GPU): the LayerNorm kernel also writes x + seed's bias there."""
+    """linear(layer_norm(x)) as one op: the normalized x is recomputed in backward, not stored. seed:
+    where a device's implementation offers one (nn/layers.py branch_seed), it writes there too."""
     args = [a for a in (x, ln_weight, ln_bias, weight, bias) if a is not None]
-    settings = dict(
-        ln_bias=ln_bias is not None, bias=bias is not None, eps=eps, transpose_w=transpose_w, seed=seed
-    )
+    settings = dict(ln_bias=ln_bias is not None, bias=bias is not None, eps=eps, transpose_w=transpose_w)
+    settings |= _given(seed=seed)
     return apply("layer_norm_linear", *args, **settings)
 
 

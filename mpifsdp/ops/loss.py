@@ -13,9 +13,8 @@ import contextvars
 
 import numpy as np
 
-from ..autodiff.tensor import Tensor, apply, as_tensor
+from ..autodiff.tensor import Tensor, apply, as_tensor, fusion
 from ..base.backend import array_module_of
-from . import gpu_cross_entropy
 
 
 def cross_entropy(logits, targets, ignore_index=-1) -> Tensor:
@@ -43,11 +42,10 @@ def _valid_count(targets, ignore_index: int):
 
 
 def _read_as_they_are(logits, targets) -> bool:
-    """Whether the GPU's cross-entropy kernel takes these float16 logits directly (it computes in
-    float32: a float32 copy of the step's largest array is not needed)."""
-    if array_module_of(logits) is np or not logits.flags.c_contiguous:
-        return False
-    return gpu_cross_entropy.usable(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Whether the device's cross-entropy takes these 16-bit logits directly (a GPU's kernel computes
+    in float32: a float32 copy of the step's largest array is not needed)."""
+    reads = fusion("cross_entropy", "16-bit logits", logits)
+    return reads is not None and reads(logits, targets)
 
 
 _count_share = contextvars.ContextVar("count_share", default=None)

@@ -259,21 +259,21 @@ def _out_of_range(ends, rows: int) -> str:
     return f"embedding index out of range: indices span [{low}, {high}] but the table has {rows} rows"
 
 
-@primitive("embedding", vjp=_embedding_vjp)
-def _embedding(w, idx):
-    """w[idx]. Host (NumPy) indices into a GPU table are checked on the host and copied once (kept
-    for backward): the check reads nothing back from the device; device indices are checked there,
-    read with the step's verdict (base/deferred.py)."""
+def check_indices(w, idx):
+    """Integer indices within w's rows; indices on a device are checked there, read with the step's
+    verdict (base/deferred.py): the check reads nothing back of its own."""
     if idx.dtype.kind not in "iu":
         raise TypeError(f"embedding indices must be integers, got {idx.dtype}")
     if idx.size:
         ends = array_module_of(idx).stack([idx.min(), idx.max()])
         message = lambda: _out_of_range(host_values(ends, "an input check"), w.shape[0])  # noqa: E731
         deferred.check((ends[0] < 0) | (ends[1] >= w.shape[0]), IndexError, message)
-    xp = array_module_of(w)
-    if xp is not np and array_module_of(idx) is np:
-        idx = xp.asarray(idx)
-        return w[idx], idx
+
+
+@primitive("embedding", vjp=_embedding_vjp)
+def _embedding(w, idx):
+    """w[idx] (the indices checked first)."""
+    check_indices(w, idx)
     return w[idx], None
 
 

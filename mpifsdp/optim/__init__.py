@@ -3,7 +3,7 @@ the non-finite policy (flat_optimizer.py), one step's arithmetic of AdamW, Adam 
 (optimizers.py), and the float16 loss scaler (scaler.py). Every update is local to the rank's shards
 (the step exchanges a few numbers: the global gradient norm, the schedule check, a GPU's verdict).
 
-May import: autodiff, shard, base (its own GPU kernels: gpu_adamw.py, gpu_norm.py). Never the FSDP
+May import: cuda (the GPU update and norm: cuda/adamw.py, cuda/norm.py), autodiff, shard, base. Never the FSDP
 runtime: a sharded model is recognised by `Module._sharded`, and a list of Units is taken as it is.
 """
 

@@ -17,8 +17,8 @@ import numpy as np
 from ..autodiff.tensor import Param
 from ..base import deferred
 from ..base.backend import array_module_of, host_values
+from ..cuda import norm as gpu_norm
 from ..shard.exact import exact_squared_norm
-from . import gpu_norm
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class FlatOptimizer:
 
     def _sum_of_squares(self, grads) -> float:
         """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU every
-        group's sum of squares comes from one kernel (gpu_norm.py, else a dot a group), read at once
+        group's sum of squares comes from one kernel (cuda/norm.py, else a dot a group), read at once
         with the gathers' overflow flags and summed on the host: one host sync, the step's verdict."""
         if not grads:
             return 0.0

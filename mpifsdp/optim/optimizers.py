@@ -9,7 +9,7 @@ import numpy as np
 from ..base.backend import array_module_of
 from ..base.checks import is_finite_at_least, refuse_invalid
 from ..base.threads import for_row_blocks
-from . import gpu_adamw
+from ..cuda import adamw as gpu_adamw
 from .flat_optimizer import FlatOptimizer, NonFiniteError
 
 __all__ = ["SGD", "Adam", "AdamW", "NonFiniteError", "adamw_update"]

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base.checks import refuse_below
+from ..cuda import attention as gpu_attention
+from ..cuda import fused as gpu_fused
 from ..fsdp.partition import owned_params
 from ..nn.module import Module
 from ..ops import causal_attention as attention
-from ..ops import fused
 
 
 @dataclass(frozen=True)
@@ -65,27 +66,26 @@ def _padded(numel: int, shard_size: int) -> int:
 def gpt_activation_bytes(
     config, batch: int, itemsize: int, recompute: bool = False, device: str = "cpu"
 ) -> int:
-    """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block
-    10 B·T·C values (no LayerNorm output on the CPU: layer_norm_linear recomputes it; a GPU keeps
-    both, 12: fused.keeps_norm_output, the first padded with a ones column where the qkv bias's
-    gradient comes out of its weight's GEMM: fused.folded_row_length) and 4 per token (LayerNorm
-    statistics), and past the attention block (256 positions on the CPU, 1024 on a GPU:
-    ops/causal_attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
-    keeps them); outside them the final LayerNorm's input (and on a GPU its output), the logits,
-    and per token two statistics and the log-sum-exp; on the CPU a one-byte mask per token, on a
-    GPU the int64 device copies of the host batch (token ids, and targets with their valid count)
-    and positions. Checkpointed blocks keep only their input (B·T·C). Equal to
-    autodiff.graph_nbytes (tests/unit/planning/test_planner.py; on a GPU's branches, sharded,
-    bench/standin_checks.py)."""
+    """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block 10 B·T·C
+    values (no LayerNorm output on the CPU: layer_norm_linear recomputes it; a GPU keeps both, 12:
+    cuda/fused.py, the first padded with a ones column where the qkv bias's gradient comes out of its
+    weight's GEMM: folded_row_length there) and 4 per token (LayerNorm statistics), and past the
+    attention block (256 positions on the CPU, 1024 on a GPU: ops/causal_attention.py,
+    cuda/attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
+    keeps them); outside them the final LayerNorm's input (and on a GPU its output), the logits, and per
+    token two statistics and the log-sum-exp; on the CPU a one-byte mask per token, on a GPU the int64
+    device copies of the host batch (token ids, and targets with their valid count) and positions.
+    Checkpointed blocks keep only their input (B·T·C). Equal to autodiff.graph_nbytes
+    (tests/unit/planning/test_planner.py; on a GPU's branches, sharded, bench/standin_checks.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     refuse_below("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
     B, T, C, H = batch, config.block_size, config.n_embd, config.n_head
     gpu = device != "cpu"
-    whole = attention.GPU_ATTENTION_BLOCK if gpu else attention.ATTENTION_BLOCK
+    whole = gpu_attention.BLOCK if gpu else attention.ATTENTION_BLOCK
     norm_outputs = 2 * B * T * C if gpu else 0  # one a layer_norm_linear
     if gpu and config.bias:  # the qkv bias gradient from its weight GEMM: the LayerNorm output padded
-        norm_outputs += B * T * (fused.folded_row_length(C) - C)
+        norm_outputs += B * T * (gpu_fused.folded_row_length(C) - C)
     block = 10 * B * T * C + norm_outputs + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
     per_block = B * T * C if recompute else block
     outside = B * T * C + (B * T * C if gpu else 0) + B * T * config.vocab_size + 3 * B * T
@@ -95,7 +95,7 @@ def gpt_activation_bytes(
 
 def gpt_loss_gradient_bytes(config, batch: int, itemsize: int) -> int:
     """The loss's gradient as backward starts, the logits' (B·T·vocab): alive beside every activation
-    the tape keeps, and the largest of backward's temporaries (0.5 GiB of an H200's 370M GPT step)."""
+    the tape keeps, and the largest of backward's temporaries (bench/HISTORY.md: the 370M GPT's)."""
     refuse_below("gpt_loss_gradient_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
     return batch * config.block_size * config.vocab_size * itemsize
 

@@ -227,7 +227,7 @@ class Unit:
             if keep_cast and send is not self._shard and self.xp is not np:
                 self._kept_cast = send
             if self._gathers_nothing(send):
-                self.full = send  # the whole cast: one rank's gather would copy it, 2 ms of a 370M step
+                self.full = send  # the whole cast: one rank's gather would copy it (bench/HISTORY.md)
                 if not checked:
                     self._check_representable(self.full)
                 return
@@ -385,7 +385,7 @@ class Unit:
     def _grad_is_whole(self) -> bool:
         """Whether the full gradient can be the gradient shard itself: one rank on a GPU (no replicas),
         a shard holding no gradient, all of one dtype. Its reduction is then nothing (one rank's
-        reduce-scatter copies: 0.7 ms of the 370M step on an H200) and no buffer is taken; the CPU
+        reduce-scatter copies, bench/HISTORY.md) and no buffer is taken; the CPU
         keeps its one-rank collectives, ledger and schedule as at any N."""
         one = self.comm.size == 1 and self.replicas is None and self.xp is not np
         dtypes = {np.dtype(self.full_grad_dtype), np.dtype(self.reduce_dtype), self._grad.dtype}

@@ -106,7 +106,7 @@ def _sums_grouped_by_thread():
     from mpifsdp.base import threads
     from mpifsdp.ops import fused
 
-    _replace(fused, "sum_group", lambda xp, rows, row_elements: -(-rows // threads.elementwise_threads()))
+    _replace(fused, "sum_group", lambda rows, row_elements: -(-rows // threads.elementwise_threads()))
 
 
 def _single_block_blas_free():
@@ -516,7 +516,7 @@ def _cublas_on_its_own_workspaces():
     first GEMM, which a capturing stream refuses."""
     import ctypes
 
-    from mpifsdp.base import cublas_api
+    from mpifsdp.cuda import cublas_api
 
     def on_current_stream(self):
         stream = self.xp.cuda.get_current_stream().ptr
@@ -529,7 +529,7 @@ def _cublas_on_its_own_workspaces():
 
 
 def _gemms_through_cupys_matmul():
-    from mpifsdp.ops import gpu_gemm
+    from mpifsdp.cuda import gemm as gpu_gemm
 
     _replace(gpu_gemm, "matmul", lambda a, b: a @ b)
 
@@ -538,7 +538,7 @@ def _attention_check_without_its_floor():
     import numpy as np
 
     from mpifsdp.base.checks import finfo
-    from mpifsdp.ops import gpu_attention
+    from mpifsdp.cuda import sdpa as gpu_attention
 
     def error_bound(dtype, T):
         return 8 * float(finfo(dtype).eps) + 2 * T * float(np.finfo(np.float32).eps), 0.0

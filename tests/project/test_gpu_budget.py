@@ -67,7 +67,7 @@ def test_the_gpu_steps_host_syncs_and_launches_do_not_grow(comm):
     # the qkv bias folded into its GEMM as one more row of the weight, against a ones column the
     # first LayerNorm pads its output with (no add forward, no column sum backward: the weight
     # gradient's GEMM gives it), and each branch's closing projection accumulating into the residual
-    # plus its bias, which the branch's LayerNorm kernel wrote on its way (fused.Seed): 24.6; the
+    # plus its bias, which the branch's LayerNorm kernel wrote on its way (cuda/fused.py Seed): 24.6; the
     # stand-in's asarray returning a device array of the asked dtype as it is, as CuPy's does (it
     # counted a copy): 24.5; the loss scale a device scalar (no copy of it a step) and the overflow
     # flags' tokens a constant (their device array copied once): 24.4 (budget: 25)
@@ -91,7 +91,7 @@ def test_what_a_cuda_graph_of_the_step_would_freeze_is_found_and_does_not_grow(c
     ready = _last_json_line(BENCH / "graph_readiness.py")
     assert ready["same_sequence"] and ready["launches"] > 0, ready
     per_step = ready["per_step_values"]
-    assert "optimizer host-to-device copy at optim/gpu_adamw.py:_launch_groups" in per_step, per_step
+    assert "optimizer host-to-device copy at cuda/adamw.py:_launch_groups" in per_step, per_step
     assert sum(per_step.values()) <= 2 and sum(ready["host_to_device_copies"].values()) <= 4, ready
     assert not [name for name in per_step if not name.startswith("optimizer ")], per_step
     assert ready["host_syncs_in_step"] <= 1 and ready["forward_backward_capturable"], ready

@@ -14,8 +14,11 @@ import pytest
 from mpifsdp.base import kernels as base_kernels
 from mpifsdp.base.checks import bfloat16
 from mpifsdp.base.kernels import comparable, typed_source
-from mpifsdp.ops import gpu_cross_entropy, gpu_kernels, gpu_layer_norm
-from mpifsdp.optim import gpu_adamw, gpu_norm
+from mpifsdp.cuda import adamw as gpu_adamw
+from mpifsdp.cuda import cross_entropy as gpu_cross_entropy
+from mpifsdp.cuda import kernels as gpu_kernels
+from mpifsdp.cuda import layer_norm as gpu_layer_norm
+from mpifsdp.cuda import norm as gpu_norm
 
 from support import ROOT
 

@@ -5,7 +5,7 @@ not compile fails here, not at a user's first step on a device."""
 import pytest
 
 from mpifsdp.base import kernels
-from mpifsdp.ops import gpu_kernels
+from mpifsdp.cuda import kernels as gpu_kernels
 
 from support import ROOT, run_gpu_tool
 

@@ -177,13 +177,19 @@ def _doubled_vjp(g, _, x, pending=(None,), sums_into=None):
 
 @pytest.fixture
 def doubled():
-    """The primitives test_doubled (adds the pending gradient) and test_doubled_alone (does not),
+    """The primitives test_doubled (adds the pending gradient) and test_doubled_alone (does not), and
+    test_linear (the reference linear that names its bias: bias_input, as a GPU's linear does),
     registered for one test (the registry is the process's)."""
     for name, pending in (("test_doubled", True), ("test_doubled_alone", False)):
         register = primitive(name, vjp=_doubled_vjp, takes_pending=pending, gives_column_sums=True)
         register(lambda x: (2.0 * x, None))
+    linear = PRIMITIVES["linear"]
+    bias_input = lambda settings, inputs: 2 if inputs > 2 else None  # noqa: E731
+    primitive("test_linear", linear.vjp, takes_needs=True, takes_into=True, bias_input=bias_input)(
+        linear.forward
+    )
     yield
-    del PRIMITIVES["test_doubled"], PRIMITIVES["test_doubled_alone"]
+    del PRIMITIVES["test_doubled"], PRIMITIVES["test_doubled_alone"], PRIMITIVES["test_linear"]
 
 
 def _bias_grad(zeroed: bool, squared: str, doubling: str):
@@ -195,7 +201,7 @@ def _bias_grad(zeroed: bool, squared: str, doubling: str):
     w, b = Param(rng.normal(size=(3, 5)), "w"), Param(rng.normal(size=5), "b")
     if zeroed:
         b.grad, b.grad_is_zero = np.zeros(5), True
-    h = ops.linear(x, w, b)
+    h = apply("test_linear", x, w, b)
     terms = [apply(doubling, h).sum()]
     if squared:
         terms.insert(0 if squared == "before" else 1, (h * h).sum())

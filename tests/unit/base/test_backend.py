@@ -78,7 +78,7 @@ def test_a_required_gpu_that_is_missing_raises_with_its_cause(monkeypatch):
 
 
 def test_the_cublas_library_is_found_by_its_path_in_the_memory_map():
-    """base/cublas_api.py calls the libcublas CuPy loaded, found in /proc/self/maps: its path alone,
+    """cuda/cublas_api.py calls the libcublas CuPy loaded, found in /proc/self/maps: its path alone,
     once, and not cuBLASLt's (whose name shares the prefix)."""
     maps = [
         "7f00-7f10 r--p 00000000 08:01 1 /site/nvidia/cublas/lib/libcublasLt.so.13\n",

@@ -6,9 +6,9 @@ import pytest
 import mpifsdp
 from mpifsdp import Tensor
 from mpifsdp.autodiff.tensor import Param
+from mpifsdp.cuda import fused as gpu_fused
 from mpifsdp.extend import check_grad
 from mpifsdp.nn.layers import MLP, Block, CausalSelfAttention, Embedding, LayerNorm, Linear, norm_and_project
-from mpifsdp.ops import fused
 
 F64 = dict(dtype=np.float64)
 
@@ -184,12 +184,12 @@ def test_a_subclass_with_its_own_forward_still_sees_the_normalized_input():
 
 
 def test_a_seed_is_taken_once_and_only_for_the_residual_and_bias_it_was_written_from():
-    """fused.Seed: a projection's GEMM adds into the array the LayerNorm kernel wrote x + bias into
+    """cuda/fused.py Seed: a projection's GEMM adds into the array the LayerNorm kernel wrote x + bias into
     only where its residual is that x and its bias that bias; taken, the seed is empty (a stale
     sum is never added twice, or to another residual)."""
     bias, other_bias = Param(np.zeros(4), name="b"), Param(np.ones(4), name="b2")
     x, other_x = np.zeros((2, 4)), np.zeros((2, 4))
-    seed = fused.Seed(bias)
+    seed = gpu_fused.Seed(bias)
     array, bias_array = seed.target(x)
     assert array.shape == x.shape and bias_array is bias.data
     assert seed.take(x, bias.data) is None  # nothing written yet
@@ -201,5 +201,5 @@ def test_a_seed_is_taken_once_and_only_for_the_residual_and_bias_it_was_written_
     seed.written(array, x, bias_array)
     assert seed.take(x, bias.data) is array
     assert seed.take(x, bias.data) is None  # once
-    assert fused.Seed(Param(np.zeros(3), name="c")).target(x) is None  # another width
-    assert fused.Seed(Param(np.zeros(4, np.float32), name="d")).target(x) is None  # another type
+    assert gpu_fused.Seed(Param(np.zeros(3), name="c")).target(x) is None  # another width
+    assert gpu_fused.Seed(Param(np.zeros(4, np.float32), name="d")).target(x) is None  # another type

@@ -6,7 +6,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
+import mpifsdp.cuda.attention as gpu_attention
 import mpifsdp.ops.causal_attention as attention
+from mpifsdp.autodiff.tensor import implementation
 from mpifsdp.extend import PRIMITIVES, check_vjp
 
 ATTENTION = PRIMITIVES["attention"]
@@ -25,13 +27,14 @@ def _qkv(T, heads=(2, 3), hs=8, seed=0):
 def test_blocked_attention_equals_the_one_block_path(monkeypatch, xp):
     q, k, v = (xp.asarray(a) for a in _qkv(50))  # 50 = 3 blocks of 16 and a partial one
     g = xp.asarray(np.random.default_rng(1).standard_normal(q.shape))
-    want, _ = ATTENTION.forward(q, k, v)
-    want_grads = ATTENTION.vjp(g, None, q, k, v)
+    op = implementation("attention", q)  # the reference, or the device's own
+    want, _ = op.forward(q, k, v)
+    want_grads = op.vjp(g, None, q, k, v)
     monkeypatch.setattr(attention, "ATTENTION_BLOCK", 16)
-    monkeypatch.setattr(attention, "GPU_ATTENTION_BLOCK", 16)
-    got, saved = ATTENTION.forward(q, k, v)
+    monkeypatch.setattr(gpu_attention, "BLOCK", 16)
+    got, saved = op.forward(q, k, v)
     assert saved is not None  # the blocked path ran
-    got_grads = ATTENTION.vjp(g, saved, q, k, v)
+    got_grads = op.vjp(g, saved, q, k, v)
     # Both sum the same terms in another order: each output is a weighted sum over <= T terms, so the
     # difference is bounded by T float64 roundings of the largest term (|values| <= max|v| or max|g|).
     bound = 50 * np.finfo(np.float64).eps * 4 * float(max(abs(v).max(), abs(g).max()))

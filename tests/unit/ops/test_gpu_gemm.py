@@ -1,4 +1,4 @@
-"""cuBLAS's gemmEx as ops/gpu_gemm.py calls it (16-bit operands into a float32 product, any float
+"""cuBLAS's gemmEx as cuda/gemm.py calls it (16-bit operands into a float32 product, any float
 type into its own, written or added to out) on host memory, through bench/cupy_standin.py's
 column-major gemmEx: the operand layouts and leading dimensions it hands cuBLAS give the product,
 and its check at first use names a GEMM that computes it wrong."""
@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifsdp.base import cublas_api, kernels
-from mpifsdp.ops import gpu_gemm
+from mpifsdp.base import kernels
+from mpifsdp.cuda import cublas_api
+from mpifsdp.cuda import gemm as gpu_gemm
 
 sys.path.insert(0, str(Path(__file__).parents[3] / "bench"))
 import cupy_standin  # noqa: E402
@@ -116,7 +117,7 @@ def test_the_gemm_refuses_what_it_cannot_write(cublas, a, b, out, error):
 
 def test_a_gemm_that_ignores_what_out_held_is_named_at_first_use(cublas, monkeypatch):
     """A cuBLAS call that writes the product over out where it should add to it (beta taken as 0:
-    a projection would lose its residual and bias, fused.Seed) is caught by the probe."""
+    a projection would lose its residual and bias, cuda/fused.py Seed) is caught by the probe."""
     right = cublas.cublasGemmEx
 
     def beta_zero(*args):

@@ -1,4 +1,4 @@
-"""The fused GPU kernels (gpu_kernels.py) against their NumPy twins: GELU, its gradient, the two at
+"""The fused GPU kernels (mpifsdp/cuda/kernels.py) against their NumPy twins: GELU, its gradient, the two at
 once, and the AdamW update. On a machine without a GPU these run the NumPy path against the same
 float64 formulas, so they check the reference the GPU kernels are held to."""
 
@@ -54,13 +54,29 @@ def test_gelu_kernels_match_the_float64_formula(device, xp, dtype):
         err = np.abs(to_numpy(got).astype(np.float64).reshape(-1) - want)
         assert np.all(err <= bound + tiny), f"worst error / bound: {np.max(err / (bound + tiny)):.3g}"
 
+    gelu_of, grad_of, both_into = _gelu_as_run_on(device)
     with np.errstate(over="ignore"):  # exp(-w) overflows to inf for very negative x: sigmoid 0
-        close(fused.gelu_array(x), gelu, gelu_bound)
-        close(fused._gelu_grad(g, x), grad, grad_bound)
+        close(gelu_of(x), gelu, gelu_bound)
+        close(grad_of(g, x), grad, grad_bound)
         h, gh = xp.empty_like(x), g.copy()
-        fused._in_chunks(fused._gelu_and_grad_into, h, gh, x)
+        both_into(h, gh, x)
     close(h, gelu, gelu_bound)
     close(gh, grad, grad_bound)
+
+
+def _gelu_as_run_on(device: str):
+    """(gelu, its gradient, both at once into h and gh) as `device` runs them: the GPU's kernels
+    (mpifsdp/cuda/), or the reference's passes in chunks."""
+    if device == "cuda":
+        from mpifsdp.cuda import fused as gpu_fused
+        from mpifsdp.cuda import kernels
+
+        return gpu_fused.gelu_array, gpu_fused._gelu_grad, kernels.gelu_and_grad_into
+    return (
+        fused.gelu_array,
+        fused._gelu_grad,
+        lambda h, gh, x: fused._in_chunks(fused._gelu_and_grad_into, h, gh, x),
+    )
 
 
 def test_adamw_update_matches_its_float64_formula(device, xp):

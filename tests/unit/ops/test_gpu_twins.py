@@ -9,7 +9,10 @@ import pytest
 
 from mpifsdp.base import kernels
 from mpifsdp.base.backend import to_numpy
-from mpifsdp.ops import fused, gpu_cross_entropy, gpu_kernels, gpu_layer_norm
+from mpifsdp.cuda import cross_entropy as gpu_cross_entropy
+from mpifsdp.cuda import kernels as gpu_kernels
+from mpifsdp.cuda import layer_norm as gpu_layer_norm
+from mpifsdp.ops import fused
 
 # float64 twins against float64 NumPy passes: both are a few roundings of sums over C terms
 F64 = float(np.finfo(np.float64).eps)
@@ -39,7 +42,7 @@ def test_the_layer_norm_twins_compute_fused_layer_norm(bias):
     )
     for got, want in ((out, want_out), (m, mean), (r, rstd)):
         _close(got, want, C)
-    # 2: a ones column after the output, in rows ld apart; 4: the seed x + seed_bias (fused.Seed);
+    # 2: a ones column after the output, in rows ld apart; 4: the seed x + seed_bias (cuda/fused.py Seed);
     # 8: the next linear's bias in every row of its (n, N) output
     ld, seed_bias, next_bias = C + 8, rng.normal(0, 1, C), rng.normal(0, 1, 3 * C)
     padded, seed, biased = np.full((n, ld), np.nan), np.empty((n, C)), np.empty((n, 3 * C))
@@ -265,9 +268,9 @@ def test_a_gathers_cast_sets_the_flag_where_a_master_outgrows_the_type(monkeypat
 
 
 def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
-    """optim/gpu_adamw.py's twin against the CPU's adamw_update (decay segments, a folded unscale and
+    """cuda/adamw.py's twin against the CPU's adamw_update (decay segments, a folded unscale and
     clip written back into the gradient), float64."""
-    from mpifsdp.optim import gpu_adamw
+    from mpifsdp.cuda import adamw as gpu_adamw
     from mpifsdp.optim.optimizers import adamw_update
 
     rng = np.random.default_rng(9)
@@ -287,7 +290,7 @@ def test_the_adamw_twin_computes_adamw_update_with_its_gradient_scale():
 
 
 def test_the_adamw_probe_passes_with_the_twin_as_kernel():
-    from mpifsdp.optim import gpu_adamw
+    from mpifsdp.cuda import adamw as gpu_adamw
 
     _probe_passes(lambda dtype: gpu_adamw._probe(np, dtype, _as_kernel("adamw_step")))
 
@@ -297,7 +300,7 @@ def test_every_groups_adamw_step_in_one_launch_is_each_groups_step():
     segments and hyperparameters) as its first-use probe sees it, with its twin as the kernel:
     each group's p, g, m and v as adamw_step's twin leaves them (two groups, one of several pieces
     and two decay segments, one shorter than a piece and none)."""
-    from mpifsdp.optim import gpu_adamw
+    from mpifsdp.cuda import adamw as gpu_adamw
 
     _probe_passes(lambda dtype: gpu_adamw._probe_groups(np, dtype, _as_kernel("adamw_groups")))
 
@@ -309,7 +312,7 @@ def test_adamw_groups_casts_the_updated_masters_and_flags_an_overflow(cast):
     """adamw_groups with a cast (the next gather's param_dtype, written as it updates float32
     masters), as its probe sees it with the twin as kernel: the cast is the updated masters' within
     a rounding, and the flag holds the token where a master beyond float16 overflowed it only."""
-    from mpifsdp.optim import gpu_adamw
+    from mpifsdp.cuda import adamw as gpu_adamw
 
     results = gpu_adamw._probe_groups(np, np.float32, _as_kernel("adamw_groups"), np.dtype(cast))
     for what, got, want, bound in results:
@@ -319,9 +322,9 @@ def test_adamw_groups_casts_the_updated_masters_and_flags_an_overflow(cast):
 
 
 def test_the_sum_of_squares_twins_compute_every_vectors_sum_of_squares():
-    """optim/gpu_norm.py's two twins (pieces of each vector, then each vector's pieces added) on
+    """cuda/norm.py's two twins (pieces of each vector, then each vector's pieces added) on
     vectors of unequal lengths, one spanning several pieces, against float64 dots; and its probe."""
-    from mpifsdp.optim import gpu_norm
+    from mpifsdp.cuda import norm as gpu_norm
 
     rng = np.random.default_rng(12)
     vectors = [rng.normal(0, 1, n) for n in (2 * gpu_norm.PIECE + 3, 1, gpu_norm.PIECE - 1)]

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-import mpifsdp.ops.fused as fused
+import mpifsdp.cuda.fused as gpu_fused
 from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff.tensor import graph_nbytes
 from mpifsdp.data import rank_slice
@@ -110,12 +110,12 @@ def test_activation_bytes_on_a_gpu_differ_from_the_cpus_by_what_each_keeps():
     cfg = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8)
     B, T, C, H, L = 2, cfg.block_size, cfg.n_embd, cfg.n_head, cfg.n_layer
     attention_kept = L * (B * T * C + B * H * T)
-    norms_kept = (2 * L + 1) * B * T * C + L * B * T * (fused.folded_row_length(C) - C)
+    norms_kept = (2 * L + 1) * B * T * C + L * B * T * (gpu_fused.folded_row_length(C) - C)
     indices = 8 * (2 * B * T + T + 1) - B * T  # the targets' copy ends with their valid count
     cpu, gpu = (gpt_activation_bytes(cfg, 2, 8, device=d) for d in ("cpu", "cuda"))
     assert cpu - gpu == 8 * (attention_kept - norms_kept) - indices
     unbiased = GPTConfig(vocab_size=37, block_size=300, n_layer=2, n_head=2, n_embd=8, bias=False)
-    padding = 8 * L * B * T * (fused.folded_row_length(C) - C)  # no bias to fold
+    padding = 8 * L * B * T * (gpu_fused.folded_row_length(C) - C)  # no bias to fold
     assert (
         gpt_activation_bytes(cfg, 2, 8, device="cuda") - gpt_activation_bytes(unbiased, 2, 8, device="cuda")
         == padding

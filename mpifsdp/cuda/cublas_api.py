@@ -1,7 +1,7 @@
-"""cuBLAS's C API through ctypes, for the GEMMs of ops/gpu_gemm.py.
+"""cuBLAS's C API through ctypes, for the GEMMs of cuda/gemm.py.
 
 CuPy's cuBLAS bindings refuse every call while a stream captures a CUDA graph (CuPy 14: "calling
-cuBLAS API during stream capture is currently unsupported", met on an H200 by fsdp/graphed.py),
+cuBLAS API during stream capture is currently unsupported", met by fsdp/graphed.py),
 though cuBLAS itself captures as long as it allocates nothing meanwhile. So the GEMMs call the
 libcublas CuPy loaded (backend.cublas_library) on a handle of ours, which runs on every stream with
 a workspace of ours: cuBLAS then allocates none, and a graph that captured a GEMM finds its
@@ -15,8 +15,8 @@ import ctypes
 
 import numpy as np
 
-from . import backend
-from .kernels import device_address
+from ..base import backend
+from ..base.kernels import device_address
 
 # cuBLAS's and CUDA's enumerations (cublas_api.h, library_types.h)
 OP_N, OP_T = 0, 1

@@ -1,6 +1,6 @@
 """Fused passes as single CuPy kernels: the GPU twins of fused.py's GELU and of causal_attention.py's
 causal softmax and its backward (base/kernels.py: what every raw kernel shares; AdamW's kernel is
-optim/gpu_adamw.py; gpu_layer_norm.py and gpu_cross_entropy.py hold the LayerNorm and
+adamw.py; layer_norm.py and cross_entropy.py hold the LayerNorm and
 cross-entropy kernels).
 
 On the CPU those run as several NumPy passes over cache-sized chunks; on a GPU each pass is a kernel
@@ -98,7 +98,7 @@ def gelu_into(out, x):
 def gelu_bias_into(out, x, b):
     """out = gelu(x + b), b broadcast over x's rows: the raw row kernel where x, b and out are
     contiguous and of one type (CuPy's elementwise kernel indexes a broadcast b by a division an
-    element: 3.8 ms of the 370M model's H200 step), else the elementwise kernel."""
+    element: bench/HISTORY.md), else the elementwise kernel."""
     if not _gelu_bias_rows_into(out, x, b):
         _run("gelu_bias", x, b, out)
 
@@ -175,12 +175,11 @@ def add_bias_residual_(y, b, r):
 # with no reduction launch of its own, written in the arithmetic's type (the gradient buffer's on a
 # GPU: float32 for 16-bit). A thread block takes a run of rows; each thread a pack of columns at a
 # time (16 bytes where the rows allow), ROWS_AHEAD rows' loads in flight before it computes, its
-# columns' partial sums in registers (one per element a row, in shared memory, and scalar loads:
-# 0.32 ms a call on the H200, ~7 times its traffic's time); the blocks' partials are added in the
-# same launch, in two levels (base/kernels.py column_sums_done).
-# blocks: 3 an SM (its __launch_bounds__), one wave: on an H200 at the 370M step's shape (8192 rows of
-# 4096) 396 blocks took 96 us a call, 264 108, 512 115, 1024 108 (gpu_check.py columns); 512 where
-# the device's count is not known
+# columns' partial sums in registers (one per element a row, in shared memory, and scalar loads, was
+# ~7 times its traffic's time); the blocks' partials are added in the same launch, in two levels
+# (base/kernels.py column_sums_done).
+# blocks: 3 an SM (its __launch_bounds__), one wave, the fastest of the counts timed (gpu_check.py
+# columns; bench/HISTORY.md); 512 where the device's count is not known
 GELU_SUMS_THREADS, GELU_SUMS_AN_SM, GELU_SUMS_BLOCKS = 256, 3, 512
 GELU_SUMS_SOURCE = cuda_source(__package__, "gelu_sums.cu")
 GELU_COLUMNS, GELU_PACKS, GELU_ROWS_THREADS, GELU_ROWS_MAX_Y = 4, 2, 256, 65535  # gelu_bias_rows' launch

@@ -1,5 +1,5 @@
 /* Every group's sum of squares for the step's gradient norm, in two launches: launched by
-   optim/gpu_norm.py (PIECE defined there). */
+   cuda/norm.py (PIECE defined there). */
 extern "C" __global__ void squares_by_piece(const long long* table, const int vectors, ACC* partial) {
     /* table: the vectors' addresses, their lengths, their first pieces (vectors + 1 of them), then
        their dtype (for the twin: its place in TABLE_DTYPES); block b sums the squares of piece
@@ -20,7 +20,7 @@ extern "C" __global__ void sum_pieces(const ACC* partial, const long long* table
                                       ACC* sums) {
     /* sums[v]: vector v's partials added by block v, each thread a fixed stride of them, then
        block_reduce (the same order on every run; one thread a vector added its thousands of
-       partials one dependent load at a time: 0.45 ms of the 370M step on an H200) */
+       partials one dependent load at a time, slower: bench/HISTORY.md) */
     const long long* first = table + 2 * vectors;
     const int v = blockIdx.x;
     ACC s = 0;

@@ -8,8 +8,8 @@ decoupled decay inside the group's decay segments (a small table on the device, 
 it), the LossScaler's unscale and the clip folded into one gradient scale (written back, so the
 gradient after the step is the one the update used, as on the CPU), then the bias-corrected moments.
 Float32 masters whose arrays are 16-byte aligned (CuPy's allocations are) move four elements a
-thread at a time, as 16-byte loads and stores: one element at a time reached about half the H200's
-memory bandwidth (5.6 ms for 370M masters, 3 ms its traffic's time).
+thread at a time, as 16-byte loads and stores: one element at a time reached about half the
+memory bandwidth (bench/HISTORY.md).
 Arithmetic in float32 for float16 and float32 masters (double for float64). Its NumPy twin takes
 the same arguments (base/kernels.py TWINS); it checks itself against it once before first use.
 """
@@ -25,7 +25,7 @@ from ..base.backend import array_module_of, to_numpy
 
 THREADS, MAX_BLOCKS = 256, 4096
 
-SOURCE = kernels.cuda_source(__package__, "gpu_adamw.cu")
+SOURCE = kernels.cuda_source(__package__, "adamw.cu")
 KERNELS = ("adamw_step", "adamw_groups")
 PIECE = THREADS * 16  # elements a block of adamw_groups updates
 _BODY = f"#define PIECE {PIECE}\n" + SOURCE

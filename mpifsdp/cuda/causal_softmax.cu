@@ -1,4 +1,4 @@
-/* The causal softmax and its backward, a row a block: launched by ops/gpu_kernels.py (ITEMS defined
+/* The causal softmax and its backward, a row a block: launched by cuda/kernels.py (ITEMS defined
    there). */
 #define NEG_INF (-(ACC)__int_as_float(0x7f800000))
 extern "C" __global__ void causal_softmax(ELEM* s, const int T, const ACC scale) {

@@ -9,7 +9,7 @@ CuPy's matmul cannot write them:
   reduce-scatter);
 - added to what `out` holds (cuBLAS's beta = 1): a projection's GEMM accumulates into its residual
   plus bias, or a LayerNorm-then-linear's into its bias, which the LayerNorm kernel before it wrote
-  on its way (fused.Seed, fused._gpu_layer_norm_linear), so the add is not a launch of its own;
+  on its way (fused.py: Seed, _kernel_layer_norm_linear), so the add is not a launch of its own;
 - from operands with a leading dimension wider than their rows, as they are: a LayerNorm output
   padded with a column of ones, read with C + 1 columns by the weight gradient's GEMM, which gives
   the bias's gradient as one more row (fused.py's folded bias).
@@ -17,7 +17,7 @@ CuPy's matmul cannot write them:
 16-bit products accumulate in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do; float32
 in float32 (no TF32), float64 in float64. Each (operand, output) type pair is checked once against a
 float64 product on the host before its first result is used. cuBLAS is called through its C API
-(base/cublas_api.py), which CUDA graphs capture; bench/cupy_standin.py stands in for it, on host
+(cuda/cublas_api.py), which CUDA graphs capture; bench/cupy_standin.py stands in for it, on host
 memory, on a machine without a GPU.
 """
 
@@ -27,9 +27,9 @@ import functools
 
 import numpy as np
 
-from ..base import cublas_api
 from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import accumulator, checked_once, device_address, error_bound
+from . import cublas_api
 
 
 @functools.cache
@@ -109,9 +109,9 @@ def gemm_into(a, b, out, accumulate: bool = False) -> None:
 
 def matmul(a, b):
     """a @ b for 2-D operands. On a GPU through gemm_into, as CUDA graphs need: CuPy's matmul refuses
-    to run while a stream captures (base/cublas_api.py); on the CPU, NumPy's."""
+    to run while a stream captures (cuda/cublas_api.py). Device arrays only."""
     xp = array_module_of(a)
-    if xp is np or a.dtype != b.dtype or not writes(a.dtype, a.dtype):
+    if a.dtype != b.dtype or not writes(a.dtype, a.dtype):
         return a @ b
     out = xp.empty((a.shape[0], b.shape[1]), a.dtype)
     gemm_into(a, b, out)

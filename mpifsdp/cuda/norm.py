@@ -17,7 +17,7 @@ from ..base.backend import array_module_of, to_numpy
 
 THREADS, PIECE = 256, 256 * 16  # elements a block sums
 
-SOURCE = kernels.cuda_source(__package__, "gpu_norm.cu")
+SOURCE = kernels.cuda_source(__package__, "norm.cu")
 KERNELS = ("squares_by_piece", "sum_pieces")
 _BODY = f"#define PIECE {PIECE}\n" + SOURCE
 

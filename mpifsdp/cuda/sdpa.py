@@ -159,7 +159,7 @@ def graphs_for(qkv, n_head: int, scale: float):
     """The planned graphs attention of this (B, T, 3C) projection runs on, checked against a float64
     reference at the first use of its dtype and head size; None where cuDNN's SDPA does not run it."""
     xp = array_module_of(qkv)
-    if xp is np or qkv.dtype.name not in IO_TYPES or not gk.fused_enabled() or _cudnn() is None:
+    if qkv.dtype.name not in IO_TYPES or not gk.fused_enabled() or _cudnn() is None:
         return None
     B, T, C3 = qkv.shape
     head = C3 // (3 * n_head)
@@ -245,8 +245,8 @@ def error_bound(dtype, T: int) -> tuple[float, float]:
     (their magnitude + floor). Per term of each sum an operand is rounded to the element type once
     (flash attention's P, and dS in backward) and the output once; the sums of up to 2T terms run
     in float32. A result below the element type's normal range is rounded to its subnormal spacing,
-    an error not relative to itself (on an H200 a float16 dk of 9e-7 was off by 15 eps of its
-    magnitude): that spacing, over the bound, is the floor."""
+    an error not relative to itself (a float16 dk near 1e-6 was off by many eps of its magnitude,
+    bench/HISTORY.md): that spacing, over the bound, is the floor."""
     io = finfo(dtype)
     bound = 8 * float(io.eps) + 2 * T * float(np.finfo(np.float32).eps)
     return bound, float(io.smallest_subnormal) / bound

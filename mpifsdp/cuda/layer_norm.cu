@@ -1,5 +1,5 @@
 /* LayerNorm forward (a warp a row) and backward (column sums in two levels): launched by
-   ops/gpu_layer_norm.py. */
+   cuda/layer_norm.py. */
 template <int V>
 __device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const ELEM* next_bias,
                            const ACC m, const ACC rs, const int C, const int N, const int flags,
@@ -117,7 +117,7 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
        alone, no block barrier. flags: 1 = has a bias; 2 = out[C] = 1 in every row (out's rows are
        ld apart: the weight gradient's GEMM reads C + 1 columns, giving the next linear's bias
        gradient as one more row); 4 = seed = x + seed_bias (the residual plus the bias of the
-       projection that closes the branch: fused.Seed); 8 = each row of biased (N wide) = next_bias
+       projection that closes the branch: cuda/fused.py Seed); 8 = each row of biased (N wide) = next_bias
        (the next GEMM adds to it); 16 = in packs (C, ld and N multiples of PACK, every pointer
        16-byte aligned: the launcher's choice), the row held in registers where it fits */
     const size_t r = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

@@ -1,4 +1,4 @@
-/* Softmax cross-entropy, forward and backward: launched by ops/gpu_cross_entropy.py. */
+/* Softmax cross-entropy, forward and backward: launched by cuda/cross_entropy.py. */
 template <int V>
 __device__ void row_max_and_sum(const ELEM* row, const int classes, ACC& m, ACC& s) {
     /* this thread's packs of the row, read once: their max m and sum of exp(x - m), the sum

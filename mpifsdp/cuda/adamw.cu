@@ -1,5 +1,5 @@
 /* AdamW's update of every group in one launch (decay, gradient scale, moments, casts): launched by
-   optim/gpu_adamw.py, which defines PIECE and CAST before it. */
+   cuda/adamw.py, which defines PIECE and CAST before it. */
 struct Hyper {  /* one group's step: adamw_step's scalars, the 9 of a row of adamw_groups' hyper */
     ACC decay, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2, lr_over_bias1, bias2, eps;
 };

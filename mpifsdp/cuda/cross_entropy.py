@@ -18,7 +18,7 @@ from ..base.backend import array_module_of, to_numpy
 
 THREADS = 256
 
-SOURCE = gk.cuda_source(__package__, "gpu_cross_entropy.cu")
+SOURCE = gk.cuda_source(__package__, "cross_entropy.cu")
 KERNELS = ("cross_entropy_forward", "cross_entropy_backward")
 
 

@@ -2,10 +2,10 @@
 
 fused.py's LayerNorm is eight array passes forward and about fourteen backward, each a launch and a
 trip through device memory on a GPU. Here the forward gives each row a warp (its sums by shuffles,
-no block barrier: a block a row, with two block-wide reductions, took the H200's 370M step's
-LayerNorms about 3.5 times their traffic's time, 2.5 ms a step), reads the row twice (its mean,
+no block barrier: a block a row, with two block-wide reductions, took about 3.5 times the
+LayerNorms' traffic's time, bench/HISTORY.md), reads the row twice (its mean,
 then the variance about it: the CPU's two-pass formula) and writes the output once (kept for
-backward: a GPU recomputes none, fused.keeps_norm_output). The backward kernel gives each thread
+backward: a GPU recomputes none, cuda/fused.py). The backward kernel gives each thread
 block a run of rows: per row it forms both row sums and writes dx; each thread keeps its columns'
 partial sums of g*xhat and g in shared memory, and the blocks' partials are added into dw and db in
 the same launch, in two levels (base/kernels.py column_sums_done: counters of finished blocks after
@@ -28,11 +28,11 @@ from ..base.backend import array_module_of, to_numpy
 THREADS = 256  # the backward's thread blocks
 ROWS_A_BLOCK = 8  # the forward's: one warp a row
 MAX_BLOCKS = 512  # thread blocks of the backward: each keeps 2 C (or 3 C) partial sums, added at the end
-# in packs: blocks of C / PACK threads (128 for 1024 float16 columns); on an H200 at the 370M step's
-# shape (8192 rows) 512 took 59 us a call, 256 64, 1024 76, 2048 106 (gpu_check.py columns)
+# in packs: blocks of C / PACK threads (128 for 1024 float16 columns); 512, the fastest of the counts
+# timed (gpu_check.py columns; bench/HISTORY.md)
 PACKED_BLOCKS = 512
 
-SOURCE = gk.cuda_source(__package__, "gpu_layer_norm.cu")
+SOURCE = gk.cuda_source(__package__, "layer_norm.cu")
 KERNELS = ("layer_norm_forward", "layer_norm_backward")
 
 
@@ -153,7 +153,7 @@ def forward(
     """out = LayerNorm(x2) * w (+ b) over rows of x2 (n, C), and each row's mean and 1/std (n, 1)
     into mean, rstd; False (nothing written) where the kernel cannot run. out is (n, C), or with
     ones_column (n, ld > C) with a 1 at column C of every row (the next linear's bias gradient comes
-    out of its weight gradient's GEMM). seed (n, C): written x2 + seed_bias on the way (fused.Seed);
+    out of its weight gradient's GEMM). seed (n, C): written x2 + seed_bias on the way (cuda/fused.py Seed);
     biased (n, N): every row written next_bias (the next linear's GEMM then adds its product)."""
     kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias)
     if kernels is None or out.shape[1] < x2.shape[1] + ones_column:

@@ -1,5 +1,5 @@
 /* GELU's backward with its gradient's column sums, and GELU with its bias by rows: launched by
-   ops/gpu_kernels.py, which defines A (ACC), GELU_COLUMNS, GELU_PACKS, GELU_SUMS_THREADS,
+   cuda/kernels.py, which defines A (ACC), GELU_COLUMNS, GELU_PACKS, GELU_SUMS_THREADS,
    GELU_SUMS_AN_SM and the GELU_SIGMOID and GELU_SLOPE macros before it. */
 #define ROWS_AHEAD 2
 template <int V>
