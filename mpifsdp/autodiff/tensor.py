@@ -113,7 +113,12 @@ def implement(name: str, device: str, vjp: Callable | None = None, fusions: dict
 
 def implementation(name: str, array) -> Primitive:
     """Primitive `name` as it runs on the device holding `array`: that device's own, else the reference."""
-    return ON_DEVICE.get((name, device_kind(array)), PRIMITIVES[name])
+    return implementation_on(name, device_kind(array))
+
+
+def implementation_on(name: str, device: str) -> Primitive:
+    """Primitive `name` as it runs on `device` ('cpu', 'cuda')."""
+    return ON_DEVICE.get((name, device), PRIMITIVES[name])
 
 
 def fusion(name: str, which: str, array):

@@ -27,10 +27,18 @@ def defer(failed, error: type, message):
 def check(failed, error: type, message):
     """Raise error(message()) where `failed` holds: at once for a host value, at the next read for
     a device one (defer)."""
+    found = problem(failed, error, message)
+    if found is not None:
+        raise error(found)
+
+
+def problem(failed, error: type, message) -> str | None:
+    """message() where the host value `failed` holds, else None; a device value's check deferred
+    (None now: error(message()) is raised at the next read)."""
     if array_module_of(failed) is not np:
         defer(failed, error, message)
-    elif failed:
-        raise error(message())
+        return None
+    return message() if failed else None
 
 
 def mark() -> int:

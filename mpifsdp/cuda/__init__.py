@@ -8,9 +8,10 @@ when a GPU is asked for.
                            LayerNorm and the loss as raw kernels (their .cu files beside them)
   gemm.py, cublas_api.py   2-D GEMMs through cuBLAS's C API (a CUDA graph captures them)
   sdpa.py                  causal attention through cuDNN's fused SDPA
-  adamw.py, norm.py        the optimizer's update and the gradient norm's sums of squares as kernels
+  adamw.py, norm.py        the optimizer's update and the gradient norm's sums of squares as kernels,
+                           registered for optim/device.py
 
-May import: ops, autodiff, base.
+May import: optim (its device seam: optim/device.py), ops, autodiff, base.
 """
 
-from . import attention, fused  # noqa: F401  (registers the GPU implementations)
+from . import adamw, attention, fused, norm  # noqa: F401  (each registers its GPU implementations)

@@ -17,11 +17,13 @@ the same arguments (base/kernels.py TWINS); it checks itself against it once bef
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from ..base import kernels
 from ..base.backend import array_module_of, to_numpy
+from ..optim.device import implement
 
 THREADS, MAX_BLOCKS = 256, 4096
 
@@ -127,8 +129,7 @@ def step_groups(updates: list) -> bool:
     cast = casts[0][0].dtype if casts else np.dtype(dtype)
     fits = all(c[0].dtype == cast and c[0].flags.c_contiguous for c in casts)
     if (
-        xp is np
-        or dtype not in kernels.ELEMENT_TYPES
+        dtype not in kernels.ELEMENT_TYPES
         or not fits
         or not all(a.dtype == arrays[0].dtype and a.flags.c_contiguous and a.size for a in arrays)
     ):
@@ -194,7 +195,7 @@ def _launch_groups(kernel, xp, updates: list):
 
 def _tokens(xp, tokens: tuple):
     """The groups' flag tokens on the device (0: the group casts nothing), copied there once: a
-    unit's token is a constant (shard/unit.py OVERFLOWED), so the same few arrays serve every step."""
+    unit's token is a constant (shard/cast.py OVERFLOWED), so the same few arrays serve every step."""
     if len(_token_arrays) > 64:
         _token_arrays.clear()
     key = (xp, tokens)
@@ -272,3 +273,45 @@ def _probe(xp, dtype, kernel):
         (k, to_numpy(d), w, kernels.error_bound(dtype, 16, float(np.max(np.abs(w)))))
         for k, d, w in zip(names, device, want)
     ]
+
+
+# -- the optimizer's step on a GPU (optim/device.py) -----------------------------------------------
+
+
+def hyperparameters(lr, beta1, beta2, eps, step, weight_decay, grad_scale) -> dict:
+    """What the kernels take for one step: the decay factor and the bias corrections folded."""
+    bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+    folded = dict(decay=1.0 - lr * weight_decay, lr_over_bias1=lr / bias1, bias2=bias2)
+    return dict(grad_scale=grad_scale, beta1=beta1, beta2=beta2, eps=eps, **folded)
+
+
+@implement("adamw_update", "cuda")
+def update_one(p, g, m, v, *, decay_segments, **keywords) -> bool:
+    """optimizers.adamw_update on one flat group, in one launch (step)."""
+    return step(p, g, m, v, decay_segments=decay_segments, **hyperparameters(**keywords))
+
+
+@implement("adamw_step_all", "cuda")
+def update_all(optimizer, updates: list) -> bool:
+    """Every group of an AdamW step in one launch (step_groups), each updated shard's next gather's
+    param_dtype cast written too where its Unit keeps one (cast_target)."""
+    casts = _cast_targets([optimizer.groups[i] for i, *_ in updates])
+    batch = [
+        (p, g, state["exp_avg"], state["exp_avg_sq"], hyperparameters(**optimizer.hyperparameters_at(step)))
+        + (optimizer.decayed(i), cast)
+        for (i, p, g, state, step), cast in zip(updates, casts)
+    ]
+    if not step_groups(batch):
+        return False
+    for (i, *_), cast in zip(updates, casts):
+        if cast is not None:
+            optimizer.groups[i].cast_written()
+    return True
+
+
+def _cast_targets(groups) -> list:
+    """Per group, where the update kernel writes its next gather's param_dtype cast (a Unit's
+    cast_target), or None; all None unless they share one dtype (one kernel type)."""
+    casts = [getattr(group, "cast_target", lambda: None)() for group in groups]
+    dtypes = {cast[0].dtype for cast in casts if cast is not None}
+    return casts if len(dtypes) <= 1 else [None] * len(casts)

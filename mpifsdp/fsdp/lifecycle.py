@@ -24,10 +24,9 @@ from __future__ import annotations
 import enum
 import functools
 
-import numpy as np
-
 from ..autodiff.recompute import recompute
 from ..autodiff.tape import grad_enabled, scope
+from ..autodiff.tensor import implementation_on
 from ..nn.layers import dropout_replay
 
 
@@ -153,7 +152,7 @@ class UnitLifecycle:
         unit before it in backward still runs: the last VJP there to use this unit's output (the next
         block's LayerNorm) then writes the column sums it forms into this unit's output bias gradient
         (tape.SumsWritten), a reduction launch less. One unit's gradient more is alive meanwhile."""
-        ready = self.unit.trainable and self.unit.xp is not np and not self.unit.holds_full_grad()
+        ready = self.unit.trainable and _sums_cross_units(self.unit) and not self.unit.holds_full_grad()
         if ready and self.stage is Stage.AWAITING_BACKWARD:
             self._bind_grads()
             self._grads_ahead = True
@@ -217,3 +216,10 @@ def casts_kept(phase: str, reshard_after_forward: bool) -> tuple[bool, bool]:
     (Unit.cast_target: the next forward's gather sends that)."""
     forward_kept = phase == "forward" and grad_enabled() and reshard_after_forward
     return (forward_kept or phase == "backward", phase == "backward")
+
+
+def _sums_cross_units(unit) -> bool:
+    """Whether the LayerNorm that opens a unit's output's next use, on this unit's device, writes its
+    gradient's column sums into the bias gradient of that output's producer (tape.SumsWritten: a
+    GPU's implementation does; the reference does not)."""
+    return implementation_on("layer_norm", unit.device).gives_column_sums

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..autodiff.tensor import Param, Tensor
 from ..base import deferred
-from ..base.backend import array_module_of, device_of, to_device, to_numpy
+from ..base.backend import device_of, to_device, to_numpy
 from ..base.checks import is_count
 
 _deferring = threading.local()
@@ -89,10 +89,7 @@ def ids_problem(name: str, ids, count: int, ndim: int, ignore: int | None = None
         outside &= ids != ignore
     also = "" if ignore is None else f" (and is not the ignore index {ignore})"
     message = lambda: f"{name} holds {int(ids[outside][0])}, outside [0, {count}){also}"  # noqa: E731
-    if array_module_of(ids) is not np:  # a device batch: read with the step's verdict, no sync here
-        deferred.defer(outside.any(), ValueError, message)
-        return None
-    return message() if outside.any() else None
+    return deferred.problem(outside.any(), ValueError, message)  # a device batch's: at the verdict
 
 
 def _holds_parameters(value) -> bool:

@@ -15,10 +15,10 @@ from typing import Protocol
 import numpy as np
 
 from ..autodiff.tensor import Param
-from ..base import deferred
-from ..base.backend import array_module_of, host_values
-from ..cuda import norm as gpu_norm
+from ..base.backend import array_module_of
 from ..shard.exact import exact_squared_norm
+from .device import on_device
+from .verdict import StepVerdict
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,7 @@ class FlatOptimizer:
         self.comm = comm if comm is not None else self.groups[0].comm
         self.skipped_steps = 0
         self._norm = None  # the global grad norm of this step, once computed
-        self._overflowed = None  # a group whose gather overflowed param_dtype, read with the norm
-        self._flags_read = False  # this step read device overflow flags: the ranks' must agree
-        self._input_failed = None  # a device batch's failed input check, read with the verdict
+        self.verdict = StepVerdict(self.groups, self.comm)  # the step's device checks and their one read
         self.step_count = 0  # steps taken (skipped ones not counted)
         # Each group's own step, as PyTorch's per-parameter state["step"]: a group first stepped at
         # step k gets the bias corrections of its first step, not of step k.
@@ -186,7 +184,7 @@ class FlatOptimizer:
             )
         norm = self._norm if self._norm is not None else self.grad_norm(f"the gradient norm of {name}.step")
         self._norm = None
-        self._settle()
+        self.verdict.settle()
         if self.comm is not None:  # every rank reached this step through the same collectives
             self.comm.check_schedule(phase="optimizer")
         if not math.isfinite(norm):
@@ -221,76 +219,6 @@ class FlatOptimizer:
         for update in updates:
             self._update(*update)
 
-    def _settle(self):
-        """The step's device checks: the collectives waited for on the GPU completed (under the
-        watchdog), and no gather overflowed param_dtype. On a GPU grad_norm reads both with the norm
-        (one host sync); here what it did not read, once the caller gave the norm."""
-        if self.comm is not None and hasattr(self.comm, "settle"):
-            self.comm.settle()
-        flags, checks = self._overflow_flags(), deferred.take()
-        if flags or checks:
-            self._note_read(flags, checks, self._read(_verdict_arrays(flags, checks), "the step's verdict"))
-        overflowed, self._overflowed = self._overflowed, None
-        failed, self._input_failed = self._input_failed, None
-        if self._flags_read:
-            self._flags_read = False
-            overflowed, failed = self._agreed(overflowed, failed)
-        if failed is not None:
-            failed()
-        if overflowed is not None:
-            overflowed.raise_unrepresentable()
-
-    def _agreed(self, overflowed, failed):
-        """(the first group any rank's flags named, the input check to raise) (collective): a GPU's
-        gathers check each rank's own shard as they cast it, and a device batch is checked on its
-        rank, so one rank may hold the overflow or the bad batch the others must raise too."""
-        if self.comm is None or self.comm.size == 1:
-            return overflowed, failed
-        mine = len(self.groups) if overflowed is None else self.groups.index(overflowed)
-        everyone = self.comm.gather_ints(
-            mine, int(failed is not None), phase="optimizer", op="overflow_verdict"
-        )
-        first, bad = int(everyone[:, 0].min()), [r for r, hit in enumerate(everyone[:, 1]) if hit]
-        if bad and failed is None:
-            failed = lambda: _refuse_batch_of(bad)  # noqa: E731
-        return (self.groups[first] if first < len(self.groups) else None), failed
-
-    def _overflow_flags(self) -> list:
-        """(group, (device flag, token)) of each group whose gathers were checked on a device, taken:
-        each is read once."""
-        flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
-        return [(group, taken) for group, taken in flags if taken is not None]
-
-    def _note_read(self, flags: list, checks: list, read: list):
-        """What the step's verdict read of the overflow flags and the deferred input checks."""
-        if flags:
-            self._note_overflow(flags, read[0])
-        if checks:
-            self._flags_read = True
-            self._input_failed = self._input_failed or deferred.first_failure(checks, read[-1])
-
-    def _note_overflow(self, flags: list, values):
-        """The first group whose flag holds its token (its gathers overflowed) is raised at _settle;
-        the flags found set are cleared (a launch each, on an overflow only), so the next gathers'
-        checks start afresh."""
-        self._flags_read = True
-        hit = [
-            (group, flag)
-            for (group, (flag, token)), value in zip(flags, values)
-            if int(np.ravel(value)[0]) == token
-        ]
-        for _, flag in hit:
-            flag.fill(0)
-        if hit and self._overflowed is None:
-            self._overflowed = hit[0][0]
-
-    def _read(self, arrays: list, purpose: str) -> list:
-        """Small device arrays' values on the host: through the comm in one host sync that also settles
-        its collectives, under the watchdog (Comm.read); without one, a read each."""
-        if self.comm is not None and hasattr(self.comm, "read"):
-            return self.comm.read(arrays, purpose)
-        return [host_values(a, purpose) for a in arrays]
-
     def _update(self, i: int, p, g, state: dict, step: int):
         """Update group i's flat vector p in place from gradient g; `step` is the group's own count."""
         raise NotImplementedError
@@ -302,8 +230,8 @@ class FlatOptimizer:
 
     def zero_grad(self):
         # this step's verdict goes with its gradients
-        self._norm = self._overflowed = self._input_failed = None
-        self._flags_read = False
+        self._norm = None
+        self.verdict.forget()
         for group in self.groups:
             group.zero_grad()
 
@@ -319,20 +247,16 @@ class FlatOptimizer:
         return math.sqrt(self.comm.all_reduce_scalar(local, phase="optimizer", what=what))
 
     def _sum_of_squares(self, grads) -> float:
-        """Sum over the gradients of g @ g, in float64 in the order of Python's sum. On a GPU every
-        group's sum of squares comes from one kernel (cuda/norm.py, else a dot a group), read at once
-        with the gathers' overflow flags and summed on the host: one host sync, the step's verdict."""
+        """Sum over the gradients of g @ g, in float64 in the order of Python's sum. A device's sums
+        (cuda/norm.py: every group's in two launches) are read with the step's verdict, in one host
+        sync (verdict.py)."""
         if not grads:
             return 0.0
-        xp = array_module_of(grads[0])
-        if xp is np:
+        sums = on_device("sums_of_squares", grads[0])
+        if sums is None:
             return float(sum((g @ g).astype(np.float64) for g in grads))
-        flags, checks = self._overflow_flags(), deferred.take()
-        dots = gpu_norm.sums_of_squares(grads)  # two launches for every group
-        dots = xp.stack([g @ g for g in grads]) if dots is None else dots
-        read = self._read([dots, *_verdict_arrays(flags, checks)], "the step's verdict")
-        self._note_read(flags, checks, read[1:])
-        return float(sum(read[0].astype(np.float64)))
+        (read,) = self.verdict.read_with([sums(grads)], "the step's verdict")
+        return float(sum(read.astype(np.float64)))
 
     def scale_grads(self, factor: float):
         """Multiply every gradient this optimizer steps by `factor`, in place."""
@@ -364,24 +288,6 @@ class FlatOptimizer:
         if self.weight_decay:
             for start, stop in self.decay_segments[i]:
                 g[start:stop] += self.weight_decay * p[start:stop]
-
-
-def _verdict_arrays(flags: list, checks: list) -> list:
-    """What the step's verdict reads besides the norm: the groups' overflow flags, the deferred
-    input checks' flags (base/deferred.py), each stacked, where there are any."""
-    return ([_stacked(flags)] if flags else []) + ([deferred.stacked(checks)] if checks else [])
-
-
-def _refuse_batch_of(ranks: list):
-    raise ValueError(
-        f"the batch of rank(s) {ranks} failed an input check on the device (their own errors name the "
-        "value): every rank stops here"
-    )
-
-
-def _stacked(flags: list):
-    """The groups' device flags side by side: one copy, read with the step's verdict."""
-    return array_module_of(flags[0][1][0]).stack([flag for _, (flag, _) in flags])
 
 
 def clip_scale(max_norm: float, norm: float) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 from ..base.backend import array_module_of
 from ..base.checks import is_finite_at_least, refuse_invalid
 from ..base.threads import for_row_blocks
-from ..cuda import adamw as gpu_adamw
+from .device import on_device
 from .flat_optimizer import FlatOptimizer, NonFiniteError
 
 __all__ = ["SGD", "Adam", "AdamW", "NonFiniteError", "adamw_update"]
@@ -26,18 +26,19 @@ def adamw_update(
 
     Decoupled decay (p *= 1 - lr*wd) only inside decay_segments, then bias-corrected moments as in
     PyTorch's AdamW. The update, decay included, runs slice by slice (in parallel over the rank's
-    threads on the CPU) with one slice-sized temporary: no buffer of the model's size is allocated
-    per step, and p is read and written once. A zero gradient where m and v are zero leaves p
-    unchanged, which keeps FSDP padding at zero (docs/design.md, invariant 2).
+    threads) with one slice-sized temporary: no buffer of the model's size is allocated per step,
+    and p is read and written once. A zero gradient where m and v are zero leaves p unchanged,
+    which keeps FSDP padding at zero (docs/design.md, invariant 2). A device with its own update
+    (device.py: a GPU's one kernel) runs that instead.
     """
     xp = array_module_of(p)
     decay = 1.0 - lr * weight_decay
     segments = list(decay_segments) if weight_decay else []
     bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
-    if xp is not np:  # a GPU scales, decays and updates the whole vector in one kernel
-        hyper = gpu_hyperparameters(lr, beta1, beta2, eps, step, weight_decay, grad_scale)
-        if gpu_adamw.step(p, g, m, v, decay_segments=segments, **hyper):
-            return
+    own = on_device("adamw_update", p)
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, weight_decay=weight_decay)
+    if own is not None and own(p, g, m, v, decay_segments=segments, grad_scale=grad_scale, **hyper):
+        return
     if grad_scale != 1.0:
         g *= grad_scale
 
@@ -67,13 +68,6 @@ def adamw_update(
             update(start, min(start + SLICE, hi), s)
 
     for_row_blocks(p.size, 1, block)
-
-
-def gpu_hyperparameters(lr, beta1, beta2, eps, step, weight_decay, grad_scale) -> dict:
-    """What gpu_adamw's kernels take for one step: the decay factor and the bias corrections folded."""
-    bias1, bias2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
-    folded = dict(decay=1.0 - lr * weight_decay, lr_over_bias1=lr / bias1, bias2=bias2)
-    return dict(grad_scale=grad_scale, beta1=beta1, beta2=beta2, eps=eps, **folded)
 
 
 class AdamW(FlatOptimizer):
@@ -120,39 +114,32 @@ class AdamW(FlatOptimizer):
         )
 
     def _update_all(self, updates: list):
-        """On a GPU every group's update in one launch (AdamW's own update only: a subclass that
-        changes it, as Adam does, updates group by group)."""
-        if type(self)._update is AdamW._update and self.folds_grad_scale():
-            casts = self._cast_targets([self.groups[i] for i, *_ in updates])
-            batch = [
-                (p, g, state["exp_avg"], state["exp_avg_sq"], self._gpu_hyper(step), self._decayed(i), cast)
-                for (i, p, g, state, step), cast in zip(updates, casts)
-            ]
-            if gpu_adamw.step_groups(batch):
-                for (i, *_), cast in zip(updates, casts):
-                    if cast is not None:
-                        self.groups[i].cast_written()
-                return
-        super()._update_all(updates)
+        """Every group's update at once where the device has that (device.py: a GPU's one launch;
+        AdamW's own update only: a subclass that changes it, as Adam does, updates group by group)."""
+        together = on_device("adamw_step_all", updates[0][1]) if updates else None
+        if type(self)._update is not AdamW._update or together is None or not together(self, updates):
+            super()._update_all(updates)
 
-    @staticmethod
-    def _cast_targets(groups) -> list:
-        """Per group, where the update kernel writes its next gather's param_dtype cast (a Unit's
-        cast_target), or None; all None unless they share one dtype (one kernel type)."""
-        casts = [getattr(group, "cast_target", lambda: None)() for group in groups]
-        dtypes = {cast[0].dtype for cast in casts if cast is not None}
-        return casts if len(dtypes) <= 1 else [None] * len(casts)
+    def hyperparameters_at(self, step: int) -> dict:
+        """adamw_update's keywords for a group at its own `step` (this step's grad_scale included)."""
+        return dict(
+            lr=self.lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+            step=step,
+            weight_decay=self.weight_decay,
+            grad_scale=self._grad_scale,
+        )
 
-    def _gpu_hyper(self, step: int) -> dict:
-        args = (self.lr, self.beta1, self.beta2, self.eps, step, self.weight_decay, self._grad_scale)
-        return gpu_hyperparameters(*args)
-
-    def _decayed(self, i) -> list:
+    def decayed(self, i) -> list:
+        """Group i's decoupled decay segments this step (none without weight decay)."""
         return list(self._decoupled(i)) if self.weight_decay else []
 
     def folds_grad_scale(self) -> bool:
-        """On a GPU the update kernel multiplies the gradient by step()'s grad_scale in its own pass."""
-        return all(array_module_of(group.flat_param()) is not np for group in self.groups)
+        """Where the device's update multiplies the gradient by step()'s grad_scale in its own pass
+        (a GPU's kernel)."""
+        return all(on_device("adamw_update", group.flat_param()) is not None for group in self.groups)
 
     def _decoupled(self, i):
         return self.decay_segments[i]

@@ -40,7 +40,7 @@ class LossScaler:
                 f"max_skips_in_a_row >= 1; got min_scale={min_scale}, init_scale={init_scale}, "
                 f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
             )
-        self._on_device: dict = {}  # dtype -> the scale as a 0-d device array of that dtype
+        self._scale_arrays: dict = {}  # (module, dtype) -> the scale as a 0-d array of that dtype
         self.scale_value = float(init_scale)
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -50,20 +50,18 @@ class LossScaler:
         self.skips_in_a_row = 0
 
     def scale(self, loss):
-        """loss * the scale. On a GPU the scale is a device scalar, rewritten whenever scale_value is
-        set: the multiply takes nothing from the host that changes by step, so a captured forward
-        and backward would replay with the scale of the day."""
-        if getattr(loss, "xp", np) is np:
-            return loss * self.scale_value
-        return loss * Tensor(self._device_scale(loss.xp, loss.dtype))
+        """loss * the scale, a 0-d array of the loss's type on its device (as a Python number would
+        be made), rewritten whenever scale_value is set: the multiply takes nothing from the host
+        that changes by step, so a captured forward and backward replay with the scale of the day."""
+        return loss * Tensor(self._scale_array(loss.xp, loss.dtype))
 
-    def _device_scale(self, xp, dtype):
-        """The scale as a 0-d device array of `dtype` (one per dtype, made at its first use; the
-        scale_value setter keeps it current)."""
-        key = np.dtype(dtype)
-        if key not in self._on_device:
-            self._on_device[key] = xp.full((), self.scale_value, dtype=key)
-        return self._on_device[key]
+    def _scale_array(self, xp, dtype):
+        """The scale as a 0-d array of `dtype` in xp (one per module and dtype, made at its first
+        use; the scale_value setter keeps it current)."""
+        key = (xp.__name__, np.dtype(dtype))
+        if key not in self._scale_arrays:
+            self._scale_arrays[key] = xp.full((), self.scale_value, dtype=key[1])
+        return self._scale_arrays[key]
 
     @property
     def scale_value(self) -> float:
@@ -74,7 +72,7 @@ class LossScaler:
         """A new scale: its device copies rewritten at once, before the next forward (a replayed one
         included, which does not call scale())."""
         self._scale = float(value)
-        for array in self._on_device.values():
+        for array in self._scale_arrays.values():
             array.fill(self._scale)
 
     def step(self, optimizer: FlatOptimizer, max_norm: float | None = None) -> bool:

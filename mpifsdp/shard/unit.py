@@ -23,18 +23,13 @@ import math
 
 import numpy as np
 
-from ..base import kernels
 from ..base.accounting import MemoryLedger
-from ..base.backend import array_module_of, to_numpy
+from ..base.backend import array_module_of, device_kind, to_numpy
 from ..base.checks import check_summable, finfo, float_dtype, is_bfloat16
+from .cast import casts_for
 from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
 from .pool import BufferPool
-
-# What a device check writes into a unit's overflow flag: a constant, so no launch of a forward or a
-# backward takes a value from the host that changes by step (a CUDA graph would replay it stale);
-# the verdict that finds a flag set clears it (FlatOptimizer._note_overflow).
-OVERFLOWED = 1
 
 
 @dataclasses.dataclass
@@ -92,12 +87,13 @@ class Unit:
                 named_arrays = [(n, self._from_rank_0(a, level)) for n, a in named_arrays]
         self.pool = pool if pool is not None else BufferPool()
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
+        self.device = device_kind(named_arrays[0][1])  # 'cpu' or 'cuda'
+        self.casts = casts_for(self.xp)  # how its gathers cast and check (the device's: shard/cast.py)
         self.param_dtype, self.reduce_dtype = self._precisions(param_dtype, reduce_dtype, trainable)
-        self.full_grad_dtype = self._gathered_grad_dtype()
+        self.full_grad_dtype = self.casts.grad_dtype(self.param_dtype)
         n = self.layout.shard_numel
         # [Note: padding] shard positions past the last tensor start at zero, and every update keeps
         # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
-        self._cast_current = False  # the kept cast is the shard's, written by the optimizer (cast_written)
         self._shard = self.xp.zeros(n, dtype=self.layout.dtype)
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
@@ -115,11 +111,6 @@ class Unit:
         self._reducing: _Reduction | None = None  # a reduction in flight
         self._exact: ExactSum | None = None  # chunks added, not yet reduced (deterministic mode)
         self._pending_sum: PendingSum | None = None  # their reduction in flight
-        # on a GPU: a device int32 that a gather overflowing param_dtype sets to OVERFLOWED (the
-        # verdict that reads it set clears it), and whether a gather was checked since the verdict
-        # last took it
-        self._overflow, self._checked = None, False
-        self._kept_cast = None  # on a GPU: the checked param_dtype shard a forward's gather kept
 
     def _from_rank_0(self, array, comm):
         """Rank 0's values of `array`, on every rank of `comm` (a broadcast, under the watchdog)."""
@@ -148,7 +139,8 @@ class Unit:
         only over NCCL (the same refusal on every rank, before any collective)."""
         param_dtype = float_dtype("param_dtype", param_dtype or self.layout.dtype)
         reduce_dtype = float_dtype("reduce_dtype", reduce_dtype or param_dtype)
-        if self.xp is np and (is_bfloat16(param_dtype) or is_bfloat16(reduce_dtype)):
+        bfloat16 = is_bfloat16(param_dtype) or is_bfloat16(reduce_dtype)
+        if bfloat16 and not self.casts.computes_bfloat16:
             raise ValueError(
                 f"unit {self.name!r}: bfloat16 computes on a GPU only (NumPy has no bfloat16 arithmetic "
                 "of its own: ml_dtypes' matmul returns float32); on the CPU give float16 or float32"
@@ -163,7 +155,7 @@ class Unit:
         """This rank's slice of the parameters (in the arrays' dtype: the masters). Whoever takes it
         may write it, so the param_dtype cast an optimizer wrote with its last update is no longer
         trusted to be its cast: the next gather casts afresh (cast_written)."""
-        self._cast_current = False
+        self.casts.afresh()
         return self._shard
 
     def cast_target(self):
@@ -171,24 +163,13 @@ class Unit:
         param_dtype cast and flag its overflow (the kept cast's buffer), so that the next forward's
         gather sends it with no cast launch of its own; None where there is none (the CPU, no kept
         cast). Then cast_written() says it was written."""
-        if self._kept_cast is None or self.xp is np:
-            return None
-        return self._kept_cast, self._overflow_flag(), OVERFLOWED
+        return self.casts.target()
 
     def cast_written(self):
         """The optimizer wrote the updated shard's cast into cast_target()'s buffer and flagged its
         overflow there: the next gathers send it (until `shard` is handed out again), and the step's
         verdict reads its flag."""
-        self._cast_current = self._checked = True
-
-    def _gathered_grad_dtype(self):
-        """What the full gradient is gathered in: param_dtype, but on a GPU float32 for 16-bit
-        parameters. The VJPs' GEMMs (cuBLAS gemmEx) and kernels write float32 there at no cost, so
-        the gradient needs no cast launch before a float32 reduce-scatter (and no 16-bit rounding,
-        nor a float16 sum across micro-batches); a 16-bit reduce_dtype is cast to once, there."""
-        if self.xp is not np and np.dtype(self.param_dtype).itemsize == 2:
-            return np.dtype(kernels.accumulator(self.param_dtype))
-        return np.dtype(self.param_dtype)
+        self.casts.written()
 
     def _take(self, category: str, dtype, numel: int | None = None, zero: bool = False):
         buf = self.pool.take(numel or self.layout.padded_numel, dtype, self.xp, zero=zero)
@@ -219,13 +200,10 @@ class Unit:
         other gather casts afresh and drops a kept copy, unless the optimizer wrote it with its
         update since (cast_target: it is then the new shard's cast, checked by that kernel)."""
         if self.full is None:
-            kept, self._kept_cast = self._kept_cast, None
-            if kept is not None and not (use_kept or self._cast_current):
-                self._give("gathered_params", kept)
-                kept, self._cast_current = None, False
+            kept = self.casts.take_kept(use_kept, lambda buf: self._give("gathered_params", buf))
             send, checked = (kept, True) if kept is not None else self._cast_for_gather()
-            if keep_cast and send is not self._shard and self.xp is not np:
-                self._kept_cast = send
+            if keep_cast and send is not self._shard:
+                self.casts.keep(send)
             if self._gathers_nothing(send):
                 self.full = send  # the whole cast: one rank's gather would copy it (bench/HISTORY.md)
                 if not checked:
@@ -239,20 +217,19 @@ class Unit:
         """Whether the gather of `send` is `send` itself: one rank on a GPU, sending its pooled
         param_dtype cast (no collective is launched; the CPU keeps its one-rank gather, its ledger
         and schedule as at any N)."""
-        return self.comm.size == 1 and self.xp is not np and send is not self._shard
+        return self.comm.size == 1 and self.casts.one_rank_skips and send is not self._shard
 
     def _cast_for_gather(self):
         """(what a gather sends: the shard, or its pooled param_dtype cast; whether that cast is
-        checked already). On a GPU one kernel casts float32 masters and sets the overflow flag: this
-        rank's shard checked, not the gathered whole (each rank checks its own; the optimizer's
-        verdict brings the ranks' flags together: FlatOptimizer._settle)."""
-        if self.xp is not np and self._shard.dtype != self.param_dtype:
-            copy = self._take("gathered_params", self.param_dtype, numel=self._shard.size)
-            if kernels.cast_flag_nonfinite(self._shard, copy, self._overflow_flag(), OVERFLOWED):
-                self._checked = True
-                return copy, True
-            self._give("gathered_params", copy)  # no kernel: cast, and check once gathered
+        checked already: a device's kernel checks as it casts, shard/cast.py)."""
+        take = lambda numel: self._take("gathered_params", self.param_dtype, numel=numel)  # noqa: E731
+        copy = self.casts.cast_checked(self._shard, self.param_dtype, take, self._give_gathered)
+        if copy is not None:
+            return copy, True
         return self._cast("gathered_params", self._shard, self.param_dtype), False
+
+    def _give_gathered(self, buf):
+        self._give("gathered_params", buf)
 
     def unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False) -> dict:
         """Gather the full parameters (or finish a started gather); returns name -> view into `full`."""
@@ -266,7 +243,7 @@ class Unit:
             self._gathering = None
             self.comm.wait(request)
             if send is not self._shard:
-                if send is not self._kept_cast:
+                if send is not self.casts.kept:
                     self._give("gathered_params", send)
                 if not checked:  # a kept cast's values, or one a kernel made, were checked then
                     self._check_representable(self.full)
@@ -283,34 +260,16 @@ class Unit:
             self._check_representable(full)
 
     def _check_representable(self, full):
-        """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it. Every rank sees
-        the same gathered values, so every rank raises here alike (no collective needed). On a GPU
-        the verdict stays on the device until the step's (take_overflow_flag): a host sync per
-        gather would stall the host's queue 49 times a step."""
-        if self.xp is not np:  # one int32 flag, set by one kernel per gather
-            flag = self._overflow_flag()
-            if not kernels.flag_nonfinite(full, flag, OVERFLOWED):
-                bad = ~self.xp.isfinite(full).all()
-                flag[...] = self.xp.where(bad, OVERFLOWED, flag)
-            self._checked = True
-            return
-        if not bool(self.xp.isfinite(full).all()):
-            self.raise_unrepresentable()
-
-    def _overflow_flag(self):
-        """The one-element int32 device flag this unit's checks set to OVERFLOWED."""
-        if self._overflow is None:
-            self._overflow = self.xp.zeros(1, dtype=np.int32)
-        return self._overflow
+        """Masters cast to a narrower param_dtype overflow to Inf once they outgrow it: every rank sees
+        the same gathered values, so every rank raises alike (no collective needed); on a GPU the
+        verdict waits on the device for the step's (shard/cast.py)."""
+        self.casts.check(full, self)
 
     def take_overflow_flag(self):
         """(device flag, OVERFLOWED) of the gathers checked since the last call, or None (none checked
         on a device): they overflowed param_dtype if the flag holds OVERFLOWED, and whoever reads it
         so clears it. The optimizer reads every unit's flag at once."""
-        if not self._checked:
-            return None
-        self._checked = False
-        return self._overflow, OVERFLOWED
+        return self.casts.take_flag()
 
     def raise_unrepresentable(self):
         raise FloatingPointError(
@@ -324,7 +283,7 @@ class Unit:
         """Drop the full parameters (idempotent). Views handed out earlier must not be used after."""
         self._finish_gather()  # a buffer MPI is still writing cannot go back to the pool
         if self.full is not None:
-            if self.full is not self._kept_cast:  # one rank's kept cast is its full parameters too
+            if self.full is not self.casts.kept:  # one rank's kept cast is its full parameters too
                 self._give("gathered_params", self.full)
             self.full = None
 
@@ -385,9 +344,9 @@ class Unit:
     def _grad_is_whole(self) -> bool:
         """Whether the full gradient can be the gradient shard itself: one rank on a GPU (no replicas),
         a shard holding no gradient, all of one dtype. Its reduction is then nothing (one rank's
-        reduce-scatter copies, bench/HISTORY.md) and no buffer is taken; the CPU
-        keeps its one-rank collectives, ledger and schedule as at any N."""
-        one = self.comm.size == 1 and self.replicas is None and self.xp is not np
+        reduce-scatter copies, bench/HISTORY.md) and no buffer is taken; the CPU keeps its one-rank
+        collectives, ledger and schedule as at any N (shard/cast.py one_rank_skips)."""
+        one = self.comm.size == 1 and self.replicas is None and self.casts.one_rank_skips
         dtypes = {np.dtype(self.full_grad_dtype), np.dtype(self.reduce_dtype), self._grad.dtype}
         return one and not self.has_grad and len(dtypes) == 1
 
@@ -658,23 +617,27 @@ class Unit:
     # -- a CUDA graph's replays (fsdp/graphed.py) ----------------------------------------------------
     # what a pass reads and leaves on the host: a graph replays one pass's launches with no Python, so
     # it is right only from the state it was captured in, and must leave the host as that pass did
+    # (and its casts' fields: shard/cast.py HostCasts.FIELDS)
     HOST_STATE = tuple(
-        "has_grad _grad_zeroed_lazily _checked _cast_current _kept_cast _shard _grad _overflow full "
-        "full_grad _gathering _reducing _exact _pending_sum".split()
+        "has_grad _grad_zeroed_lazily _shard _grad full full_grad _gathering _reducing _exact "
+        "_pending_sum".split()
     )
 
     def cast_afresh(self):
         """The next gather casts the shard again rather than send a cast an optimizer wrote: a graph
         captured so casts at every replay, whatever was written in between."""
-        self._cast_current = False
+        self.casts.afresh()
 
     def host_state(self) -> dict:
-        """The HOST_STATE fields by name (arrays by identity: a graph reads and writes fixed addresses)."""
-        return {name: getattr(self, name) for name in self.HOST_STATE}
+        """The HOST_STATE fields and the casts' by name (arrays by identity: a graph reads and writes
+        fixed addresses)."""
+        return {name: getattr(self, name) for name in self.HOST_STATE} | self.casts.fields()
 
     def restore_host_state(self, state: dict):
-        for name, value in state.items():
+        own = {name: value for name, value in state.items() if name in self.HOST_STATE}
+        for name, value in own.items():
             setattr(self, name, value)
+        self.casts.restore({name: value for name, value in state.items() if name not in own})
 
     # -- consolidation (tests, export) ------------------------------------------------------------
     def gather(self, shard_like) -> dict:

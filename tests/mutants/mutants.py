@@ -127,9 +127,9 @@ def _single_block_blas_free():
 
 
 def _no_step_verdict():
-    from mpifsdp.optim.flat_optimizer import FlatOptimizer
+    from mpifsdp.optim.verdict import StepVerdict
 
-    _replace(FlatOptimizer, "_settle", lambda self: None)
+    _replace(StepVerdict, "settle", lambda self: None)
 
 
 def _random_state_not_saved():
@@ -416,9 +416,9 @@ def _bias_sums_offered_to_any_use():
 
 def _overflow_verdict_not_agreed():
     """Each rank raises from its own shard's overflow flag alone."""
-    from mpifsdp.optim.flat_optimizer import FlatOptimizer
+    from mpifsdp.optim.verdict import StepVerdict
 
-    _replace(FlatOptimizer, "_agreed", lambda self, overflowed: overflowed)
+    _replace(StepVerdict, "agreed", lambda self, overflowed, failed: (overflowed, failed))
 
 
 def _zeroed_grads_always_fresh():
@@ -452,7 +452,7 @@ def _written_cast_unchecked():
     from mpifsdp.shard.unit import Unit
 
     def cast_written(self):
-        self._cast_current = True
+        self.casts._cast_current = True
 
     _replace(Unit, "cast_written", cast_written)
 
@@ -921,7 +921,7 @@ MUTANTS = {
     ),
     "step_verdict": Mutant(
         _no_step_verdict,
-        "the step reads every unit's device overflow flag at once (FlatOptimizer._settle)",
+        "the step reads every unit's device overflow flag at once (StepVerdict.settle)",
         [
             "tests/unit/comm/test_device_waits.py::"
             "test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device"

@@ -58,7 +58,7 @@ def test_a_device_collective_that_never_completes_is_named_at_the_settle():
 
 class DeviceLike:
     """NumPy under another name: code that asks `xp is not np` takes its GPU branch (the verdict
-    kept on the device until the step's), the arithmetic stays NumPy's."""
+    kept on the device until the step's: shard/cast.py DeviceCasts), the arithmetic stays NumPy's."""
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -70,8 +70,10 @@ def test_a_gather_that_overflows_param_dtype_is_named_at_the_step_on_a_device():
     from mpifsdp import AdamW, Unit
 
     comm = _alone()
+    from mpifsdp.shard.cast import DeviceCasts
+
     unit = Unit("big", {"w": np.ones(6, np.float32)}, comm, param_dtype=np.float16)
-    unit.xp = DeviceLike()
+    unit.xp, unit.casts = DeviceLike(), DeviceCasts(DeviceLike())  # a GPU's casts (shard/cast.py)
     unit.shard[:2] = 1e5  # beyond float16's 65504
     with unit.unsharded():  # no host sync here: no error yet
         pass
