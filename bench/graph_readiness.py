@@ -1,5 +1,5 @@
 """What a CUDA graph of the GPU step would freeze, found on a CPU (CuPy stood in by
-bench/cupy_standin.py). Two steady steps of bench/gpu_budget.py's step are recorded launch by
+tools/gpusim/cupy_standin.py). Two steady steps of bench/gpu_budget.py's step are recorded launch by
 launch, each with what it takes from the host by value (its scalars, the bytes a host-to-device copy
 reads); the lr changes every step (a schedule), the loss scale doubles every good step, and the
 batch (its count of valid targets too) is another, as in training. A graph replays its captured
@@ -30,12 +30,12 @@ import json
 import sys
 from pathlib import Path
 
+import gpusim  # noqa: E402
 import numpy as np
+from gpusim import cupy_standin  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-import cupy_standin  # noqa: E402
-
-cupy_standin.install()
+gpusim.install()
+sys.path.insert(0, str(Path(__file__).parent))  # bench/gpu_budget.py, when imported from elsewhere
 import gpu_budget  # noqa: E402
 
 # where the batch (token ids, positions; targets with their valid count) is copied from the host: a

@@ -1,5 +1,5 @@
 """Where a GPU step's host time goes, on a CPU: a thread samples the main thread's stack every
-0.5 ms while bench/cupy_standin.py is not doing device work (its `on_device` depth is 0), with
+0.5 ms while tools/gpusim/cupy_standin.py is not doing device work (its `on_device` depth is 0), with
 Python's switch interval shortened so that samples fall anywhere, not only where the GIL is let go.
 Each mpifsdp function's share is of the samples whose stack (innermost 12 frames) it is on. A sample
 lands where the main thread lets the GIL go, so calls that release it (MPI's) weigh more than they
@@ -12,7 +12,7 @@ import collections
 import sys
 import threading
 
-import cupy_standin
+from gpusim import cupy_standin
 
 INTERVAL_S, DEPTH = 5e-4, 12
 

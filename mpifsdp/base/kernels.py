@@ -5,11 +5,11 @@ kernel's own, and flag_nonfinite.cu, which shard/unit.py uses), read by `cuda_so
 imports CuPy.
 
 Every raw kernel (CUDA C, compiled by NVRTC) has a NumPy twin taking the same arguments (`TWINS`):
-the tests hold the twin to float64 formulas on any machine, bench/cupy_standin.py runs the twin where
+the tests hold the twin to float64 formulas on any machine, tools/gpusim/cupy_standin.py runs the twin where
 it counts launches, and on a device each kernel is compared once with its twin on a small problem
 before its first real use (`checked_once`): a compiler or GPU that computes it wrong is named, not
 trained with. tests/project/test_kernels_compile.py compiles every source with NVRTC, with no GPU;
-tests/project/test_kernel_emulator.py runs every source on the CPU (bench/kernel_emulator.py, g++),
+tests/project/test_kernel_emulator.py runs every source on the CPU (tools/gpusim/kernel_emulator.py, g++),
 so those checks compare the CUDA code itself with its twin before a device sees it.
 """
 

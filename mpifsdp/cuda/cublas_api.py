@@ -6,7 +6,7 @@ though cuBLAS itself captures as long as it allocates nothing meanwhile. So the 
 libcublas CuPy loaded (backend.cublas_library) on a handle of ours, which runs on every stream with
 a workspace of ours: cuBLAS then allocates none, and a graph that captured a GEMM finds its
 workspace kept here. cublasSetStream puts a handle back on cuBLAS's own workspaces, so ours is set
-again after it. bench/cupy_standin.py stands in for the library on a machine without a GPU.
+again after it. tools/gpusim/cupy_standin.py stands in for the library on a machine without a GPU.
 """
 
 from __future__ import annotations

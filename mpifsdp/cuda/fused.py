@@ -23,7 +23,7 @@ from ..autodiff.tensor import implement
 from ..base.backend import array_module_of
 from ..base.kernels import accumulator, device_address
 from ..ops import fused as reference
-from ..ops.fused import _rows, check_linear, split_ln_linear, whole_arrays
+from ..ops.fused import _rows, check_linear, column_sums, split_ln_linear, whole_arrays
 from ..ops.primitives import check_indices
 from . import cross_entropy, gemm, kernels, layer_norm
 
@@ -122,12 +122,7 @@ def _linear_vjp(
             _weight_grad_into(a, c, gw)
             gw = WROTE
     if b is not None and needs[2]:
-        gb = writable(into, 2, b.shape, g2.dtype, accumulator(g2.dtype.type))
-        if gb is None:
-            gb = g2.sum(axis=0)
-        else:
-            g2.sum(axis=0, dtype=gb.dtype, out=gb)
-            gb = WROTE
+        gb = column_sums(g2, writable(into, 2, b.shape, g2.dtype, accumulator(g2.dtype.type)))
     grads = (gx if needs[0] else None, gw) + (() if b is None else (gb,))
     return grads if gelu_bias is None else (*grads, g_gelu_bias if wants_bias else None)
 

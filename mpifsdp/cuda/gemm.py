@@ -17,7 +17,7 @@ CuPy's matmul cannot write them:
 16-bit products accumulate in float32 (CUBLAS_COMPUTE_32F), as CuPy's own float16 GEMMs do; float32
 in float32 (no TF32), float64 in float64. Each (operand, output) type pair is checked once against a
 float64 product on the host before its first result is used. cuBLAS is called through its C API
-(cuda/cublas_api.py), which CUDA graphs capture; bench/cupy_standin.py stands in for it, on host
+(cuda/cublas_api.py), which CUDA graphs capture; tools/gpusim/cupy_standin.py stands in for it, on host
 memory, on a machine without a GPU.
 """
 

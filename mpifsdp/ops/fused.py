@@ -198,14 +198,18 @@ def _linear_vjp(
             array_module_of(a).matmul(a, c, out=gw)  # the same call as without `out`: the same bits
             gw = WROTE
     if b is not None and needs[2]:
-        gb = writable(into, 2, b.shape, g2.dtype)
-        if gb is None:
-            gb = g2.sum(axis=0)
-        else:
-            g2.sum(axis=0, dtype=gb.dtype, out=gb)
-            gb = WROTE
+        gb = column_sums(g2, writable(into, 2, b.shape, g2.dtype))
     grads = (gx if needs[0] else None, gw) + (() if b is None else (gb,))
     return grads if gelu_bias is None else (*grads, g_gelu_bias if wants_bias else None)
+
+
+def column_sums(g2, target=None):
+    """g2's column sums (a bias's gradient): written into `target` where given (tape.WROTE), else
+    returned."""
+    if target is None:
+        return g2.sum(axis=0)
+    g2.sum(axis=0, dtype=target.dtype, out=target)
+    return WROTE
 
 
 def _gelu_backward(x, gx, bias):

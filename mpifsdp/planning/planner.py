@@ -76,7 +76,7 @@ def gpt_activation_bytes(
     token two statistics and the log-sum-exp; on the CPU a one-byte mask per token, on a GPU the int64
     device copies of the host batch (token ids, and targets with their valid count) and positions.
     Checkpointed blocks keep only their input (B·T·C). Equal to autodiff.graph_nbytes
-    (tests/unit/planning/test_planner.py; on a GPU's branches, sharded, bench/standin_checks.py)."""
+    (tests/unit/planning/test_planner.py; on a GPU's branches, sharded, tools/gpusim/standin_checks.py)."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"gpt_activation_bytes: device {device!r} is not 'cpu' or 'cuda[:N]'")
     refuse_below("gpt_activation_bytes", batch=(batch, 1), itemsize=(itemsize, 1))
@@ -131,7 +131,7 @@ def plan(
     of its shard (Unit.cast_target); reduced in float32 there, on one rank a unit's full gradient
     is its gradient shard and a block's gathered parameters its kept cast (Unit._grad_is_whole,
     Unit._gathers_nothing). Exact against the ledgers with one dtype, and on a GPU with
-    param_dtype narrower than the masters (bench/standin_checks.py).
+    param_dtype narrower than the masters (tools/gpusim/standin_checks.py).
     shard_size: HSDP groups (None: every rank); ranks_per_node decides which links a level crosses.
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     activation_bytes: what the tape keeps (gpt_activation_bytes); loss_gradient_bytes: what backward

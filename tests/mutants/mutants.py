@@ -1080,7 +1080,7 @@ MUTANTS = {
     ),
     "kernel_sources_run_on_the_cpu": Mutant(
         _column_sums_without_the_last_block,
-        "raw kernels' CUDA source run on the CPU against their twins (bench/kernel_emulator.py)",
+        "raw kernels' CUDA source run on the CPU against their twins (tools/gpusim/kernel_emulator.py)",
         [
             "tests/project/test_kernel_emulator.py::"
             "test_every_kernels_source_passes_its_first_use_check_in_every_dtype[layer_norm]"

@@ -12,7 +12,8 @@ import pytest
 
 from support import ROOT, mpiexec, run_job
 
-STANDIN = ROOT / "bench" / "standin_run.py"  # runs a bench script with CuPy (and cuDNN) stood in for
+GPUSIM = ROOT / "tools" / "gpusim"  # the stand-in GPU, installed in the venv (make install)
+STANDIN = GPUSIM / "__main__.py"  # `python -m gpusim`: runs a script with CuPy (and cuDNN) stood in for
 BENCH = ROOT / "bench"
 
 
@@ -120,7 +121,7 @@ def test_the_gpu_path_computes_what_the_cpu_path_does(comm, sharded):
 
 
 def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
-    """bench/standin_checks.py: a sharded float64 GPT, GPU branches (stand-in) against the CPU: its
+    """tools/gpusim/standin_checks.py: a sharded float64 GPT, GPU branches (stand-in) against the CPU: its
     gradient shards after one backward (the VJPs write into the zeroed gradients) and after three
     no_sync micro-batches (the later ones must add, not write) and through checkpointed blocks (the
     re-run forward keeps its LayerNorm outputs on a GPU too), and its parameters after three
@@ -132,12 +133,12 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     the most device memory alive in a step is the plan's total (the loss's gradient in it) within 5 %."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    assert _last_json_line(STANDIN, BENCH / "standin_checks.py")["ok"]
+    assert _last_json_line(STANDIN, GPUSIM / "standin_checks.py")["ok"]
 
 
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
 def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold(comm, cudnn):
-    """bench/standin_graphs.py: a sharded GPT's forward and backward captured in a CUDA graph and
+    """tools/gpusim/standin_graphs.py: a sharded GPT's forward and backward captured in a CUDA graph and
     replayed (the stand-in records launches as a capture does and refuses host syncs, host copies
     and collectives it does not reach): float16 gathers, a loss scale and an lr changing every step,
     host or device batches, eager evaluations in between, several sharding configurations, with
@@ -148,7 +149,7 @@ def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_ho
     GEMMs go through CuPy's matmul, which CuPy cannot capture: refused by name at the capture."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    result = _last_json_line(STANDIN, *cudnn, BENCH / "standin_graphs.py")
+    result = _last_json_line(STANDIN, *cudnn, GPUSIM / "standin_graphs.py")
     assert result["ok"] and result["cudnn"] == (not cudnn), result
     if cudnn:  # no cuDNN: attention's batched GEMMs through CuPy's matmul, refused by name at capture
         assert result["refused_at_capture"], result
@@ -158,7 +159,7 @@ def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_ho
 
 
 def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
-    """bench/standin_ranks.py on 2 ranks (MPI with host staging): a GPU's gathers check each rank's
+    """tools/gpusim/standin_ranks.py on 2 ranks (MPI with host staging): a GPU's gathers check each rank's
     own shard as they cast it (one kernel), so a master beyond float16 on the last rank only is
     raised at the optimizer's verdict on both, naming the unit, and the next step, back in range,
     steps on both. Over the stand-in's NCCL, forward and backward replayed from a CUDA graph equal
@@ -168,7 +169,7 @@ def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     handed to MPI, which need not be CUDA-aware), with the CPU's losses."""
     if comm.size > 1:
         pytest.skip("starts its own 2-rank job: the plain-pytest pass covers it")
-    result, _ = run_job(STANDIN, 2, BENCH / "standin_ranks.py")
+    result, _ = run_job(STANDIN, 2, GPUSIM / "standin_ranks.py")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["ranks"] == 2, report
@@ -188,13 +189,13 @@ def test_the_gpu_paths_training_over_nccl_at_two_ranks_is_the_cpus(comm):
 
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
 def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
-    """bench/standin_attention.py: float16 attention_qkv forward and backward on the GPU branch against
+    """tools/gpusim/standin_attention.py: float16 attention_qkv forward and backward on the GPU branch against
     float64, within the first-use check's bound. With cuDNN (its twin): one launch each way, and a
     planted fault in it refused by the first-use check, naming it; without: one line says why, and
     the batched passes compute the same."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
-    result = _last_json_line(STANDIN, *cudnn, BENCH / "standin_attention.py")
+    result = _last_json_line(STANDIN, *cudnn, GPUSIM / "standin_attention.py")
     assert result["ok"] and result["cudnn"] == (not cudnn), result
 
 

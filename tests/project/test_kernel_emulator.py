@@ -1,15 +1,14 @@
-"""bench/kernel_emulator.py: mpifsdp's raw CUDA kernels built by g++ and run on the CPU with CUDA's
+"""tools/gpusim/kernel_emulator.py: mpifsdp's raw CUDA kernels built by g++ and run on the CPU with CUDA's
 execution model. Its own semantics (block barriers that threads returning early leave, warp
 shuffles, the blocks' partials added in two levels by the last to finish, dynamic shared memory, a
 barrier some threads never reach named); every kernel family's first-use checks with its source as
 the kernel, in each element type (what a device runs before each kernel's first real use). The
-whole GPU step with every kernel's source, `STANDIN_KERNELS=source python bench/standin_run.py
-bench/standin_checks.py`, takes about a minute: run it by hand after changing a kernel."""
-
-import sys
+whole GPU step with every kernel's source, `STANDIN_KERNELS=source python -m gpusim
+tools/gpusim/standin_checks.py`, takes about a minute: run it by hand after changing a kernel."""
 
 import numpy as np
 import pytest
+from gpusim import kernel_emulator
 
 from mpifsdp.base import kernels as base_kernels
 from mpifsdp.base.checks import bfloat16
@@ -19,11 +18,6 @@ from mpifsdp.cuda import cross_entropy as gpu_cross_entropy
 from mpifsdp.cuda import kernels as gpu_kernels
 from mpifsdp.cuda import layer_norm as gpu_layer_norm
 from mpifsdp.cuda import norm as gpu_norm
-
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-import kernel_emulator  # noqa: E402
 
 COLUMN_SUMS = r"""
 extern "C" __global__ void column_sums(const ELEM* x, ACC* partial, ACC* sums, unsigned int* done,
@@ -104,7 +98,7 @@ def test_a_barrier_some_threads_never_reach_is_named(kernels):
 
 def test_a_source_gpp_cannot_build_is_named_and_remembered(comm):
     """mpifsdp falls back to unfused passes where a kernel does not build, so the emulator remembers
-    every failed build: standin_run.py then fails the run (it checked less than it claims)."""
+    every failed build: `python -m gpusim` then fails the run (it checked less than it claims)."""
     if comm.size > 1:
         pytest.skip("one single-process build: the plain-pytest pass covers it")
     failed = len(kernel_emulator.FAILED)

@@ -1,5 +1,5 @@
 """GraphedPasses' refusals that a CPU can see (the capture and its replays are checked on the GPU
-branches by bench/standin_graphs.py, run by tests/project/test_gpu_budget.py)."""
+branches by tools/gpusim/standin_graphs.py, run by tests/project/test_gpu_budget.py)."""
 
 import pytest
 

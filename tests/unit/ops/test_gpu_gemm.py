@@ -1,23 +1,19 @@
 """cuBLAS's gemmEx as cuda/gemm.py calls it (16-bit operands into a float32 product, any float
-type into its own, written or added to out) on host memory, through bench/cupy_standin.py's
+type into its own, written or added to out) on host memory, through tools/gpusim/cupy_standin.py's
 column-major gemmEx: the operand layouts and leading dimensions it hands cuBLAS give the product,
 and its check at first use names a GEMM that computes it wrong."""
 
 import functools
-import sys
 import types
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from gpusim import cupy_standin
 
 from mpifsdp.base import kernels
 from mpifsdp.cuda import cublas_api
 from mpifsdp.cuda import gemm as gpu_gemm
-
-sys.path.insert(0, str(Path(__file__).parents[3] / "bench"))
-import cupy_standin  # noqa: E402
 
 
 @pytest.fixture

@@ -101,7 +101,7 @@ def test_activation_bytes_are_the_tapes(comm, checkpoint, block_size):
 
 
 def test_activation_bytes_on_a_gpu_differ_from_the_cpus_by_what_each_keeps():
-    """The GPU's prediction is held to its tape on the GPU branches (bench/standin_checks.py,
+    """The GPU's prediction is held to its tape on the GPU branches (tools/gpusim/standin_checks.py,
     planned_activations_are_the_tapes, run by tests/project/test_gpu_budget.py); against the CPU's it
     differs by what each keeps: the CPU's blocked attention (beyond 256 positions) each block's
     output and log-sum-exp; a GPU its LayerNorm outputs (two a block and the final one's, the first
@@ -162,7 +162,7 @@ def test_a_gpu_plan_counts_float32_gradients_and_the_next_units_bound_ahead():
     parameters as the CPU's plus every block's kept float16 cast of its shard (Unit.cast_target).
     On one rank a unit's full gradient is its gradient shard (Unit._grad_is_whole) and a block's
     kept cast its gathered parameters (Unit._gathers_nothing). The GPU runtime's ledgers are held
-    to these in bench/standin_checks.py."""
+    to these in tools/gpusim/standin_checks.py."""
     config = ["n_layer=4", "n_embd=64"]
     command = [sys.executable, "-m", "mpifsdp", "plan", "--gpt", *config, "--compute-bytes", "2", "--json"]
     runs = {

@@ -1,4 +1,4 @@
-"""A stand-in for cuDNN Frontend's Python graphs on a CPU, beside bench/cupy_standin.py: the calls
+"""A stand-in for cuDNN Frontend's Python graphs on a CPU, beside tools/gpusim/cupy_standin.py: the calls
 mpifsdp/cuda/sdpa.py makes, with each SDPA graph's execute run as a NumPy twin on the
 memory its tensors' addresses and strides name (the stand-in's arrays are host memory). The twin
 computes as flash attention does: float32 arithmetic, the probabilities P (and dS in backward)
@@ -14,10 +14,11 @@ from __future__ import annotations
 import types
 
 import numpy as np
-from cupy_standin import _launch, on_device
 
 from mpifsdp.base.checks import bfloat16
 from mpifsdp.base.kernels import host_array
+
+from .cupy_standin import _launch, on_device
 
 BROKEN: dict = {}
 _TYPES = {"HALF": np.float16, "FLOAT": np.float32, "BFLOAT16": "bfloat16"}  # bfloat16: ml_dtypes', when asked

@@ -13,7 +13,7 @@
   with the all-reduce across groups and the broadcast on NCCL, never MPI on device memory.
 Prints one JSON line (rank 0); exits 1 where a rank saw otherwise.
 
-    mpiexec -n 2 python -m mpi4py bench/standin_run.py bench/standin_ranks.py
+    mpiexec -n 2 python -m mpi4py -m gpusim tools/gpusim/standin_ranks.py
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import sys
 
-import cupy_standin
 import numpy as np
-from standin_checks import bad_batch_outcomes, overflow_outcomes
-from standin_graphs import _evaluate, graphed_after_capture, replays_equal_eager_steps
 
 import mpifsdp
+from gpusim import cupy_standin
+from gpusim.standin_checks import bad_batch_outcomes, overflow_outcomes
+from gpusim.standin_graphs import _evaluate, graphed_after_capture, replays_equal_eager_steps
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 

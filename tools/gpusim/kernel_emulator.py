@@ -3,7 +3,7 @@ small header that gives it CUDA's execution model, so a kernel's logic (its inde
 reductions, its last-block-finishes sums, its casts) is checked against its NumPy twin before a
 device ever runs it. The twins check the mathematics a kernel means; this checks what it does.
 
-    STANDIN_KERNELS=source python bench/standin_run.py bench/standin_checks.py   # a whole GPU step
+    STANDIN_KERNELS=source python -m gpusim tools/gpusim/standin_checks.py   # a whole GPU step
 
 (about a minute; tests/project/test_kernel_emulator.py runs every kernel family's first-use checks
 so, in each element type, and the emulator's own semantics.)

@@ -1,12 +1,12 @@
-"""cuDNN's fused attention as mpifsdp wires it, checked on a CPU (run under bench/standin_run.py, which
-puts bench/cudnn_standin.py's twin in cudnn's place): a float16 attention_qkv forward and backward
+"""cuDNN's fused attention as mpifsdp wires it, checked on a CPU (run under `python -m gpusim`, which
+puts cudnn_standin.py's twin in cudnn's place): a float16 attention_qkv forward and backward
 on the GPU branch against float64 on the host, within the first-use check's bound; one launch each
 way; the first-use check itself (a twin with the causal mask planted off must be refused by name);
 and, with --no-cudnn, the fallback (one line says why, and the batched passes compute the same).
 Prints one JSON line; exits 1 on a failure.
 
-    python bench/standin_run.py bench/standin_attention.py
-    python bench/standin_run.py --no-cudnn bench/standin_attention.py
+    python -m gpusim tools/gpusim/standin_attention.py
+    python -m gpusim --no-cudnn tools/gpusim/standin_attention.py
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import logging
 import sys
 
 import cupy
-import cupy_standin
 import numpy as np
 
 import mpifsdp
+from gpusim import cupy_standin
 from mpifsdp.base import kernels
 from mpifsdp.base.backend import to_numpy
 from mpifsdp.base.checks import bfloat16
@@ -60,7 +60,7 @@ def errors(qkv, g, out, gqkv, floor: float) -> dict:
 
 def planted_fault_is_refused(qkv) -> str:
     """A fresh first use with the twin's causal mask off: the check must raise, naming the kernel."""
-    import cudnn_standin
+    from gpusim import cudnn_standin
 
     cudnn_standin.BROKEN["causal"] = True
     kernels._checked.clear()

@@ -1,4 +1,4 @@
-"""The GPU path against the CPU's, on a CPU (run under bench/standin_run.py), sharded, float64:
+"""The GPU path against the CPU's, on a CPU (run under `python -m gpusim`), sharded, float64:
 - the flat gradient shards after one backward, and after three micro-batches accumulated with
   no_sync (the first backward writes into the zeroed gradients, the later ones must add); and after
   one backward through checkpointed blocks (recompute=True: a GPU's re-run forward keeps its
@@ -26,7 +26,7 @@
   workspaces left out) within 5 % of the plan's total with the loss's gradient.
 Prints one JSON line; exits 1 beyond the bound.
 
-    python bench/standin_run.py bench/standin_checks.py
+    python -m gpusim tools/gpusim/standin_checks.py
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ import dataclasses
 import json
 import sys
 
-import cupy_standin
 import numpy as np
-from common import random_batch
 
 import mpifsdp
+from gpusim import cupy_standin
 from mpifsdp import sharded_model
 from mpifsdp.base.backend import to_numpy
 from mpifsdp.base.checks import bfloat16, finfo
@@ -48,6 +47,14 @@ from mpifsdp.nn import Linear, Module
 
 CONFIG = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
 BOUND = 1e-12  # float64, relative to the largest gradient: only summation order differs
+
+
+def _tokens(config: dict, batch: int, seed: int = 0):
+    """(token ids, targets) of shape (batch, block_size) drawn from `seed`."""
+    draw = np.random.default_rng(seed).integers
+    return draw(0, config["vocab_size"], (batch, config["block_size"])), draw(
+        0, config["vocab_size"], (batch, config["block_size"])
+    )
 
 
 def _sharded_gpt(device: str, recompute: bool = False, bias: bool = True):
@@ -65,7 +72,7 @@ def shards(device: str, micro_batches: int, host_batch=False, recompute=False, b
     model, xp, sharded = _sharded_gpt(device, recompute, bias)
     place = np.asarray if host_batch else xp.asarray
     for step in range(micro_batches):
-        x, y = random_batch(CONFIG, 4, seed=step)
+        x, y = _tokens(CONFIG, 4, seed=step)
         sharded.set_requires_gradient_sync(step == micro_batches - 1)
         model(place(x), place(y)).backward()
     return [to_numpy(unit.flat_grad()) for unit in sharded.trainable_units]
@@ -77,7 +84,7 @@ def scaled_steps(device: str) -> list[np.ndarray]:
     model, xp, sharded = _sharded_gpt(device)
     opt, scaler = mpifsdp.AdamW(model, lr=1e-2, weight_decay=0.1), mpifsdp.LossScaler(init_scale=2.0**10)
     for step in range(3):
-        x, y = random_batch(CONFIG, 4, seed=step)
+        x, y = _tokens(CONFIG, 4, seed=step)
         scaler.scale(model(xp.asarray(x), xp.asarray(y))).backward()
         assert scaler.step(opt, max_norm=0.05)
         opt.zero_grad()
@@ -100,7 +107,7 @@ def float16_steps(keep_casts: bool) -> list[np.ndarray]:
     lifecycle.casts_kept = fsdp_model.casts_kept = kept if keep_casts else never
     try:
         for step in range(3):
-            x, y = random_batch(CONFIG, 4, seed=step)
+            x, y = _tokens(CONFIG, 4, seed=step)
             model(xp.asarray(x), xp.asarray(y)).backward()
             opt.step()
             opt.zero_grad()
@@ -247,7 +254,7 @@ def planned_gathered_bytes_are_the_ledgers() -> bool:
     mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
     opt = mpifsdp.AdamW(model, lr=1e-3)
     for step in range(3):
-        x, y = random_batch(CONFIG, 4, seed=step)
+        x, y = _tokens(CONFIG, 4, seed=step)
         model(xp.asarray(x), xp.asarray(y)).backward()
         opt.step()
         opt.zero_grad()
@@ -276,7 +283,7 @@ def the_devices_peak_over_the_plan() -> float:
     opt, scaler = mpifsdp.AdamW(model, lr=1e-3), mpifsdp.LossScaler()
     for step in range(3):
         cupy_standin.ALIVE["peak"] = cupy_standin.ALIVE["bytes"]
-        x, y = random_batch(dict(vars(config), batch_size=B), B, seed=step)
+        x, y = _tokens(dict(vars(config), batch_size=B), B, seed=step)
         scaler.scale(model(x, y)).backward()
         scaler.step(opt, max_norm=1.0)
         opt.zero_grad()
@@ -308,7 +315,7 @@ def planned_activations_are_the_tapes() -> bool:
     held = []
     for bias in (True, False):
         model, _, _ = _sharded_gpt("cuda", bias=bias)
-        x, y = random_batch(CONFIG, 4, seed=0)
+        x, y = _tokens(CONFIG, 4, seed=0)
         want = gpt_activation_bytes(model.config, 4, 8, device="cuda")
         held.append(graph_nbytes(model(x, y)) == want)
     return all(held)
@@ -321,7 +328,7 @@ def mixed_precision_grads(dtype) -> list[np.ndarray]:
     keys = ("vocab_size", "n_embd", "n_layer", "n_head", "block_size")
     model = GPT(GPTConfig(**{k: CONFIG[k] for k in keys}), seed=0, device="cuda")
     mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32)
-    x, y = random_batch(CONFIG, 4, seed=0)
+    x, y = _tokens(CONFIG, 4, seed=0)
     model(x, y).backward()
     return [to_numpy(unit.flat_grad()) for unit in sharded_model(model).trainable_units]
 
@@ -395,7 +402,7 @@ def failed_backward_leaves_nothing_bound_ahead() -> bool:
     from mpifsdp.autodiff.tensor import ON_DEVICE
 
     model, xp, sharded = _sharded_gpt("cuda")
-    x, y = (xp.asarray(a) for a in random_batch(CONFIG, 4, seed=0))
+    x, y = (xp.asarray(a) for a in _tokens(CONFIG, 4, seed=0))
     key = ("attention_qkv", "cuda")  # the GPU's implementation (the device seam)
     attention = ON_DEVICE[key]
 

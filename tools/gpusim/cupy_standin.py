@@ -10,7 +10,7 @@ boolean-mask index (its size is read back) and an eventQuery. NCCL runs through 
 (on one rank it copies; GPUS[0] GPUs a node, so N ranks with N GPUs choose it). Our raw
 kernels run as their NumPy twins (with STANDIN_KERNELS=source as their CUDA source itself, built by
 g++: kernel_emulator.py), our elementwise kernels as NumPy formulas of the same math,
-cuDNN's attention as bench/cudnn_standin.py's twin. The time all that takes is the device's
+cuDNN's attention as tools/gpusim/cudnn_standin.py's twin. The time all that takes is the device's
 (`on_device`, DEVICE_S): the rest of a step's wall time is its host's.
 
 CUDA graphs (Stream.begin_capture / end_capture, Graph.launch) as a GPU runs them: while a stream
@@ -532,7 +532,7 @@ class RawModule:
     def __init__(self, code="", options=()):
         self.emulated = None
         if os.environ.get("STANDIN_KERNELS") == "source":
-            import kernel_emulator
+            from . import kernel_emulator
 
             self.emulated = kernel_emulator.RawModule(code, host=_host)
 
@@ -740,9 +740,9 @@ def _nccl_dtype(code: int):
     return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
-def install(with_cudnn: bool = True):
-    """Make `import cupy` (and cupyx, cupy.cuda.nccl, and cudnn unless with_cudnn is False: then
-    attention runs as it does on a GPU without cuDNN) give the stand-ins; call before importing mpifsdp."""
+def install():
+    """Make `import cupy` (and cupyx, cupy.cuda.nccl) give the stand-ins; call before importing
+    mpifsdp (gpusim.install adds cuDNN's)."""
     cp = types.ModuleType("cupy")
     for name in dir(np):
         if not name.startswith("_"):
@@ -793,8 +793,4 @@ def install(with_cudnn: bool = True):
     from mpifsdp.base import backend
 
     backend.cublas_library = cublas_library
-    if with_cudnn:
-        import cudnn_standin
-
-        sys.modules["cudnn"] = cudnn_standin.module()
     return cp

@@ -1,5 +1,5 @@
 """CUDA graphs of a sharded model's forward and backward (mpifsdp.GraphedPasses), checked on a CPU
-(run under bench/standin_run.py: bench/cupy_standin.py captures and replays as a GPU does, and
+(run under `python -m gpusim`: tools/gpusim/cupy_standin.py captures and replays as a GPU does, and
 refuses what a capture refuses: host syncs, host copies, collectives a capture does not reach):
 
 - replayed steps against eager ones, float16 gathers, an lr changing every step, 5 batches: host
@@ -24,8 +24,8 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
 Without cuDNN (--no-cudnn) attention runs batched GEMMs through CuPy's matmul, which CuPy cannot
 capture: then only that refusal is checked. One JSON line; exits 1 if a check fails.
 
-    python bench/standin_run.py bench/standin_graphs.py
-    python bench/standin_run.py --no-cudnn bench/standin_graphs.py
+    python -m gpusim tools/gpusim/standin_graphs.py
+    python -m gpusim --no-cudnn tools/gpusim/standin_graphs.py
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import statistics
 import sys
 import time
 
-import cupy_standin
 import numpy as np
 
 import mpifsdp
+from gpusim import cupy_standin
 from mpifsdp.base.checks import bfloat16
 from mpifsdp.models import GPT, GPTConfig
 
