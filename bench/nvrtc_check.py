@@ -79,9 +79,9 @@ def elementwise_source(name: str, dtype) -> str:
 def main() -> int:
     results = []
     for arch in ARCHES:
-        for family, (source, _) in sorted(kernels.RAW_FAMILIES.items()):
+        for family, declared in sorted(kernels.RAW_FAMILIES.items()):
             for dtype in DTYPES:
-                results.append(build(f"{family} {np.dtype(dtype).name}", source(dtype), arch))
+                results.append(build(f"{family} {np.dtype(dtype).name}", declared.source(dtype), arch))
         for name in gpu_kernels._SOURCES:
             for dtype in DTYPES:
                 results.append(build(f"{name} {np.dtype(dtype).name}", elementwise_source(name, dtype), arch))

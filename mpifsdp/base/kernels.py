@@ -16,6 +16,8 @@ so those checks compare the CUDA code itself with its twin before a device sees 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import enum
 import functools
 import logging
 import os
@@ -99,8 +101,41 @@ ELEMENT_TYPES = _ElementTypes(
     {np.float16: ("__half", "float"), np.float32: ("float", "float"), np.float64: ("double", "double")}
 )
 TWINS: dict = {}  # kernel name -> twin(grid, block, args, shared_mem): the same effect, in NumPy
-# what each family of raw kernels is compiled from (for the NVRTC check): name -> (source(dtype), names)
-RAW_FAMILIES: dict = {}
+RAW_FAMILIES: dict = {}  # every family of raw kernels by name (KernelFamily): the NVRTC check's list
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFamily:
+    """One family of raw kernels, declared once where it is launched: its name (in log lines and the
+    NVRTC check), `source(dtype)` (its .cu file, typed, with its flags' names defined), its entry
+    points and each one's NumPy twin (the same arguments: what the stand-in GPU runs, and what its
+    first-use check compares the device with)."""
+
+    name: str
+    source: object  # dtype -> the CUDA source
+    kernels: tuple
+    twins: dict
+
+    def compiled(self, xp, dtype, source: str | None = None):
+        """The entry points compiled for `dtype` (or from `source`), or None where NVRTC cannot."""
+        return compiled(xp, source or self.source(dtype), self.kernels, self.name)
+
+
+def family(name: str, source, kernels: tuple, twins: dict) -> KernelFamily:
+    """Declare a family: its twins registered by entry point, itself in RAW_FAMILIES."""
+    if name in RAW_FAMILIES:
+        raise ValueError(f"kernel family {name!r} is declared twice")
+    if set(twins) - set(kernels):
+        raise ValueError(f"kernel family {name!r}: twins {sorted(set(twins) - set(kernels))} of no kernel")
+    TWINS.update(twins)
+    RAW_FAMILIES[name] = KernelFamily(name, source, tuple(kernels), dict(twins))
+    return RAW_FAMILIES[name]
+
+
+def flag_defines(flags: type[enum.IntFlag], prefix: str) -> str:
+    """`#define PREFIX_NAME bit` for each bit of a kernel's flags (an IntFlag): one name for a bit
+    in the CUDA source, the Python that sets it and the twin that reads it."""
+    return "".join(f"#define {prefix}{flag.name} {int(flag)}\n" for flag in flags)
 
 
 def device_address(array) -> int:
@@ -232,8 +267,12 @@ def _cast_flag_twin(grid, block, args, shared_mem=0):
     _flag_twin(grid, block, (out, flag, n, token))
 
 
-TWINS.update(flag_nonfinite=_flag_twin, cast_flag_nonfinite=_cast_flag_twin)
-RAW_FAMILIES["non-finite flag"] = (flag_source, FLAG_KERNELS)
+FLAG_FAMILY = family(
+    "the non-finite flag",
+    flag_source,
+    FLAG_KERNELS,
+    dict(flag_nonfinite=_flag_twin, cast_flag_nonfinite=_cast_flag_twin),
+)
 
 
 def flag_nonfinite(x, flag, token: int = 1) -> bool:
@@ -262,7 +301,7 @@ def _flag_launch(which: int, dtype, x, args: tuple, probe) -> bool:
     """Kernel FLAG_KERNELS[which] for element type dtype over x's elements, checked once by
     probe(xp, dtype, kernel); False where it cannot be compiled."""
     xp = array_module_of(x)
-    kernels = compiled(xp, flag_source(dtype), FLAG_KERNELS, "the non-finite flag")
+    kernels = FLAG_FAMILY.compiled(xp, dtype)
     if kernels is None:
         return False
     checked_once((FLAG_KERNELS[which], dtype), lambda: probe(xp, dtype, kernels[which]))

@@ -75,10 +75,11 @@ def _groups_twin(grid, block, args, shared_mem=0):
             kernels.TWINS["cast_flag_nonfinite"](None, None, (p, cast, flag, int(n[j]), int(tokens[j])))
 
 
-kernels.TWINS.update(adamw_step=_twin, adamw_groups=_groups_twin)
-kernels.RAW_FAMILIES["adamw"] = (source, KERNELS)
+FAMILY = kernels.family(
+    "the fused AdamW step", source, KERNELS, dict(adamw_step=_twin, adamw_groups=_groups_twin)
+)
 # float32 masters cast to each type by adamw_groups as it updates them (fully_shard's param_dtype)
-kernels.RAW_FAMILIES["adamw with casts"] = (lambda cast: source(np.float32, cast), KERNELS)
+kernels.family("the fused AdamW step, casting", lambda cast: source(np.float32, cast), KERNELS, {})
 
 
 @functools.lru_cache(maxsize=1024)
@@ -106,7 +107,7 @@ def step(p, g, m, v, *, decay, grad_scale, beta1, beta2, lr_over_bias1, bias2, e
     ):
         return False
     xp = array_module_of(p)
-    compiled = kernels.compiled(xp, source(dtype), KERNELS, "the fused AdamW step")
+    compiled = FAMILY.compiled(xp, dtype)
     if compiled is None:
         return False
     kernels.checked_once(("adamw_step", dtype), lambda: _probe(xp, dtype, compiled[0]))
@@ -134,7 +135,7 @@ def step_groups(updates: list) -> bool:
         or not all(a.dtype == arrays[0].dtype and a.flags.c_contiguous and a.size for a in arrays)
     ):
         return False
-    compiled = kernels.compiled(xp, source(dtype, cast), KERNELS, "the fused AdamW step")
+    compiled = FAMILY.compiled(xp, dtype, source(dtype, cast))
     if compiled is None:
         return False
     key = ("adamw_groups" + (f" casting to {cast.name}" if casts else ""), dtype)

@@ -52,8 +52,12 @@ def _backward_twin(grid, block, args, shared_mem=0):
     grad.reshape(rows.shape)[...] = d * weight[:, None]
 
 
-gk.TWINS.update(cross_entropy_forward=_forward_twin, cross_entropy_backward=_backward_twin)
-gk.RAW_FAMILIES["cross entropy"] = (source, KERNELS)
+FAMILY = gk.family(
+    "fused cross-entropy",
+    source,
+    KERNELS,
+    dict(cross_entropy_forward=_forward_twin, cross_entropy_backward=_backward_twin),
+)
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -71,7 +75,7 @@ def _kernels(logits2, targets):
     )
     if not usable:
         return None
-    return gk.compiled(array_module_of(logits2), source(dtype), KERNELS, "fused cross-entropy")
+    return FAMILY.compiled(array_module_of(logits2), dtype)
 
 
 def targets_with_count(xp, targets, count: float):

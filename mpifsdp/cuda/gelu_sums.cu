@@ -11,10 +11,10 @@ __device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restric
     for (int j = threadIdx.x * V; j < C; j += blockDim.x * V) {
         A b[V];
         ACC sum[V];
-        const P bias_pack = (flags & 1) ? *(const P*)(bias + j) : P();
+        const P bias_pack = (flags & GELU_BIAS) ? *(const P*)(bias + j) : P();
         #pragma unroll
         for (int k = 0; k < V; ++k) {
-            b[k] = (flags & 1) ? (A)bias_pack.v[k] : (A)0;
+            b[k] = (flags & GELU_BIAS) ? (A)bias_pack.v[k] : (A)0;
             sum[k] = 0;
         }
         for (int r = first; r < last; r += ROWS_AHEAD) {
@@ -34,7 +34,7 @@ __device__ void gelu_sums_rows(const ELEM* __restrict__ x, const ELEM* __restric
                     P hs, os;
                     #pragma unroll
                     for (int k = 0; k < V; ++k) {
-                        const A a = (flags & 1) ? (A)(ELEM)((A)xs[u].v[k] + b[k]) : (A)xs[u].v[k];
+                        const A a = (flags & GELU_BIAS) ? (A)(ELEM)((A)xs[u].v[k] + b[k]) : (A)xs[u].v[k];
                         const A s = GELU_SIGMOID(a);
                         hs.v[k] = (ELEM)(a * s);
                         os.v[k] = (ELEM)((A)gs[u].v[k] * GELU_SLOPE(a, s));
@@ -56,11 +56,11 @@ gelu_and_grad_sums(const ELEM* x, const ELEM* bias, ELEM* h, ELEM* gh, ACC* part
                    unsigned int* done, const int n, const int C, const int rows_per_block,
                    const int flags) {
     /* partial: (gridDim.x, C); done: column_sums_done's counters;
-       flags: 1 = bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias */
+       flags: GELU_BIAS = bias (C) added to x first, rounded to ELEM as cuda/fused.py gelu_array's */
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
     ACC* mine = partial + (size_t)blockIdx.x * C;
     const bool packed = C % PACK == 0 && packs_fit(x) && packs_fit(h) && packs_fit(gh) &&
-                        (!(flags & 1) || packs_fit(bias));
+                        (!(flags & GELU_BIAS) || packs_fit(bias));
     if (packed) gelu_sums_rows<PACK>(x, bias, h, gh, mine, first, last, C, flags);
     else gelu_sums_rows<1>(x, bias, h, gh, mine, first, last, C, flags);
     if (!column_sums_done(partial, 1, C, done)) return;

@@ -13,6 +13,7 @@ use and cached; nothing here imports CuPy.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
@@ -22,14 +23,14 @@ import numpy as np
 from ..base.backend import array_module_of, to_numpy
 from ..base.kernels import (
     ELEMENT_TYPES,
-    RAW_FAMILIES,
     TWINS,
     accumulator,
     checked_once,
     column_sum_counters,
-    compiled,
     cuda_source,
     error_bound,
+    family,
+    flag_defines,
     in_packs,
     multiprocessors,
     pack_width,
@@ -121,7 +122,7 @@ def _gelu_family_kernel(x, name: str, probe):
     """The GELU family's kernel `name` for x's dtype, checked once against its twin (probe(xp, dtype,
     kernel)), or None where NVRTC cannot build it."""
     xp = array_module_of(x)
-    kernels = compiled(xp, gelu_sums_source(x.dtype.type), GELU_SUMS_KERNELS, "fused GELU with column sums")
+    kernels = GELU_SUMS.compiled(xp, x.dtype.type)
     if kernels is None:
         return None
     kernel = kernels[GELU_SUMS_KERNELS.index(name)]
@@ -184,8 +185,17 @@ GELU_SUMS_THREADS, GELU_SUMS_AN_SM, GELU_SUMS_BLOCKS = 256, 3, 512
 GELU_SUMS_SOURCE = cuda_source(__package__, "gelu_sums.cu")
 GELU_COLUMNS, GELU_PACKS, GELU_ROWS_THREADS, GELU_ROWS_MAX_Y = 4, 2, 256, 65535  # gelu_bias_rows' launch
 GELU_SUMS_KERNELS = ("gelu_and_grad_sums", "gelu_bias_rows")
+
+
+class GeluSums(enum.IntFlag):
+    """gelu_and_grad_sums' flags (GELU_* in gelu_sums.cu)."""
+
+    BIAS = 1  # the bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias
+
+
 _GELU_SUMS_BODY = (
-    f"typedef ACC A;\n#define GELU_COLUMNS {GELU_COLUMNS}\n#define GELU_PACKS {GELU_PACKS}\n"
+    flag_defines(GeluSums, "GELU_")
+    + f"typedef ACC A;\n#define GELU_COLUMNS {GELU_COLUMNS}\n#define GELU_PACKS {GELU_PACKS}\n"
     f"#define GELU_SUMS_THREADS {GELU_SUMS_THREADS}\n#define GELU_SUMS_AN_SM {GELU_SUMS_AN_SM}\n"
     + _GELU_MACROS
     + GELU_SUMS_SOURCE
@@ -200,7 +210,7 @@ def _gelu_sums_twin(grid, block, args, shared_mem=0):
     x, bias, h, gh, partial, sums, done, n, C, per, flags = args
     n, C, per = int(n), int(C), int(per)
     x = x.reshape(n, C)
-    a = (x + bias.reshape(C)).astype(x.dtype) if int(flags) & 1 else x  # rounded to x's type, as stored
+    a = (x + bias.reshape(C)).astype(x.dtype) if int(flags) & GeluSums.BIAS else x  # rounded as stored
     a = a.astype(np.float64)
     s = 1 / (1 + np.exp(np.clip(-2 * _C * (a + _K * a**3), -700, 700)))
     h.reshape(n, C)[...] = a * s
@@ -220,9 +230,12 @@ def _gelu_bias_rows_twin(grid, block, args, shared_mem=0):
     y.reshape(n, C)[...] = a / (1 + np.exp(np.clip(-2 * _C * (a + _K * a**3), -700, 700)))
 
 
-TWINS["gelu_and_grad_sums"] = _gelu_sums_twin
-TWINS["gelu_bias_rows"] = _gelu_bias_rows_twin
-RAW_FAMILIES["gelu with column sums"] = (gelu_sums_source, GELU_SUMS_KERNELS)
+GELU_SUMS = family(
+    "fused GELU with column sums",
+    gelu_sums_source,
+    GELU_SUMS_KERNELS,
+    dict(gelu_and_grad_sums=_gelu_sums_twin, gelu_bias_rows=_gelu_bias_rows_twin),
+)
 
 
 def gelu_and_grad_sums_into(h2, gh2, x2, sums, bias=None) -> bool:
@@ -252,7 +265,7 @@ def _gelu_sums_launch(kernel, xp, h2, gh2, x2, sums, bias, max_blocks: int):
     acc = accumulator(x2.dtype.type)
     partial = xp.empty((blocks, C), dtype=acc)
     done = column_sum_counters(xp, x2, "gelu_and_grad_sums", blocks)
-    sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(bias is not None))
+    sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(GeluSums.BIAS if bias is not None else 0))
     args = (x2, x2 if bias is None else bias, h2, gh2, partial, sums, done, *sizes)  # x2: not read
     kernel((blocks,), (GELU_SUMS_THREADS,), args)
 
@@ -269,7 +282,7 @@ def _gelu_sums_probe(xp, dtype, kernel):
         host_bias = rng.normal(0, 1, C).astype(dtype)
         for bias in (None, host_bias):
             want_h, want_g, want_sums = np.empty((n, C)), host_g.astype(np.float64), np.empty(C)
-            flags = int(bias is not None)
+            flags = GeluSums.BIAS if bias is not None else 0
             twin_args = (host_x, host_bias, want_h, want_g, np.empty((1, C)), want_sums, None, n, C, n, flags)
             _gelu_sums_twin(None, None, twin_args)
             bound = {
@@ -317,8 +330,12 @@ def _softmax_backward_twin(grid, block, args, shared_mem=0):
     d3[...] = p3 * (d64 - (d64 * p3).sum(-1, keepdims=True)) * float(scale)
 
 
-TWINS.update(causal_softmax=_causal_softmax_twin, softmax_backward=_softmax_backward_twin)
-RAW_FAMILIES["causal softmax"] = (row_source, ROW_KERNELS)
+ROWS = family(
+    "fused causal softmax",
+    row_source,
+    ROW_KERNELS,
+    dict(causal_softmax=_causal_softmax_twin, softmax_backward=_softmax_backward_twin),
+)
 
 
 def _row_launch(which: int, rows, T: int, scale: float, *arrays) -> bool:
@@ -327,7 +344,7 @@ def _row_launch(which: int, rows, T: int, scale: float, *arrays) -> bool:
     if dtype not in ELEMENT_TYPES or T > _ROW_THREADS * _ROW_ITEMS:
         return False
     xp = array_module_of(arrays[0])
-    kernels = compiled(xp, row_source(dtype), ROW_KERNELS, "fused causal softmax")
+    kernels = ROWS.compiled(xp, dtype)
     if kernels is None:
         return False
     checked_once(("causal_softmax", dtype), lambda: _row_probe(xp, arrays[0].dtype, kernels))

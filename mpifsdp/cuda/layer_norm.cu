@@ -4,15 +4,16 @@ template <int V>
 __device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const ELEM* next_bias,
                            const ACC m, const ACC rs, const int C, const int N, const int flags,
                            const size_t r) {
-    /* row r's statistics, its ones column (flag 2) and its row of the next GEMM's bias (flag 8) */
+    /* row r's statistics, its ones column (FWD_ONES_COLUMN) and its row of the next GEMM's bias
+       (FWD_NEXT_BIAS) */
     typedef Pack<V> P;
     const int lane = threadIdx.x & 31;
     if (lane == 0) {
         mean[r] = (ELEM)m;
         rstd[r] = (ELEM)rs;
-        if (flags & 2) o[C] = (ELEM)1;
+        if (flags & FWD_ONES_COLUMN) o[C] = (ELEM)1;
     }
-    if (flags & 8) {
+    if (flags & FWD_NEXT_BIAS) {
         ELEM* row_of_biased = biased + r * N;
         for (int j = lane * V; j < N; j += 32 * V) *(P*)(row_of_biased + j) = *(const P*)(next_bias + j);
     }
@@ -36,15 +37,15 @@ __device__ __forceinline__ void write_normalized(const Pack<V>& p, const int j, 
     /* columns j.. of a row: the output ((x - m) rs w (+ b)) and, with flag 4, the seed x + seed_bias */
     typedef Pack<V> P;
     const P wp = *(const P*)(w + j);
-    const P bp = (flags & 1) ? *(const P*)(b + j) : P();
+    const P bp = (flags & FWD_BIAS) ? *(const P*)(b + j) : P();
     P y;
     #pragma unroll
     for (int k = 0; k < V; ++k) {
         const ACC v = ((ACC)p.v[k] - m) * rs * (ACC)wp.v[k];
-        y.v[k] = (ELEM)((flags & 1) ? v + (ACC)bp.v[k] : v);
+        y.v[k] = (ELEM)((flags & FWD_BIAS) ? v + (ACC)bp.v[k] : v);
     }
     *(P*)(o + j) = y;
-    if (flags & 4) {
+    if (flags & FWD_SEED) {
         const P sp = *(const P*)(seed_bias + j);
         P sum;
         #pragma unroll
@@ -114,18 +115,20 @@ extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, cons
                                               const int ld, const int N, const ACC eps, const int flags,
                                               const int n) {
     /* One warp a row (row blockIdx.x * warps a block + this warp, of n): its sums by shuffles
-       alone, no block barrier. flags: 1 = has a bias; 2 = out[C] = 1 in every row (out's rows are
+       alone, no block barrier. flags (their bits named by layer_norm.py, defined before this
+       source): FWD_BIAS = has a bias; FWD_ONES_COLUMN = out[C] = 1 in every row (out's rows are
        ld apart: the weight gradient's GEMM reads C + 1 columns, giving the next linear's bias
-       gradient as one more row); 4 = seed = x + seed_bias (the residual plus the bias of the
-       projection that closes the branch: cuda/fused.py Seed); 8 = each row of biased (N wide) = next_bias
-       (the next GEMM adds to it); 16 = in packs (C, ld and N multiples of PACK, every pointer
-       16-byte aligned: the launcher's choice), the row held in registers where it fits */
+       gradient as one more row); FWD_SEED = seed = x + seed_bias (the residual plus the bias of
+       the projection that closes the branch: cuda/fused.py Seed); FWD_NEXT_BIAS = each row of
+       biased (N wide) = next_bias (the next GEMM adds to it); FWD_PACKED = in packs (C, ld and N
+       multiples of PACK, every pointer 16-byte aligned: the launcher's choice), the row held in
+       registers where it fits */
     const size_t r = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (r >= (size_t)n) return;
-    if ((flags & 16) && C <= 32 * PACK * ROW_PACKS)
+    if ((flags & FWD_PACKED) && C <= 32 * PACK * ROW_PACKS)
         forward_row_held(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
                          flags, r);
-    else if (flags & 16)
+    else if (flags & FWD_PACKED)
         forward_row<PACK>(x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps,
                           flags, r);
     else
@@ -146,7 +149,7 @@ template <int V> struct BackwardRows {
                 const size_t at = (size_t)(r + u) * C + j;
                 g[u] = *(const Pack<V>*)(g_ + at);
                 x[u] = *(const Pack<V>*)(x_ + at);
-                if (flags & 1) add[u] = *(const Pack<V>*)(add_ + at);
+                if (flags & BWD_ADD) add[u] = *(const Pack<V>*)(add_ + at);
                 m[u] = (ACC)mean[r + u];
                 rs[u] = (ACC)rstd[r + u];
             }
@@ -204,7 +207,7 @@ __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restric
                     const ACC xh = ((ACC)now.x[u].v[k] - now.m[u]) * now.rs[u];
                     const ACC gh = (ACC)now.g[u].v[k] * (ACC)wp.v[k];
                     const ACC dx = (gh - mean_gh - xh * mean_ghx) * now.rs[u];
-                    out.v[k] = (ELEM)((flags & 1) ? dx + (ACC)now.add[u].v[k] : dx);
+                    out.v[k] = (ELEM)((flags & BWD_ADD) ? dx + (ACC)now.add[u].v[k] : dx);
                     ss[k] += (ACC)out.v[k];
                 }
                 *(P*)(gx + (size_t)(r + u) * C + j) = out;
@@ -216,7 +219,7 @@ __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restric
     for (int k = 0; k < V; ++k) {
         mine[j + k] = sw[k];
         mine[plane + j + k] = sb[k];
-        if (flags & 4) mine[2 * plane + j + k] = ss[k];
+        if (flags & BWD_SUMS) mine[2 * plane + j + k] = ss[k];
     }
 }
 __device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, const ELEM* mean,
@@ -232,7 +235,7 @@ __device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, co
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         gw[j] = 0;
         gb[j] = 0;
-        if (flags & 4) gs[j] = 0;
+        if (flags & BWD_SUMS) gs[j] = 0;
     }
     for (int r = first; r < last; ++r) {
         const ELEM* gr = g + (size_t)r * C;
@@ -252,15 +255,15 @@ __device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, co
         for (int j = threadIdx.x; j < C; j += blockDim.x) {
             const ACC xh = ((ACC)xr[j] - m) * rs, gh = (ACC)gr[j] * (ACC)w[j];
             const ACC dx = (gh - mean_gh - xh * mean_ghx) * rs;
-            const ELEM o = (ELEM)((flags & 1) ? dx + (ACC)add[(size_t)r * C + j] : dx);
+            const ELEM o = (ELEM)((flags & BWD_ADD) ? dx + (ACC)add[(size_t)r * C + j] : dx);
             out[j] = o;
-            if (flags & 4) gs[j] += (ACC)o;
+            if (flags & BWD_SUMS) gs[j] += (ACC)o;
         }
     }
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         mine[j] = gw[j];
         mine[plane + j] = gb[j];
-        if (flags & 4) mine[2 * plane + j] = gs[j];
+        if (flags & BWD_SUMS) mine[2 * plane + j] = gs[j];
     }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
@@ -271,18 +274,18 @@ extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, con
     /* partial: (3, gridDim.x, C): this block's column sums of g * xhat (for dw), of g (for db) and
        of gx as written (for ds); column_sums_done adds every block's partials, in a fixed order,
        into dw, db and ds (in ACC: parameter gradients are gathered in the arithmetic's
-       type, float32 for 16-bit elements, and reduced with no cast). flags: 1 = gx = dx + add, the
-       input's gradient from its other uses (the residual path); 2 = has a bias (db written); 4 = ds
-       written; 8 = in packs (blockDim.x * PACK == C, every row pointer 16-byte aligned: the
-       launcher's choice), else backward_columns with its shared memory. done: column_sums_done's
-       counters */
+       type, float32 for 16-bit elements, and reduced with no cast). flags: BWD_ADD = gx = dx + add,
+       the input's gradient from its other uses (the residual path); BWD_BIAS_GRAD = has a bias
+       (db written); BWD_SUMS = ds written; BWD_PACKED = in packs (blockDim.x * PACK == C, every
+       row pointer 16-byte aligned: the launcher's choice), else backward_columns with its shared
+       memory. done: column_sums_done's counters */
     const int first = blockIdx.x * rows_per_block, last = min(n, first + rows_per_block);
     const size_t plane = (size_t)gridDim.x * C;
     ACC* mine = partial + (size_t)blockIdx.x * C;
-    if (flags & 8) backward_packs<PACK>(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
+    if (flags & BWD_PACKED) backward_packs<PACK>(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
     else backward_columns(g, x, w, mean, rstd, gx, add, mine, plane, first, last, C, flags);
-    if (!column_sums_done(partial, (flags & 4) ? 3 : 2, C, done)) return;
+    if (!column_sums_done(partial, (flags & BWD_SUMS) ? 3 : 2, C, done)) return;
     sum_over_groups(partial, dw, C);
-    if (flags & 2) sum_over_groups(partial + plane, db, C);
-    if (flags & 4) sum_over_groups(partial + 2 * plane, ds, C);
+    if (flags & BWD_BIAS_GRAD) sum_over_groups(partial + plane, db, C);
+    if (flags & BWD_SUMS) sum_over_groups(partial + 2 * plane, ds, C);
 }

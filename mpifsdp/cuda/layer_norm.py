@@ -20,6 +20,8 @@ Each kernel has a NumPy twin taking the same arguments (base/kernels.py TWINS).
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
 from ..base import kernels as gk
@@ -36,8 +38,30 @@ SOURCE = gk.cuda_source(__package__, "layer_norm.cu")
 KERNELS = ("layer_norm_forward", "layer_norm_backward")
 
 
+class Forward(enum.IntFlag):
+    """layer_norm_forward's flags (FWD_* in layer_norm.cu): what its launch asks of it."""
+
+    BIAS = 1  # b is added
+    ONES_COLUMN = 2  # out[C] = 1 in every row (the next linear's bias folded into its GEMM)
+    SEED = 4  # seed = x + seed_bias (cuda/fused.py Seed)
+    NEXT_BIAS = 8  # every row of biased = next_bias (the next GEMM adds its product)
+    PACKED = 16  # 16-byte packs, the row held in registers where it fits
+
+
+class Backward(enum.IntFlag):
+    """layer_norm_backward's flags (BWD_* in layer_norm.cu)."""
+
+    ADD = 1  # gx = dx + add (the residual path's gradient)
+    BIAS_GRAD = 2  # db written
+    SUMS = 4  # ds: gx's column sums written
+    PACKED = 8  # 16-byte packs, a thread a pack of columns
+
+
+DEFINES = gk.flag_defines(Forward, "FWD_") + gk.flag_defines(Backward, "BWD_")
+
+
 def source(dtype) -> str:
-    return gk.typed_source(dtype, SOURCE)
+    return gk.typed_source(dtype, DEFINES + SOURCE)
 
 
 # -- the NumPy twins: the same arguments, float64 arithmetic ---------------------------------------
@@ -45,34 +69,34 @@ def source(dtype) -> str:
 
 def _forward_twin(grid, block, args, shared_mem=0):
     x, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias, C, ld, N, eps, flags, n = args
-    C, flags = int(C), int(flags)
+    C, flags = int(C), Forward(int(flags))
     x64 = x.reshape(int(n), C).astype(np.float64)
     m = x64.mean(axis=1, keepdims=True)
     r = 1 / np.sqrt(((x64 - m) ** 2).mean(axis=1, keepdims=True) + float(eps))
     y = (x64 - m) * r * w.astype(np.float64)
     rows = out.reshape(-1)[: x64.shape[0] * int(ld)].reshape(-1, int(ld))
-    rows[:, :C] = y + b.astype(np.float64) if flags & 1 else y
-    if flags & 2:
+    rows[:, :C] = y + b.astype(np.float64) if flags & Forward.BIAS else y
+    if flags & Forward.ONES_COLUMN:
         rows[:, C] = 1
-    if flags & 4:
+    if flags & Forward.SEED:
         seed.reshape(x64.shape)[...] = x64 + seed_bias.astype(np.float64)
-    if flags & 8:
+    if flags & Forward.NEXT_BIAS:
         biased.reshape(-1, int(N))[: x64.shape[0]] = next_bias
     mean.reshape(-1)[...], rstd.reshape(-1)[...] = m[:, 0], r[:, 0]
 
 
 def _backward_twin(grid, block, args, shared_mem=0):
     g, x, w, mean, rstd, gx, add, partial, dw, db, ds, done, n, C, rows_per_block, flags = args
-    n, C, per = int(n), int(C), int(rows_per_block)
+    n, C, per, flags = int(n), int(C), int(rows_per_block), Backward(int(flags))
     g64, x64 = g.reshape(n, C).astype(np.float64), x.reshape(n, C).astype(np.float64)
     rs = rstd.reshape(n, 1).astype(np.float64)
     xh = (x64 - mean.reshape(n, 1).astype(np.float64)) * rs
     gh = g64 * w.astype(np.float64)
     mean_gh, mean_ghx = gh.mean(axis=1, keepdims=True), (gh * xh).mean(axis=1, keepdims=True)
     dx = (gh - mean_gh - xh * mean_ghx) * rs
-    gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if int(flags) & 1 else dx
+    gx.reshape(n, C)[...] = dx + add.reshape(n, C).astype(np.float64) if flags & Backward.ADD else dx
     written = gx.reshape(n, C).astype(np.float64)  # ds sums gx as written (rounded to its type)
-    kinds = 3 if int(flags) & 4 else 2
+    kinds = 3 if flags & Backward.SUMS else 2
     parts = partial.reshape(kinds, -1, C)
     for k in range(parts.shape[1]):
         rows = slice(k * per, min(n, (k + 1) * per))
@@ -81,14 +105,18 @@ def _backward_twin(grid, block, args, shared_mem=0):
             parts[2, k] = written[rows].sum(axis=0)
     sums = parts.astype(np.float64).sum(axis=1)  # every block's partials (the kernel: in groups)
     dw[...] = sums[0]
-    if int(flags) & 2:
+    if flags & Backward.BIAS_GRAD:
         db[...] = sums[1]
-    if int(flags) & 4:
+    if flags & Backward.SUMS:
         ds[...] = sums[2]
 
 
-gk.TWINS.update(layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin)
-gk.RAW_FAMILIES["layer norm"] = (source, KERNELS)
+FAMILY = gk.family(
+    "fused LayerNorm",
+    source,
+    KERNELS,
+    dict(layer_norm_forward=_forward_twin, layer_norm_backward=_backward_twin),
+)
 
 
 # -- launching -------------------------------------------------------------------------------------
@@ -103,7 +131,7 @@ def _kernels(*arrays):
     )
     if not usable:
         return None
-    return gk.compiled(array_module_of(arrays[0]), source(dtype), KERNELS, "fused LayerNorm")
+    return FAMILY.compiled(array_module_of(arrays[0]), dtype)
 
 
 def _forward(
@@ -122,8 +150,8 @@ def _forward(
     next_bias=None,
 ):
     n, C = x2.shape
-    flags = int(b is not None) | (2 if ones_column else 0) | (4 if seed is not None else 0)
-    flags |= 8 if biased is not None else 0
+    flags = (Forward.BIAS if b is not None else 0) | (Forward.ONES_COLUMN if ones_column else 0)
+    flags |= (Forward.SEED if seed is not None else 0) | (Forward.NEXT_BIAS if biased is not None else 0)
     acc = gk.accumulator(x2.dtype.type)
     absent = x2  # an argument a flag leaves unread
     args = (x2, w, w if b is None else b, out, mean, rstd, absent if seed is None else seed)
@@ -131,7 +159,7 @@ def _forward(
     args += (w if next_bias is None else next_bias,)
     N = 0 if biased is None else biased.shape[1]
     if gk.in_packs(x2.dtype, (C, out.shape[1], N), x2, w, b, out, seed, seed_bias, biased, next_bias):
-        flags |= 16
+        flags |= Forward.PACKED
     sizes = (np.int32(C), np.int32(out.shape[1]), np.int32(N), acc(eps), np.int32(flags), np.int32(n))
     kernels[0]((-(-n // ROWS_A_BLOCK),), (32 * ROWS_A_BLOCK,), args + sizes)
 
@@ -170,8 +198,9 @@ def _backward(kernels, xp, g2, x2, w, mean, rstd, gx2, gw, gb, add2, ds=None, ma
     acc = gk.accumulator(x2.dtype.type)
     partial = xp.empty((3 if ds is not None else 2, blocks, C), dtype=acc)
     done = gk.column_sum_counters(xp, x2, "layer_norm_backward", blocks)
-    flags = (add2 is not None) | (2 if gb is not None else 0) | (4 if ds is not None else 0) | (8 * packed)
-    add2 = gx2 if add2 is None else add2  # not read without flag 1
+    flags = (Backward.ADD if add2 is not None else 0) | (Backward.BIAS_GRAD if gb is not None else 0)
+    flags |= (Backward.SUMS if ds is not None else 0) | (Backward.PACKED if packed else 0)
+    add2 = gx2 if add2 is None else add2  # not read without Backward.ADD
     args = (g2, x2, w, mean, rstd, gx2, add2, partial, gw, gw if gb is None else gb, gw if ds is None else ds)
     sizes = (np.int32(n), np.int32(C), np.int32(per), np.int32(flags))
     threads = C // gk.pack_width(x2.dtype) if packed else THREADS

@@ -56,8 +56,12 @@ def _sum_pieces_twin(grid, block, args, shared_mem=0):
         sums[v] = np.asarray(partial[int(first[v]) : int(first[v + 1])], dtype=np.float64).sum()
 
 
-kernels.TWINS.update(squares_by_piece=_squares_twin, sum_pieces=_sum_pieces_twin)
-kernels.RAW_FAMILIES["sum of squares"] = (source, KERNELS)
+FAMILY = kernels.family(
+    "the gradient norm's sums of squares",
+    source,
+    KERNELS,
+    dict(squares_by_piece=_squares_twin, sum_pieces=_sum_pieces_twin),
+)
 
 _tables: dict = {}  # (address, length, dtype) of each vector -> the table on the device
 
@@ -92,7 +96,7 @@ def sums_of_squares(vectors: list):
     ):
         return None
     xp = array_module_of(vectors[0])
-    compiled = kernels.compiled(xp, source(dtype), KERNELS, "the gradient norm's sums of squares")
+    compiled = FAMILY.compiled(xp, dtype)
     if compiled is None:
         return None
     kernels.checked_once(("sum_of_squares", dtype), lambda: _probe(xp, dtype, compiled))

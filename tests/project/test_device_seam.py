@@ -79,3 +79,39 @@ def test_a_second_implementation_for_one_device_is_refused():
     name, device = next(iter(ON_DEVICE))
     with pytest.raises(ValueError, match="already"):
         implement(name, device)(lambda *a: None)
+
+
+def test_every_kernel_family_is_declared_with_a_twin_for_each_kernel_and_named_flags():
+    """base/kernels.py `family`: one declaration per family of raw kernels (its source, entry
+    points, NumPy twins); every entry point has its twin (what the stand-in GPU runs), and no .cu
+    file tests a flag by a bare number (each bit has one name, defined from Python)."""
+    from mpifsdp.base import kernels
+
+    assert len(kernels.RAW_FAMILIES) >= 8
+    for name, declared in kernels.RAW_FAMILIES.items():
+        assert set(declared.kernels) <= set(kernels.TWINS), f"{name}: kernels without a twin"
+        assert declared.source(np.float32).count("__global__") >= len(declared.kernels), name
+    bare = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for path in PACKAGE.rglob("*.cu")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"flags & \d", line)
+    ]
+    assert not bare, f"flags tested by number: {bare}"
+
+
+def test_a_family_twice_or_a_twin_of_no_kernel_is_refused_and_flags_are_defined_by_name():
+    import enum
+
+    from mpifsdp.base import kernels
+
+    with pytest.raises(ValueError, match="declared twice"):
+        kernels.family(next(iter(kernels.RAW_FAMILIES)), lambda d: "", ("k",), {})
+    with pytest.raises(ValueError, match="of no kernel"):
+        kernels.family("a new family", lambda d: "", ("k",), {"other": None})
+
+    class Bits(enum.IntFlag):
+        ONE = 1
+        FOUR = 4
+
+    assert kernels.flag_defines(Bits, "X_") == "#define X_ONE 1\n#define X_FOUR 4\n"
