@@ -22,7 +22,9 @@ from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
 from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
 from .fsdp import (  # noqa: E402
+    Deterministic,
     GraphedPasses,
+    MixedPrecision,
     ShardedModel,
     full_state_dict,
     fully_shard,
@@ -53,6 +55,8 @@ __all__ = [
     "Comm",
     "set_threads",
     "fully_shard",
+    "MixedPrecision",
+    "Deterministic",
     "ShardedModel",
     "sharded_model",
     "GraphedPasses",

@@ -14,6 +14,7 @@ from ..shard.unit import Unit, gathered_params
 from .lifecycle import UnitLifecycle
 from .model import ShardedModel
 from .partition import configuration_differs, division_error, owned_params, per_unit, shard_groups
+from .policy import MixedPrecision, resolved
 
 
 def fully_shard(
@@ -29,9 +30,10 @@ def fully_shard(
     sync_params: bool = False,
     recompute=False,
     shard_size=None,
-    deterministic: bool = False,
+    deterministic=False,
     chunk_size: int = 1,
     chunk_threads: int = 1,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -42,10 +44,11 @@ def fully_shard(
     for backward; False keeps them (2 collectives per step instead of 3, more memory). A bool for
     every unit, or a dict {unit module: bool}. reshard_root: the same for the root unit (FSDP2 keeps
     it, as its parameters are the first needed by backward).
-    param_dtype / reduce_dtype: mixed precision. Shards, gradient shards and AdamW state stay in the
-    model's dtype (fp32 masters); parameters are gathered and computed in param_dtype (e.g. float16)
-    and gradients reduce-scattered in reduce_dtype (default param_dtype). Use LossScaler with float16
-    (bfloat16, on a GPU, has float32's range: no scaler needed).
+    param_dtype / reduce_dtype (or mixed_precision=MixedPrecision(param_dtype, reduce_dtype)): mixed
+    precision. Shards, gradient shards and AdamW state stay in the model's dtype (fp32 masters);
+    parameters are gathered and computed in param_dtype (e.g. float16) and gradients reduce-scattered in
+    reduce_dtype (default param_dtype). Use LossScaler with float16 (bfloat16, on a GPU, has float32's
+    range: no scaler needed).
     sync_params: take rank 0's initial values for every rank. By default every rank must build the
     same values (same seed), and the model's configuration must match across ranks: both checked,
     so that no rank trains a different model silently.
@@ -57,7 +60,8 @@ def fully_shard(
     size) or "node" (the ranks of one node) shards inside groups of S consecutive ranks and
     replicates across the groups: gathers and reduce-scatters stay inside a group (fast links), and
     each gradient shard is all-reduced across the groups (1/S of the model per rank crosses them).
-    deterministic: the same bits at any world size (docs/determinism.md): train through
+    deterministic (True, or Deterministic(chunk_size, chunk_threads)): the same bits at any world
+    size (docs/determinism.md): train through
     `sharded_model(model).chunks(x, y)`, chunks of `chunk_size` samples whose gradients are summed
     exactly, as integers; N must divide the number of chunks of the global batch. chunk_threads:
     the BLAS threads a chunk's GEMMs run on, whatever the rank's own setting (OpenBLAS's bits depend
@@ -66,6 +70,9 @@ def fully_shard(
     """
     if sharded_model(model) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
+    param_dtype, reduce_dtype, deterministic, chunk_size, chunk_threads = resolved(
+        mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_size, chunk_threads
+    )
     units = _unit_modules(model, units)
     flags = per_unit("reshard_after_forward", reshard_after_forward, units, default=True)
     recomputed = per_unit("recompute", recompute, units, default=False)

@@ -247,3 +247,49 @@ def test_report_gives_every_ranks_ledgers(comm):
     assert [r["rank"] for r in reports] == list(range(comm.size))
     persistent = 8 * sum(u.numel for u in sharded_model(model).units)  # param and grad shards, fp32
     assert all(r["memory"]["persistent"] == persistent for r in reports)
+
+
+def _trained_shards(comm, **shard_settings) -> list:
+    model = GPT(CFG, seed=0)
+    fully_shard(model, comm, units=model.blocks, **shard_settings)
+    opt = AdamW(model, lr=1e-2)
+    for step in range(2):
+        x, y = _batch(comm, seed=step)
+        if shard_settings.get("deterministic"):
+            for chunk in sharded_model(model).chunks(x, y):
+                model(*chunk).backward()
+        else:
+            model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [unit.shard.copy() for unit in sharded_model(model).units]
+
+
+def test_policy_objects_train_as_the_keywords_they_group(comm):
+    """MixedPrecision(param_dtype, reduce_dtype) and Deterministic(chunk_size, chunk_threads) are the
+    keywords they group: the same shards after two steps, bit for bit."""
+    from mpifsdp import Deterministic, MixedPrecision
+
+    pairs = (
+        (
+            dict(param_dtype=np.float16, reduce_dtype=np.float32),
+            dict(mixed_precision=MixedPrecision(np.float16, np.float32)),
+        ),
+        (dict(deterministic=True, chunk_size=1), dict(deterministic=Deterministic(chunk_size=1))),
+    )
+    for keywords, policy in pairs:
+        for a, b in zip(_trained_shards(comm, **keywords), _trained_shards(comm, **policy)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_setting_given_both_ways_or_a_wrong_policy_is_refused(comm):
+    from mpifsdp import Deterministic, MixedPrecision
+
+    with pytest.raises(ValueError, match=r"param_dtype given both as a keyword and in MixedPrecision\(\)"):
+        fully_shard(
+            GPT(CFG, seed=0), comm, param_dtype=np.float16, mixed_precision=MixedPrecision(np.float16)
+        )
+    with pytest.raises(ValueError, match=r"chunk_size given both .* in Deterministic\(\)"):
+        fully_shard(GPT(CFG, seed=0), comm, chunk_size=2, deterministic=Deterministic(chunk_size=2))
+    with pytest.raises(TypeError, match="expected a MixedPrecision, got dict"):
+        fully_shard(GPT(CFG, seed=0), comm, mixed_precision={"param_dtype": np.float16})
