@@ -62,35 +62,112 @@ def array_module_of(array):
     return np
 
 
+class _Host:
+    """What host (NumPy) memory needs: nothing to copy, count or wait for."""
+
+    kind = CPU
+
+    @staticmethod
+    def device(array) -> str:
+        return CPU
+
+    @staticmethod
+    def to_numpy(array) -> np.ndarray:
+        return np.asarray(array)
+
+    @staticmethod
+    def read(purpose: str):
+        """A read of device memory by the host is about to happen (none here)."""
+
+    @staticmethod
+    def scatter_add(target, index, values):
+        np.add.at(target, index, values)
+
+    @staticmethod
+    def synchronize():
+        """Wait for the kernels queued so far (none here)."""
+
+    @staticmethod
+    def copy_to(xp, array):
+        """A copy of `array` in xp's memory (a device's, from the host: one transfer)."""
+        return xp.asarray(np.ascontiguousarray(array))
+
+    @staticmethod
+    def write_into(target, array):
+        """target[...] = array, target a device array: one host-to-device copy."""
+        target.set(np.ascontiguousarray(array))
+
+
+class _Device:
+    """What GPU (CuPy) memory needs: a copy to the host, each read counted as a host sync
+    (HOST_SYNCS), the stream waited for, cupyx's scatter_add."""
+
+    kind = "cuda"
+
+    @staticmethod
+    def device(array) -> str:
+        return f"cuda:{array.device.id}"
+
+    @staticmethod
+    def to_numpy(array) -> np.ndarray:
+        return array.get()
+
+    @staticmethod
+    def read(purpose: str):
+        HOST_SYNCS.count(purpose)
+
+    @staticmethod
+    def scatter_add(target, index, values):
+        """cupyx.scatter_add (the one use of cupyx); bfloat16, which it lacks, added in float32."""
+        cupyx = importlib.import_module("cupyx")
+        if is_bfloat16(target.dtype):  # round once
+            wide = target.astype(np.float32)
+            cupyx.scatter_add(wide, index, values.astype(np.float32))
+            target[...] = wide
+        else:
+            cupyx.scatter_add(target, index, values)
+
+    @staticmethod
+    def synchronize():
+        _cupy().cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    def copy_to(xp, array):
+        return array.copy()
+
+    @staticmethod
+    def write_into(target, array):
+        target[...] = array
+
+
+def _memory(array):
+    """Where `array` lives, as what its memory needs: the one place this file asks."""
+    return _Host if array_module_of(array) is np else _Device
+
+
 def device_kind(array) -> str:
     """'cpu' or 'cuda': which implementation of an operation runs on `array` (autodiff's device seam)."""
-    return CPU if array_module_of(array) is np else "cuda"
+    return _memory(array).kind
 
 
 def device_of(array) -> str:
-    if array_module_of(array) is np:
-        return CPU
-    return f"cuda:{array.device.id}"
+    return _memory(array).device(array)
 
 
 def to_numpy(array) -> np.ndarray:
     """A host (NumPy) copy or view of any array; CuPy arrays are copied to the host."""
-    if array_module_of(array) is np:
-        return np.asarray(array)
-    return array.get()
+    return _memory(array).to_numpy(array)
 
 
 def host_value(array, purpose: str) -> float:
     """float(array) of a one-element array; on a GPU a host sync, counted in HOST_SYNCS by `purpose`."""
-    if array_module_of(array) is not np:
-        HOST_SYNCS.count(purpose)
+    _memory(array).read(purpose)
     return float(array)
 
 
 def host_values(array, purpose: str) -> np.ndarray:
     """A host copy of a small array (several values in one read); counted as host_value is."""
-    if array_module_of(array) is not np:
-        HOST_SYNCS.count(purpose)
+    _memory(array).read(purpose)
     return to_numpy(array)
 
 
@@ -116,17 +193,20 @@ def gpu_available() -> bool:
 # -- the node and its GPUs (threads.py, transport.py); every cupy access stays in this file -----------
 
 
+def copy_to(xp, array):
+    """A copy of `array` (host or device memory) in xp's device memory."""
+    return _memory(array).copy_to(xp, array)
+
+
+def write_into(target, array):
+    """target[...] = array (host or device memory) for a device array `target`, as one copy."""
+    _memory(array).write_into(target, array)
+
+
 def scatter_add(target, index, values):
     """target[index] += values with repeated indices adding up, in place (np.add.at on the CPU,
-    cupyx.scatter_add on the GPU: the one use of cupyx, kept here with every other CuPy import)."""
-    if array_module_of(target) is np:
-        np.add.at(target, index, values)
-    elif is_bfloat16(target.dtype):  # cupyx.scatter_add has no bfloat16: add in float32, round once
-        wide = target.astype(np.float32)
-        importlib.import_module("cupyx").scatter_add(wide, index, values.astype(np.float32))
-        target[...] = wide
-    else:
-        importlib.import_module("cupyx").scatter_add(target, index, values)
+    cupyx.scatter_add on the GPU, kept here with every other CuPy import)."""
+    _memory(target).scatter_add(target, index, values)
     return target
 
 
@@ -141,8 +221,7 @@ def bytes_digest(arrays) -> str:
 
 def synchronize(array):
     """Wait for the kernels that produce `array` (a no-op for NumPy arrays): MPI does not see streams."""
-    if array_module_of(array) is not np:
-        _cupy().cuda.get_current_stream().synchronize()
+    _memory(array).synchronize()
 
 
 def select_gpu(node_rank: int) -> str:

@@ -328,7 +328,7 @@ class Comm:
         """`array` (a small device array) summed over ranks in place, ordered on the device: the
         host does not wait (NCCL). None, nothing done, where the transport cannot (MPI: the caller
         reads the value back and reduces it on the host)."""
-        if not self.transport.device_ordered or array_module_of(array) is np:
+        if not self.transport.device_ordered or self._carrier(array) is self._host_transport:
             return None
         self.wait(self._start_all_reduce(lambda: self.transport.iall_reduce(array), array, what, phase))
         return array

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..autodiff.tensor import Tensor
 from ..base import backend, deferred
-from ..base.backend import array_module_of, host_value
+from ..base.backend import host_value
 from ..base.checks import finfo
 from ..cuda import cublas_api, sdpa
 from ..nn.layers import Dropout
@@ -186,7 +186,7 @@ def _static_copy(value, xp):
     """A batch argument as the graph reads it: an array's device copy, any other value frozen."""
     if not hasattr(value, "shape"):
         return value
-    return xp.asarray(np.ascontiguousarray(value)) if array_module_of(value) is np else value.copy()
+    return backend.copy_to(xp, value)
 
 
 def _check_like(batch, static):
@@ -217,10 +217,7 @@ def _describe(value) -> str:
 def _copy_into(static, batch):
     for fixed, value in zip(static, batch):
         if hasattr(fixed, "shape") and value is not fixed:
-            if array_module_of(value) is np:
-                fixed.set(np.ascontiguousarray(value))
-            else:
-                fixed[...] = value
+            backend.write_into(fixed, value)
 
 
 # -- the host's side of a pass ------------------------------------------------------------------------
