@@ -29,6 +29,7 @@ from ..base.checks import check_summable, finfo, float_dtype, is_bfloat16
 from .cast import casts_for
 from .exact import ExactSum, PendingSum
 from .flat import UnshardedParams, agreed_layout, require_same_edit
+from .gather import Gathered, moved
 from .pool import BufferPool
 
 
@@ -106,6 +107,7 @@ class Unit:
         if trainable:
             self.ledger.alloc("grad_shard", self._grad.nbytes)
         self.full = None  # gathered parameters, while unsharded (or gathering)
+        self.gathered = Gathered.SHARDED  # the gather state (shard/gather.py: its moves checked)
         self.full_grad = None  # gradient accumulator, between zero_full_grad and the reduce-scatter
         self._gathering = None  # (request, send buffer) of an unshard in flight
         self._reducing: _Reduction | None = None  # a reduction in flight
@@ -130,9 +132,10 @@ class Unit:
 
     @property
     def state(self) -> str:
-        if self.full is None:
-            return "sharded"
-        return "gathering" if self._gathering is not None else "unsharded"
+        return self.gathered.value
+
+    def _move(self, to: Gathered):
+        self.gathered = moved(self.name, self.gathered, to)
 
     def _precisions(self, param_dtype, reduce_dtype, trainable: bool):
         """(param_dtype, reduce_dtype), checked: floating; bfloat16 only on a GPU, and reduced there
@@ -205,10 +208,12 @@ class Unit:
             if keep_cast and send is not self._shard:
                 self.casts.keep(send)
             if self._gathers_nothing(send):
+                self._move(Gathered.UNSHARDED)
                 self.full = send  # the whole cast: one rank's gather would copy it (bench/HISTORY.md)
                 if not checked:
                     self._check_representable(self.full)
                 return
+            self._move(Gathered.GATHERING)
             self.full = self._take("gathered_params", self.param_dtype)
             request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
             self._gathering = (request, send, checked)
@@ -241,6 +246,7 @@ class Unit:
         if self._gathering is not None:
             request, send, checked = self._gathering
             self._gathering = None
+            self._move(Gathered.UNSHARDED)
             self.comm.wait(request)
             if send is not self._shard:
                 if send is not self.casts.kept:
@@ -286,6 +292,7 @@ class Unit:
             if self.full is not self.casts.kept:  # one rank's kept cast is its full parameters too
                 self._give("gathered_params", self.full)
             self.full = None
+            self._move(Gathered.SHARDED)
 
     @contextlib.contextmanager
     def unsharded(self, phase: str = "other", writeback: bool = False):
@@ -619,7 +626,7 @@ class Unit:
     # it is right only from the state it was captured in, and must leave the host as that pass did
     # (and its casts' fields: shard/cast.py HostCasts.FIELDS)
     HOST_STATE = tuple(
-        "has_grad _grad_zeroed_lazily _shard _grad full full_grad _gathering _reducing _exact "
+        "has_grad _grad_zeroed_lazily _shard _grad full gathered full_grad _gathering _reducing _exact "
         "_pending_sum".split()
     )
 

@@ -19,6 +19,13 @@ def _replace(owner, attribute: str, new):
     setattr(owner, attribute, new)
 
 
+def _gather_moves_unchecked():
+    """A unit's gather state takes any move (shard/gather.py's table not consulted)."""
+    from mpifsdp.shard import unit
+
+    _replace(unit, "moved", lambda name, now, to: to)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -998,6 +1005,11 @@ MUTANTS = {
         _device_memory_to_mpi,
         "device arrays' all-reduce goes through the transport, never to MPI itself (Comm.iall_reduce)",
         ["tests/project/test_gpu_budget.py::test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank"],
+    ),
+    "gather_moves_checked": Mutant(
+        _gather_moves_unchecked,
+        "a unit's gather state moves only along its table (shard/gather.py MOVES)",
+        ["tests/unit/shard/test_unit.py::test_the_gather_state_moves_only_along_its_table"],
     ),
     "graph_host_state": Mutant(
         _graph_leaves_the_host_as_it_finds_it,

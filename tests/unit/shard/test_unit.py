@@ -259,3 +259,31 @@ def test_full_state_dict_takes_a_unit_and_names_what_it_takes(comm):
     assert np.array_equal(mpifsdp.full_state_dict([a])["w"], np.arange(4.0))
     with pytest.raises(TypeError, match="takes a Module, a Unit or a list of Units, not a dict"):
         mpifsdp.full_state_dict({"w": a})
+
+
+def test_the_gather_state_moves_only_along_its_table(comm):
+    """shard/gather.py: sharded -> gathering -> unsharded -> sharded (or sharded -> unsharded where
+    nothing is gathered); a move the table lacks raises, naming the unit, and leaves the state."""
+    from mpifsdp.shard.gather import MOVES, Gathered, moved
+
+    unit = Unit("u", {"w": np.arange(5.0)}, comm)
+    seen = [unit.state]
+    unit.start_unshard()
+    seen.append(unit.state)
+    unit.unshard()
+    seen.append(unit.state)
+    unit.reshard()
+    seen.append(unit.state)
+    assert seen == ["sharded", "gathering", "unsharded", "sharded"]
+    for now in Gathered:
+        for to in Gathered:
+            if to in MOVES[now]:
+                assert moved("u", now, to) is to
+            else:
+                with pytest.raises(RuntimeError, match=f"unit 'u' cannot go from {now.value} to {to.value}"):
+                    moved("u", now, to)
+    unit.unshard()
+    with pytest.raises(RuntimeError, match="cannot go from unsharded to gathering"):
+        unit._move(Gathered.GATHERING)  # a second gather over held parameters
+    assert unit.state == "unsharded"
+    unit.reshard()
