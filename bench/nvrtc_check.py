@@ -27,8 +27,7 @@ from cupy._core import _carray, _kernel  # noqa: E402
 from cupy._core import core as cupy_core  # noqa: E402
 from cupy_backends.cuda.libs import nvrtc  # noqa: E402
 
-import mpifsdp.ops  # noqa: E402, F401 - registers every kernel family
-import mpifsdp.optim  # noqa: E402, F401 - and AdamW's
+import mpifsdp  # noqa: E402, F401 - mpifsdp.cuda (imported by it) declares every kernel family
 from mpifsdp.base import kernels  # noqa: E402
 from mpifsdp.base.checks import bfloat16  # noqa: E402
 from mpifsdp.cuda import kernels as gpu_kernels  # noqa: E402

@@ -190,7 +190,7 @@ GELU_SUMS_KERNELS = ("gelu_and_grad_sums", "gelu_bias_rows")
 class GeluSums(enum.IntFlag):
     """gelu_and_grad_sums' flags (GELU_* in gelu_sums.cu)."""
 
-    BIAS = 1  # the bias (C) added to x first, rounded to ELEM as fused.gelu_array's gelu_bias
+    BIAS = 1  # the bias (C) added to x first, rounded to ELEM as cuda/fused.py gelu_array's
 
 
 _GELU_SUMS_BODY = (

@@ -34,7 +34,7 @@ __device__ __forceinline__ void write_normalized(const Pack<V>& p, const int j, 
                                                  const ELEM* b, const ELEM* seed_bias, ELEM* o,
                                                  ELEM* seeded, const ACC m, const ACC rs,
                                                  const int flags) {
-    /* columns j.. of a row: the output ((x - m) rs w (+ b)) and, with flag 4, the seed x + seed_bias */
+    /* columns j.. of a row: the output ((x - m) rs w (+ b)) and, with FWD_SEED, the seed x + seed_bias */
     typedef Pack<V> P;
     const P wp = *(const P*)(w + j);
     const P bp = (flags & FWD_BIAS) ? *(const P*)(b + j) : P();
@@ -227,11 +227,11 @@ __device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, co
                                  const size_t plane, const int first, const int last, const int C,
                                  const int flags) {
     /* any C: threads step through a row's columns, their partial sums in shared memory (2 C ACC, 3 C
-       with flag 4), each row read twice */
+       with BWD_SUMS), each row read twice */
     extern __shared__ unsigned char shared_bytes[];
     ACC* gw = (ACC*)shared_bytes;
     ACC* gb = gw + C;
-    ACC* gs = gb + C;  /* only with flag 4 */
+    ACC* gs = gb + C;  /* only with BWD_SUMS */
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         gw[j] = 0;
         gb[j] = 0;

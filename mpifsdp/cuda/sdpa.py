@@ -1,13 +1,13 @@
 """Causal attention on a GPU through cuDNN's fused (flash) scaled dot-product attention.
 
-causal_attention.py builds the (B, heads, T, T) scores, softmaxes them and recomputes them in
+Without it, attention.py builds the (B, heads, T, T) scores, softmaxes them and recomputes them in
 backward: 4 launches forward and 10 backward a layer, most of a GPU step's time. cuDNN's SDPA
 (the nvidia-cudnn-frontend package, with libcudnn.so.9 from nvidia-cudnn-cu12 or -cu13) reads q, k
 and v straight out of the fused (B, T, 3C) projection by their strides, writes the heads side by
 side into (B, T, C) and one float32 log-sum-exp per row, and its backward writes dq, dk and dv into
 the (B, T, 3C) gradient: one launch each way and no T x T array. cuDNN's SDPA takes float16 and
 bfloat16; other dtypes, shapes its engines refuse, MPIFSDP_FUSED=0 or no cuDNN run
-causal_attention.py's passes (one line says why). Graphs are built once per shape and cached, with
+attention.py's passes (one line says why). Graphs are built once per shape and cached, with
 one workspace for all; each shape is checked against a float64 reference at its first use.
 """
 

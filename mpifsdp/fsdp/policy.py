@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
@@ -30,6 +32,10 @@ class Deterministic:
 def resolved(mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_size, chunk_threads) -> tuple:
     """(param_dtype, reduce_dtype, deterministic, chunk_size, chunk_threads) from the policies and the
     keywords; a setting given both ways, or a policy of the wrong type, raises."""
+    if not isinstance(deterministic, (bool, int, np.bool_, Deterministic)):
+        raise TypeError(
+            f"fully_shard: deterministic must be True, False or a Deterministic, got {deterministic!r}"
+        )
     out = dict(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, chunk_size=chunk_size, chunk_threads=chunk_threads
     )

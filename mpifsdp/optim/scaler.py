@@ -53,6 +53,8 @@ class LossScaler:
         """loss * the scale, a 0-d array of the loss's type on its device (as a Python number would
         be made), rewritten whenever scale_value is set: the multiply takes nothing from the host
         that changes by step, so a captured forward and backward replay with the scale of the day."""
+        if not isinstance(loss, Tensor):  # an array or a number of the caller's own
+            return loss * self.scale_value
         return loss * Tensor(self._scale_array(loss.xp, loss.dtype))
 
     def _scale_array(self, xp, dtype):

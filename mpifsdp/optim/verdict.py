@@ -46,10 +46,10 @@ class StepVerdict:
         flags, checks = self._pending()
         if flags or checks:
             self._note(flags, checks, self._read(_verdict_arrays(flags, checks), "the step's verdict"))
-        overflowed, failed = self.overflowed, self.input_failed
-        if self.flags_read:
+        overflowed, failed, read = self.overflowed, self.input_failed, self.flags_read
+        self.forget()  # taken: an exchange that fails below leaves nothing stale for the next step
+        if read:
             overflowed, failed = self.agreed(overflowed, failed)
-        self.forget()
         if failed is not None:
             failed()
         if overflowed is not None:

@@ -213,10 +213,14 @@ class Unit:
                 if not checked:
                     self._check_representable(self.full)
                 return
+            full = self._take("gathered_params", self.param_dtype)
+            try:
+                request = self.comm.iall_gather(send, full, unit=self.name, phase=phase)
+            except BaseException:  # refused before it started: still sharded, the buffer back
+                self._give("gathered_params", full)
+                raise
             self._move(Gathered.GATHERING)
-            self.full = self._take("gathered_params", self.param_dtype)
-            request = self.comm.iall_gather(send, self.full, unit=self.name, phase=phase)
-            self._gathering = (request, send, checked)
+            self.full, self._gathering = full, (request, send, checked)
 
     def _gathers_nothing(self, send) -> bool:
         """Whether the gather of `send` is `send` itself: one rank on a GPU, sending its pooled

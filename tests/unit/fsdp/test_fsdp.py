@@ -293,3 +293,5 @@ def test_a_setting_given_both_ways_or_a_wrong_policy_is_refused(comm):
         fully_shard(GPT(CFG, seed=0), comm, chunk_size=2, deterministic=Deterministic(chunk_size=2))
     with pytest.raises(TypeError, match="expected a MixedPrecision, got dict"):
         fully_shard(GPT(CFG, seed=0), comm, mixed_precision={"param_dtype": np.float16})
+    with pytest.raises(TypeError, match="deterministic must be True, False or a Deterministic"):
+        fully_shard(GPT(CFG, seed=0), comm, deterministic=MixedPrecision(np.float16))

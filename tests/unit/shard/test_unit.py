@@ -287,3 +287,22 @@ def test_the_gather_state_moves_only_along_its_table(comm):
         unit._move(Gathered.GATHERING)  # a second gather over held parameters
     assert unit.state == "unsharded"
     unit.reshard()
+
+
+def test_a_gather_refused_before_it_starts_leaves_the_unit_sharded(comm, monkeypatch):
+    """A gather whose collective refuses to start (a check, a full device) leaves the unit sharded,
+    its buffer back in the pool: the next gather runs, and a reshard is no illegal move."""
+    unit = Unit("u", {"w": np.arange(5.0)}, comm)
+    real = unit.comm.iall_gather
+
+    def refuses(*args, **kwargs):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(unit.comm, "iall_gather", refuses)
+    with pytest.raises(ValueError, match="refused"):
+        unit.start_unshard()
+    assert unit.state == "sharded" and unit.full is None
+    unit.reshard()
+    monkeypatch.setattr(unit.comm, "iall_gather", real)
+    assert np.array_equal(unit.unshard()["w"], np.arange(5.0))
+    unit.reshard()
