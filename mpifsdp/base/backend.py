@@ -93,6 +93,16 @@ class _Host:
         return xp.asarray(np.ascontiguousarray(array))
 
     @staticmethod
+    def onto(xp, array):
+        """(`array` in xp's memory, whether it was copied there)."""
+        return xp.asarray(array), True
+
+    @staticmethod
+    def piece(cache_sized: int, numel: int) -> int:
+        """Elements a pass over a vector takes at once: a cache's worth, so its passes stay in cache."""
+        return cache_sized
+
+    @staticmethod
     def write_into(target, array):
         """target[...] = array, target a device array: one host-to-device copy."""
         target.set(np.ascontiguousarray(array))
@@ -136,13 +146,33 @@ class _Device:
         return array.copy()
 
     @staticmethod
+    def onto(xp, array):
+        return array, False
+
+    @staticmethod
+    def piece(cache_sized: int, numel: int) -> int:
+        """The whole vector: a piece is a launch, and a GPU has no cache to fit."""
+        return max(numel, 1)
+
+    @staticmethod
     def write_into(target, array):
         target[...] = array
 
 
 def _memory(array):
     """Where `array` lives, as what its memory needs: the one place this file asks."""
-    return _Host if array_module_of(array) is np else _Device
+    return _memory_of(array_module_of(array))
+
+
+def _memory_of(xp):
+    return _Host if xp is np else _Device
+
+
+def pieces(xp, numel: int, cache_sized: int) -> list[tuple[int, int]]:
+    """(start, stop) pieces of a vector of xp's: `cache_sized` elements in host memory (a pass over
+    one stays in cache), the whole vector on a device (each piece would be launches)."""
+    step = _memory_of(xp).piece(cache_sized, numel)
+    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
 def device_kind(array) -> str:
@@ -198,6 +228,11 @@ def copy_to(xp, array):
     return _memory(array).copy_to(xp, array)
 
 
+def onto(xp, array):
+    """(`array` in xp's device memory, whether it came from the host: a copy made once)."""
+    return _memory(array).onto(xp, array)
+
+
 def write_into(target, array):
     """target[...] = array (host or device memory) for a device array `target`, as one copy."""
     _memory(array).write_into(target, array)
@@ -222,6 +257,14 @@ def bytes_digest(arrays) -> str:
 def synchronize(array):
     """Wait for the kernels that produce `array` (a no-op for NumPy arrays): MPI does not see streams."""
     _memory(array).synchronize()
+
+
+def rank_device(device: str, bind_gpu: bool, node_rank: int) -> str:
+    """The device this rank computes on: 'cpu'; or, a GPU asked for, that one, or with bind_gpu
+    its node's GPU by node rank (select_gpu)."""
+    if parse_device(device)[0] == CPU:
+        return CPU
+    return select_gpu(node_rank) if bind_gpu else device
 
 
 def select_gpu(node_rank: int) -> str:

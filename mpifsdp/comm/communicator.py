@@ -22,7 +22,7 @@ import numpy as np
 
 from ..base import backend
 from ..base.accounting import HOST_SYNCS, CommLedger
-from ..base.backend import array_module_of, bytes_digest, parse_device, select_gpu
+from ..base.backend import array_module_of, bytes_digest, parse_device, rank_device
 from ..base.threads import set_threads
 from . import presence
 from .schedule import Schedule, ScheduleError, describe, digest
@@ -82,8 +82,7 @@ class Comm:
         presence.open_channel(self.mpi, self.schedule.where, self.schedule.timeout)
         self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
-        on_gpu = parse_device(device)[0] != "cpu"
-        self.device = select_gpu(self.node_rank) if on_gpu and bind_gpu else (device if on_gpu else "cpu")
+        self.device = rank_device(device, bind_gpu, self.node_rank)
         self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
         self._host_transport = MPITransport(self.mpi)  # host memory's (_carrier)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..autodiff.tape import WROTE, Summed, SumsWritten
 from ..autodiff.tensor import implement
-from ..base.backend import array_module_of
+from ..base.backend import array_module_of, onto
 from ..base.kernels import accumulator, device_address
 from ..ops import fused as reference
 from ..ops.fused import _rows, check_linear, column_sums, split_ln_linear, whole_arrays
@@ -484,10 +484,8 @@ implement("cross_entropy", "cuda", _cross_entropy_vjp, fusions={"16-bit logits":
 def _embedding(w, idx):
     """w[idx]; host (NumPy) indices are checked on the host and copied once (kept for backward)."""
     check_indices(w, idx)
-    if array_module_of(idx) is np:
-        idx = array_module_of(w).asarray(idx)
-        return w[idx], idx
-    return w[idx], None
+    idx, copied = onto(array_module_of(w), idx)
+    return w[idx], idx if copied else None
 
 
 implement("embedding", "cuda")(_embedding)

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from ..base.backend import array_module_of, to_numpy
+from ..base.backend import array_module_of, pieces, to_numpy
 
 MAX_CHUNKS = 2**12  # chunks one sum may hold: 4096 sequences of one, at 4 bytes/element of headroom
 LEVEL_STEP = 4  # levels are multiples of this many bits
@@ -86,9 +86,8 @@ def _add_rounded(xp, total, values, first: bool):
 
 def blocks(xp, numel: int):
     """(start, stop) pieces of a vector: BLOCK elements on the CPU, so that a conversion's passes stay
-    in cache; the whole vector on a GPU (each piece there is launches)."""
-    step = BLOCK if xp is np else max(numel, 1)
-    return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+    in cache; the whole vector on a GPU (backend.pieces)."""
+    return pieces(xp, numel, BLOCK)
 
 
 def largest_magnitude(xp, vector) -> float:

@@ -90,11 +90,12 @@ def _launch(kind: str, host=()):
 
 
 def _caller() -> str:
-    """The innermost mpifsdp function (its models' too) on the stack: where a recorded launch comes from."""
+    """The innermost mpifsdp function (its models' too) on the stack: where a recorded launch comes
+    from; base/backend.py, which moves memory for its callers, is passed by (its caller is)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
-        if "/mpifsdp/" in path:
+        if "/mpifsdp/" in path and not path.endswith("/mpifsdp/base/backend.py"):
             return f"{path.rsplit('/mpifsdp/', 1)[1]}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
