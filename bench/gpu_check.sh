@@ -29,8 +29,9 @@ fi
 export MPIFSDP_REQUIRE_GPU=$([ "$DEVICE" = cpu ] && echo 0 || echo 1)  # no GPU: fail, never skip
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 # Run this checkout, installed or not (the package is mpifsdp/ whole, its models too): `python -c`
-# would find it from here anyway, but `python -m mpi4py bench/x.py` puts bench/ first on its path.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# would find it from here anyway, but `python -m mpi4py bench/x.py` puts bench/ first on its path;
+# tools/ holds gpusim, which the suite's GPU tests import (make install puts it in the venv here).
+export PYTHONPATH="$PWD:$PWD/tools${PYTHONPATH:+:$PYTHONPATH}"
 FAILED=()
 run() {  # run LIMIT_SECONDS COMMAND...: at most LIMIT, and never past the budget's end
   local limit=$1; shift
