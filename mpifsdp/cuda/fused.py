@@ -23,7 +23,7 @@ from ..autodiff.tensor import implement
 from ..base.backend import array_module_of, onto
 from ..base.kernels import accumulator, device_address
 from ..ops import fused as reference
-from ..ops.fused import _rows, check_linear, column_sums, split_ln_linear, whole_arrays
+from ..ops.fused import _rows, check_linear, column_sums, split_ln_linear, whole_arrays, writable
 from ..ops.primitives import check_indices
 from . import cross_entropy, gemm, kernels, layer_norm
 
@@ -58,17 +58,6 @@ implement("gelu", "cuda", vjp=lambda g, _, x: (_gelu_grad(g, x),))(lambda x: (ge
 
 
 # -- linear ---------------------------------------------------------------------------------------
-
-
-def writable(into, k: int, shape, *dtypes):
-    """into[k] where a VJP may write input k's gradient itself: a zeroed parameter gradient of the
-    gradient's shape and of one of `dtypes` (a unit gathers 16-bit parameters' gradients in
-    float32); None otherwise (the VJP returns it, to be added)."""
-    target = None if into is None else into[k]
-    if target is None:
-        return None
-    fits = target.shape == tuple(shape) and target.dtype in dtypes and target.flags.c_contiguous
-    return target if fits else None
 
 
 def _written_types(dtype) -> tuple:

@@ -159,14 +159,15 @@ def _gelu(x):
 # -- linear ---------------------------------------------------------------------------------------
 
 
-def writable(into, k: int, shape, dtype):
+def writable(into, k: int, shape, *dtypes):
     """into[k] where a VJP may write input k's gradient itself (primitive's takes_into): a fresh
-    parameter gradient of the gradient's shape and dtype; None otherwise (the VJP returns it, to be
-    added)."""
+    parameter gradient of the gradient's shape and of one of `dtypes` (the reference: the
+    gradient's; a GPU's kernels also write float32 for 16-bit parameters); None otherwise (the VJP
+    returns it, to be added)."""
     target = None if into is None else into[k]
     if target is None:
         return None
-    fits = target.shape == tuple(shape) and target.dtype == dtype and target.flags.c_contiguous
+    fits = target.shape == tuple(shape) and target.dtype in dtypes and target.flags.c_contiguous
     return target if fits else None
 
 
