@@ -23,7 +23,14 @@ from ..base.backend import to_numpy
 from ..base.checks import is_count
 from ..base.files import atomic_file, removed_if_terminated, replace_durably, temporary_name
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
-from .sharded import collective, copy_overlap, counted_slices, readable, require_sharded_units, sharded_units
+from .sharded import (
+    collective,
+    copy_overlap,
+    counted_slices,
+    read_located,
+    require_sharded_units,
+    sharded_units,
+)
 
 _ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
 _NUMPY_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
@@ -262,14 +269,17 @@ def load_params(directory, model, allow_missing=lambda name: False) -> list[str]
     Returns the names of the model's tensors that were not loaded. No optimizer state is loaded.
     """
     sharded = require_sharded_units(model)
-    directory = readable(sharded.comm, Path(directory))
-    manifest, missing = collective(
-        sharded.comm,
-        lambda: _check_names(read_manifest(directory), sharded, allow_missing),
-        f"loading {directory}",
-    )
-    collective(sharded.comm, lambda: _fill_by_name(directory, manifest, sharded), f"loading {directory}")
-    return missing
+
+    def read(where: Path) -> list[str]:
+        manifest, missing = collective(
+            sharded.comm,
+            lambda: _check_names(read_manifest(where), sharded, allow_missing),
+            f"loading {where}",
+        )
+        collective(sharded.comm, lambda: _fill_by_name(where, manifest, sharded), f"loading {where}")
+        return missing
+
+    return read_located(sharded.comm, Path(directory), read)[1]
 
 
 def saved_extra(directory) -> dict:

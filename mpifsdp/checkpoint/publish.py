@@ -3,8 +3,9 @@
 A save writes into a staging directory next to its destination (`<name>.tmp-<id>`, the same file
 system, so the final rename is atomic), writes the manifest last, and renames it into place; an
 existing checkpoint is first moved aside (`<name>.old-<id>`). `recover` finishes what a killed save
-left. Nothing here follows a symbolic link out of a directory, and `remove_ours` deletes only the
-files a checkpoint is made of (manifest.json, rank-NNNNN.bin): a user's own file beside them, and the
+left (a writer's step); `locate` finds a checkpoint to read without changing anything (a reader's).
+Nothing here follows a symbolic link out of a directory, and `remove_ours` deletes only the files a
+checkpoint is made of (manifest.json, rank-NNNNN.bin): a user's own file beside them, and the
 directory holding it, stay where they are.
 """
 
@@ -109,44 +110,52 @@ def remove_ours(directory: Path):
         directory.rmdir()
 
 
+def locate(final) -> Path | None:
+    """Where the checkpoint named `final` can be read, changing nothing (None: there is none).
+
+    `final` itself when complete; when an interrupted save left it nameless, the complete copy it
+    left (the new `.tmp-*` before the replaced `.old-*`), read where it lies. Readers (load,
+    load_latest, load_params) only ever ask this: a `.tmp-*` with a manifest may be a live job's save
+    a moment before its rename, which only that job may do (`recover` is the writer's)."""
+    final = Path(final)
+    if (final / MANIFEST).is_file():
+        return final
+    if final.exists() or final.is_symlink():
+        return None
+    complete = _complete_leftovers(final)
+    newest = [p for p in complete if STAGING in p.name] or [p for p in complete if REPLACED in p.name]
+    return newest[-1] if newest else None
+
+
 def recover(final) -> Path | None:
     """Put a complete checkpoint back at `final` after a save was interrupted; returns where the
-    checkpoint named `final` is now (None: there is none).
+    checkpoint named `final` is now (None: there is none). A writer's step: save and save_step call
+    it, holding the location's writer lock (checkpoint/lock.py), so no live save is taken for a dead one.
 
     Only ever renames; deletes nothing but a replaced copy (`.old-*`) proven superseded by a complete
     checkpoint at `final` (the newer one: the old copy is moved aside only once the new one is whole).
     If `final` is missing, the complete new copy (`.tmp-*` with a manifest) is preferred over the
-    replaced old one. Loading must not need write access: where the file system refuses a rename or a
-    removal (a read-only archive), nothing changes and the copy is read where it lies. Not
-    collective: rank 0 calls it before saving or loading."""
+    replaced old one. Not collective: rank 0 calls it."""
     final = Path(final)
-    if not final.parent.is_dir():
-        return None
-    leftovers = sorted(final.parent.glob(f"{glob.escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
-    complete = [p for p in leftovers if is_real_dir(p) and (p / MANIFEST).is_file()]
-    if (final / MANIFEST).is_file():
-        for old in complete:
+    where = locate(final)
+    if where == final:
+        for old in _complete_leftovers(final):
             if REPLACED in old.name:
-                _try(f"remove {old.name}, a copy superseded by {final.name}", remove_ours, old)
+                remove_ours(old)
         return final
-    if final.exists() or final.is_symlink() or not complete:
+    if where is None:
         return None
-    newest = [p for p in complete if STAGING in p.name] or [p for p in complete if REPLACED in p.name]
-    if not _try(f"rename {newest[-1].name} to {final.name}", os.replace, newest[-1], final):
-        return newest[-1]
-    log.warning("recovered %s from %s, left by an interrupted save", final, newest[-1].name)
+    os.replace(where, final)
+    log.warning("recovered %s from %s, left by an interrupted save", final, where.name)
     return final
 
 
-def _try(doing: str, change, *args) -> bool:
-    """Apply a recovery step; a file system that refuses it (read-only, no permission) is said once
-    and changes nothing."""
-    try:
-        change(*args)
-    except OSError as exc:
-        log.warning("could not %s (%s): reading the checkpoint as it lies", doing, exc.strerror or exc)
-        return False
-    return True
+def _complete_leftovers(final: Path) -> list[Path]:
+    """The staging and replaced copies of `final` that hold a manifest, oldest first."""
+    if not final.parent.is_dir():
+        return []
+    leftovers = sorted(final.parent.glob(f"{glob.escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
+    return [p for p in leftovers if is_real_dir(p) and (p / MANIFEST).is_file()]
 
 
 def named_by(leftover: Path) -> str | None:

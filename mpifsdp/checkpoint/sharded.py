@@ -215,9 +215,18 @@ def load(directory, model, optimizer=None) -> dict:
     Each rank reads only the slices that overlap its shard, checks their checksums, and copies them in:
     parameters and AdamW moments come back bit-identical. Returns the checkpoint's `extra`.
     A missing, truncated or corrupted file raises CheckpointError, naming the file, on every rank.
+    Reading changes nothing on disk (publish.locate): another job may be writing there.
     """
+    return _load(Path(directory), model, optimizer)[1]
+
+
+def _load(directory: Path, model, optimizer) -> tuple[Path, dict]:
+    """load(), and where the checkpoint was read."""
     sharded = require_sharded_units(model)
-    directory = readable(sharded.comm, Path(directory))
+    return read_located(sharded.comm, directory, lambda where: _load_from(where, sharded, model, optimizer))
+
+
+def _load_from(directory: Path, sharded, model, optimizer) -> dict:
     manifest = collective(
         sharded.comm,
         lambda: _check_fits(read_manifest(directory), sharded, optimizer),
@@ -236,10 +245,25 @@ def load(directory, model, optimizer=None) -> dict:
     return manifest["extra"]
 
 
+def read_located(comm, directory: Path, read) -> tuple[Path, object]:
+    """(where, read(where)) for the checkpoint named `directory`. A copy an unfinished save left
+    nameless is read where it lies; if that read fails because the save's job just renamed it into
+    place (a live writer), it is read once more from where it lies now. Collective: rank 0 looks,
+    every rank reads."""
+    where = readable(comm, directory)
+    try:
+        return where, read(where)
+    except CheckpointError:
+        again = readable(comm, directory)
+        if again == where:
+            raise
+        log.info("%s moved to %s while it was read (its save finished): reading it there", where, again)
+        return again, read(again)
+
+
 def readable(comm, directory: Path) -> Path:
-    """Where the checkpoint named `directory` is read from: rank 0 first puts back one an interrupted
-    save left nameless (publish.recover); on a read-only archive, the copy where it lies. Collective."""
-    found = collective(comm, lambda: publish.recover(directory), f"loading {directory}", root=0)
+    """Where the checkpoint named `directory` is read from, changing nothing (publish.locate). Collective."""
+    found = collective(comm, lambda: publish.locate(directory), f"loading {directory}", root=0)
     return Path(comm.broadcast_object(str(found or directory)))
 
 
@@ -327,7 +351,7 @@ def save_step(root, step: int, model, optimizer=None, extra: dict | None = None,
 def _prune(root: Path, step: int, keep: int):
     """After a save of `step`: finish interrupted saves (a superseded `.old-*` copy goes), keep the
     newest `keep`, and remove staging of older steps that never completed."""
-    kept = _recovered_checkpoints(root)
+    kept = _listed_checkpoints(root, publish.recover)
     if keep > 0:
         for old in kept[keep:]:
             publish.remove_ours(old)
@@ -357,29 +381,38 @@ def load_latest(
             )
         if Path(root).exists() and not Path(root).is_dir():
             raise CheckpointError(f"{root} is not a directory of step-N checkpoints")
-        return [str(p) for p in _recovered_checkpoints(Path(root))]
+        return [str(p) for p in _listed_checkpoints(Path(root), publish.locate)]
 
-    candidates = collective(comm, listing, f"listing {root}", root=0)
-    candidates = comm.broadcast_object(candidates)
-    failures = []
-    for path in candidates:
-        try:
-            return Path(path), load(path, model, optimizer)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint %s: %s", path, exc)
-            failures.append(f"{Path(path).name}: {exc}")
+    listed, failures = None, []
+    for _ in range(3):  # a live writer may prune what was listed while it is read: list again
+        now = comm.broadcast_object(collective(comm, listing, f"listing {root}", root=0))
+        if now == listed:
+            break
+        listed, failures = now, []
+        for path in listed:
+            try:
+                return _load(Path(root) / _named(Path(path)), model, optimizer)
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", path, exc)
+                failures.append(f"{Path(path).name}: {exc}")
     if failures:
         raise CheckpointError(f"no checkpoint under {root} could be loaded:\n  " + "\n  ".join(failures))
     return None, None
 
 
-def _recovered_checkpoints(root: Path) -> list[Path]:
-    """checkpoints(root), after putting back any step-N an interrupted save left nameless; on a
-    read-only archive such a copy is listed where it lies. Newest step first."""
+def _named(path: Path) -> str:
+    """The step-N name of a checkpoint listed where it lies (a nameless save's copy: its name)."""
+    return publish.named_by(path) or path.name
+
+
+def _listed_checkpoints(root: Path, settle) -> list[Path]:
+    """checkpoints(root), with each step-N an interrupted save left nameless where `settle` puts it:
+    publish.recover for a writer holding the root's lock (renamed back), publish.locate for a reader
+    (where it lies, nothing changed). Newest step first."""
     found = {p.name: p for p in checkpoints(root)}
     for name in {publish.named_by(p) for p in root.glob("step-*-*")} if root.is_dir() else ():
         if name and STEP.fullmatch(name):
-            where = publish.recover(root / name)
+            where = settle(root / name)
             if where is not None:
                 found[name] = where
     return [found[name] for name in sorted(found, key=lambda n: int(STEP.fullmatch(n)[1]), reverse=True)]

@@ -194,7 +194,28 @@ class Unit:
 
     # -- parameters ---------------------------------------------------------------------------------
     def start_unshard(self, phase: str = "forward", keep_cast: bool = False, use_kept: bool = False):
-        """Begin gathering the full parameters without waiting (a no-op unless sharded).
+        """Begin gathering the full parameters without waiting (a no-op unless sharded): this rank's
+        shard (or its param_dtype cast: `_to_send`) into a pooled full buffer, by one Iallgather."""
+        if self.full is not None:
+            return
+        send, checked = self._to_send(keep_cast, use_kept)
+        if self._gathers_nothing(send):
+            self._move(Gathered.UNSHARDED)
+            self.full = send  # the whole cast: one rank's gather would copy it (bench/HISTORY.md)
+            if not checked:
+                self._check_representable(self.full)
+            return
+        full = self._take("gathered_params", self.param_dtype)
+        try:
+            request = self.comm.iall_gather(send, full, unit=self.name, phase=phase)
+        except BaseException:  # refused before it started: still sharded, the buffer back
+            self._give("gathered_params", full)
+            raise
+        self._move(Gathered.GATHERING)
+        self.full, self._gathering = full, (request, send, checked)
+
+    def _to_send(self, keep_cast: bool, use_kept: bool):
+        """(what this gather sends, whether it is checked already): the shard, or its param_dtype cast.
 
         Mixed precision on a GPU: keep_cast=True (a forward whose backward gathers again, FSDP's
         lifecycle) keeps the param_dtype copy of the shard this gather sends, checked; the next
@@ -202,25 +223,11 @@ class Unit:
         unit). The shard must not change in between: the optimizer steps after the backward. Any
         other gather casts afresh and drops a kept copy, unless the optimizer wrote it with its
         update since (cast_target: it is then the new shard's cast, checked by that kernel)."""
-        if self.full is None:
-            kept = self.casts.take_kept(use_kept, lambda buf: self._give("gathered_params", buf))
-            send, checked = (kept, True) if kept is not None else self._cast_for_gather()
-            if keep_cast and send is not self._shard:
-                self.casts.keep(send)
-            if self._gathers_nothing(send):
-                self._move(Gathered.UNSHARDED)
-                self.full = send  # the whole cast: one rank's gather would copy it (bench/HISTORY.md)
-                if not checked:
-                    self._check_representable(self.full)
-                return
-            full = self._take("gathered_params", self.param_dtype)
-            try:
-                request = self.comm.iall_gather(send, full, unit=self.name, phase=phase)
-            except BaseException:  # refused before it started: still sharded, the buffer back
-                self._give("gathered_params", full)
-                raise
-            self._move(Gathered.GATHERING)
-            self.full, self._gathering = full, (request, send, checked)
+        kept = self.casts.take_kept(use_kept, lambda buf: self._give("gathered_params", buf))
+        send, checked = (kept, True) if kept is not None else self._cast_for_gather()
+        if keep_cast and send is not self._shard:
+            self.casts.keep(send)
+        return send, checked
 
     def _gathers_nothing(self, send) -> bool:
         """Whether the gather of `send` is `send` itself: one rank on a GPU, sending its pooled

@@ -186,7 +186,7 @@ SCENARIOS = {
         on_rank_0(lambda: (os.replace(ROOT / "step-00000001", ROOT / "step-00000001.old-1"),
                            os.replace(ROOT / "staged", ROOT / "step-00000001.tmp-2")))
         path, extra = ck.load_latest(ROOT, *make())
-        assert path.name == "step-00000001" and extra["copy"] == "new", extra
+        assert path.name == "step-00000001.tmp-2" and extra["copy"] == "new", (path, extra)
         ck.save_step(ROOT, 2, model, opt, keep=5)
         assert [p.name for p in ck.checkpoints(ROOT)] == ["step-00000002", "step-00000001"]
         ok()

@@ -53,8 +53,8 @@ def test_an_overwrite_interrupted_between_its_renames_is_recovered(comm, tmp_pat
     on_rank_0(comm, killed_between_renames)
     assert checkpoints(root) == []  # nameless for now: neither copy is lost
     path, extra = load_latest(root, *sharded_tiny_gpt(comm, seed=5))
-    assert path.name == "step-00000001" and extra["copy"] == "new"  # the complete newer copy
-    save_step(root, 2, model, opt, keep=3)  # the next save deletes nothing it cannot prove superseded
+    assert path.name == "step-00000001.tmp-bbbb0000" and extra["copy"] == "new"  # the newer, where it lies
+    save_step(root, 2, model, opt, keep=3)  # the writer puts it back; deletes nothing not proven superseded
     assert [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"]
 
     def only_the_old_copy_left():  # killed after moving the old one aside, before the new was whole

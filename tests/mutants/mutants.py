@@ -213,14 +213,10 @@ def _no_recovery():
     _replace(mpifsdp.checkpoint.publish, "recover", lambda final: None)
 
 
-def _recovery_needs_write_access():
-    import mpifsdp.checkpoint.publish
+def _readers_recover():
+    import mpifsdp.checkpoint.publish as publish
 
-    def always(doing, change, *args):
-        change(*args)
-        return True
-
-    _replace(mpifsdp.checkpoint.publish, "_try", always)
+    _replace(publish, "locate", publish.recover)
 
 
 def _leftovers_not_seen():
@@ -848,11 +844,12 @@ MUTANTS = {
             "tests/failures/test_checkpoint_safety.py::test_an_overwrite_interrupted_between_its_renames_is_recovered"
         ],
     ),
-    "read_only_recovery": Mutant(
-        _recovery_needs_write_access,
-        "an interrupted overwrite loads from a read-only archive (publish._try)",
+    "readers_change_nothing": Mutant(
+        _readers_recover,
+        "loading reads an unfinished save where it lies, never renaming a live writer's (publish.locate)",
         [
-            "tests/failures/test_checkpoint_safety.py::test_a_read_only_archive_holding_an_interrupted_overwrite_still_loads"
+            "tests/failures/test_readers.py::test_a_live_saves_complete_staging_is_read_where_it_lies_and_left_to_its_writer",
+            "tests/failures/test_checkpoint_safety.py::test_a_read_only_archive_holding_an_interrupted_overwrite_still_loads",
         ],
     ),
     "leftover_pruning": Mutant(
