@@ -24,6 +24,7 @@ from ..base.checks import is_count
 from ..base.files import atomic_file, removed_if_terminated, replace_durably, temporary_name
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
 from .sharded import (
+    check_settings,
     collective,
     copy_overlap,
     counted_slices,
@@ -182,6 +183,15 @@ def read_safetensors_header(path) -> tuple[dict, int]:
     return header, 8 + length
 
 
+def safetensors_metadata(path) -> dict:
+    """The string -> string `__metadata__` of a safetensors file read_safetensors_header proved valid
+    (e.g. the model config an export wrote beside its weights)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        metadata = json.loads(f.read(length)).get("__metadata__", {})
+    return {k: v for k, v in metadata.items() if isinstance(k, str) and isinstance(v, str)}
+
+
 def read_tensor(f, entry: dict, data_start: int, start: int = 0, stop: int | None = None):
     """Elements [start, stop) (default all) of the flattened tensor a validated header `entry`
     describes, from the open file `f`, in native byte order."""
@@ -273,13 +283,19 @@ def load_params(directory, model, allow_missing=lambda name: False) -> list[str]
     def read(where: Path) -> list[str]:
         manifest, missing = collective(
             sharded.comm,
-            lambda: _check_names(read_manifest(where), sharded, allow_missing),
+            lambda: _check_names(_settings_checked(where, model), sharded, allow_missing),
             f"loading {where}",
         )
         collective(sharded.comm, lambda: _fill_by_name(where, manifest, sharded), f"loading {where}")
         return missing
 
     return read_located(sharded.comm, Path(directory), read)[1]
+
+
+def _settings_checked(directory: Path, model) -> dict:
+    manifest = read_manifest(directory)
+    check_settings(manifest, model, directory)
+    return manifest
 
 
 def saved_extra(directory) -> dict:

@@ -11,6 +11,7 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -128,6 +129,8 @@ def save(directory, model, optimizer=None, extra: dict | None = None) -> Path:
             "optimizer": None if optimizer is None else optimizer.summary(),
             # a Dropout's position in its masks (every rank's is the same): resumed, the run draws on
             "random_state": model.random_state() if hasattr(model, "random_state") else {},
+            # what the weights compute with (heads, eps, activation): a load into other settings is refused
+            "settings": model.settings(of_the_weights=True) if hasattr(model, "settings") else {},
             "extra": extra,
         }
 
@@ -227,11 +230,12 @@ def _load(directory: Path, model, optimizer) -> tuple[Path, dict]:
 
 
 def _load_from(directory: Path, sharded, model, optimizer) -> dict:
-    manifest = collective(
-        sharded.comm,
-        lambda: _check_fits(read_manifest(directory), sharded, optimizer),
-        f"loading {directory}",
-    )
+    def checked():
+        manifest = _check_fits(read_manifest(directory), sharded, optimizer)
+        check_settings(manifest, model, directory)
+        return manifest
+
+    manifest = collective(sharded.comm, checked, f"loading {directory}")
     collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
     if manifest.get("random_state") and hasattr(model, "load_random_state"):
         collective(
@@ -287,6 +291,26 @@ def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
             f"the checkpoint holds the state of {saved_by}, the optimizer given is {type(optimizer).__name__}"
         )
     return manifest
+
+
+def check_settings(manifest: dict, model, directory: Path):
+    """The settings the saved weights were made for (heads, a LayerNorm's eps, the activation) must be
+    the model's, module by module where both have the module: other settings over the same shapes
+    would compute another function from them, silently. (A checkpoint written before settings were
+    saved has none to compare.)"""
+    saved = manifest.get("settings") or {}
+    mine = json.loads(json.dumps(model.settings(of_the_weights=True))) if hasattr(model, "settings") else {}
+    differ = [
+        f"{name}.{key}: saved {value!r}, the model's {mine[name][key]!r}"
+        for name, values in saved.items()
+        for key, value in (values.items() if isinstance(values, dict) else ())
+        if name in mine and key in mine[name] and mine[name][key] != value
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{directory} was saved from a model with other settings ({'; '.join(differ[:3])}"
+            f"{'; ...' if len(differ) > 3 else ''}): build the model with the checkpoint's settings"
+        )
 
 
 def _fill(directory: Path, manifest: dict, sharded, optimizer):

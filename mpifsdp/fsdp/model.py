@@ -18,6 +18,7 @@ next unit's backward computes. Every rank issues the same collectives in the sam
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 from collections import deque
 
@@ -30,10 +31,18 @@ from ..base.accounting import MemoryLedger
 from ..base.backend import host_value
 from ..base.checks import is_count
 from ..comm.communicator import CollectiveError, Comm
+from ..nn.module import settings_changes
 from ..shard.pool import BufferPool
 from ..shard.unit import Unit
 from .deterministic import ChunkedBatch, ChunkState
 from .lifecycle import Stage, UnitLifecycle, casts_kept
+
+
+def _digest(settings: dict) -> int:
+    """A signed 64-bit digest of a model's settings, compared across ranks with the batch size."""
+    return int.from_bytes(
+        hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little", signed=True
+    )
 
 
 class ShardedModel:
@@ -75,6 +84,7 @@ class ShardedModel:
         self._reduces: deque = deque()  # units whose reduce-scatter is in flight
         self.lifecycles: tuple = ()  # every unit's, the root's last
         self.requires_gradient_sync = True  # False: backward keeps full gradients (no_sync)
+        self._settings_known = None  # (settings_changes() when read, model.settings(), its digest)
 
     def add(self, lifecycle: UnitLifecycle, root: bool = False):
         if root:
@@ -161,10 +171,12 @@ class ShardedModel:
             problem = f"check_inputs raised {type(exc).__name__}: {exc}"
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
         seq, digest = self.comm.schedule.position()  # so forward, too, starts from a checked schedule
+        settings = self._settings(model)
         verdicts = self.comm.gather_ints(
-            n, int(bool(problem)), int(grad_enabled()), seq, digest, phase="forward", op="batch_size_check"
-        )
-        self.comm.check_positions(verdicts[:, 3:], "at the start of a forward")
+            n, int(bool(problem)), int(grad_enabled()), self._settings_known[2], seq, digest,
+            phase="forward", op="batch_size_check",
+        )  # fmt: skip
+        self.comm.check_positions(verdicts[:, 4:], "at the start of a forward")
         if verdicts[:, 1].any():
             self.comm.raise_if_any(problem and f"{type(model).__name__}: {problem}", "checking the inputs")
         if len(set(verdicts[:, 2].tolist())) > 1:
@@ -173,6 +185,8 @@ class ShardedModel:
                 f"ranks {without} run this forward under no_grad() and the others with gradients: every "
                 "rank must run the same kind of forward (their backward would issue different collectives)"
             )
+        if len(set(verdicts[:, 3].tolist())) > 1:
+            self._refuse_settings(settings)
         sizes = verdicts[:, 0].tolist()
         if len(set(sizes)) > 1 and grad_enabled():
             raise CollectiveError(
@@ -180,6 +194,34 @@ class ShardedModel:
                 "weight samples unequally. Give every rank the same number of samples (drop or pad the "
                 "last batch; data.rank_slice splits a global batch evenly), or evaluate under no_grad()."
             )
+
+    def _settings(self, model) -> dict:
+        """model.settings() and its digest, walked again only after a module's setting was assigned."""
+        if self._settings_known is None or self._settings_known[0] != settings_changes():
+            settings = model.settings()
+            self._settings_known = (settings_changes(), settings, _digest(settings))
+        return self._settings_known[1]
+
+    def _refuse_settings(self, settings: dict):
+        """Ranks whose modules compute with different settings (train/eval, a dropout rate, heads):
+        their gradients would average different functions. Collective: every rank saw the digests."""
+        everyone = self.comm.allgather_object(settings, phase="forward")
+        differ = {}  # (setting, its values by rank) -> the modules where ranks differ so
+        for name in sorted(set().union(*everyone)):
+            for key in sorted(set().union(*(r.get(name, {}) for r in everyone))):
+                values = {rank: r.get(name, {}).get(key) for rank, r in enumerate(everyone)}
+                if len(set(map(repr, values.values()))) > 1:
+                    differ.setdefault((key, repr(values)), []).append(name or type(self._model()).__name__)
+        said = [
+            f"{key} {values} in {len(where)} modules ({', '.join(where[:2])}, ...)"
+            if len(where) > 2
+            else f"{key} {values} in {' and '.join(where)}"
+            for (key, values), where in differ.items()
+        ]
+        raise CollectiveError(
+            f"ranks run the model with different settings, by rank: {'; '.join(said)}. Each rank would "
+            "compute another function: call train()/eval() and change settings on every rank alike."
+        )
 
     def count_share(self, local: int) -> float:
         """The count this rank's mean-reduced loss divides by: valid targets summed over ranks / N.

@@ -19,7 +19,12 @@ import numpy as np
 
 from mpifsdp import full_state_dict
 from mpifsdp.base.files import atomic_file
-from mpifsdp.checkpoint.consolidated import read_safetensors_header, read_tensor, safetensors_header
+from mpifsdp.checkpoint.consolidated import (
+    read_safetensors_header,
+    read_tensor,
+    safetensors_header,
+    safetensors_metadata,
+)
 from mpifsdp.fsdp.build import sharded_model
 
 from .gpt import GPT, GPTConfig
@@ -147,9 +152,37 @@ def load_hf_gpt2(directory, dtype=np.float32, device: str = "cpu") -> GPT:
     A config.json that is not one, or that contradicts the weights (another number of layers, other
     sizes), is refused by name: a model built from it would load silently wrong."""
     directory = Path(directory)
-    model = GPT(read_hf_config(directory / CONFIG), dtype=dtype, device=device)
-    _load_weights(model, directory / WEIGHTS)
+    config = read_hf_config(directory / CONFIG)
+    model = GPT(config, dtype=dtype, device=device)
+    _load_weights(model, directory / WEIGHTS)  # shapes that contradict config.json are named there
+    _agrees_with_export(config, directory)
     return model
+
+
+def _agrees_with_export(config: GPTConfig, directory: Path):
+    """Weights we exported carry the config they were trained with (`mpifsdp_gpt_config`); config.json
+    must say the same in every field that changes the function (n_head over the same shapes computes
+    other attention: silently wrong logits). A Hugging Face file has none: its shapes are checked."""
+    saved = safetensors_metadata(directory / WEIGHTS).get("mpifsdp_gpt_config")
+    if saved is None:
+        return
+    try:
+        saved = json.loads(saved)
+    except ValueError as exc:
+        raise ValueError(
+            f"{directory / WEIGHTS}: its mpifsdp_gpt_config metadata is not JSON ({exc})"
+        ) from None
+    mine = dataclasses.asdict(config)
+    differ = [
+        f"{k}={mine[k]!r} (the weights': {v!r})"
+        for k, v in (saved.items() if isinstance(saved, dict) else ())
+        if k in mine and k != "dropout" and mine[k] != v
+    ]
+    if differ:
+        raise ValueError(
+            f"{directory / CONFIG} contradicts the config {WEIGHTS} was exported with: {', '.join(differ)}; "
+            f"mend config.json (the weights' own config is in the file's mpifsdp_gpt_config metadata)"
+        )
 
 
 SIZES = {"vocab_size": "vocab_size", "n_positions": "block_size", "n_layer": "n_layer", "n_head": "n_head"}

@@ -35,6 +35,8 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
+    SETTINGS = ("eps",)
+
     def __init__(self, dim, bias=True, eps=1e-5, *, dtype=np.float32, device="cpu"):
         self.weight = constant_param(1.0, (dim,), dtype, device)
         self.bias = constant_param(0.0, (dim,), dtype, device) if bias else None
@@ -61,6 +63,8 @@ def drawing_for_chunk(index: int):
 class Dropout(Module):
     """Seeded dropout: call k of a Dropout seeded s uses mask seed (s, k), the same on every device;
     inside drawing_for_chunk(c), seed (s, k, c)."""
+
+    SETTINGS = RUN_SETTINGS = ("p",)
 
     def __init__(self, p: float, seed: int = 0):
         if not 0 <= p < 1:  # p = 1 would scale the survivors by 1 / 0
@@ -106,6 +110,8 @@ def dropout_replay(module: Module):
 class MLP(Module):
     """The transformer feed-forward: Linear(C, H) -> GELU (tanh form) or ReLU -> Linear(H, C), H = 4C
     unless given."""
+
+    SETTINGS = ("activation",)
 
     def __init__(
         self,
@@ -159,6 +165,8 @@ class MLP(Module):
 
 
 class CausalSelfAttention(Module):
+    SETTINGS = ("n_head",)
+
     def __init__(
         self, n_embd, n_head, bias=True, dropout=0.0, proj_std=0.02, *, rng, dtype=np.float32, device="cpu"
     ):

@@ -112,6 +112,11 @@ class Module:
     # a model's shards without importing the FSDP runtime (fsdp.sharded_model reads it).
     _sharded = None
     training = True  # Dropout draws masks only in training mode: eval() for evaluation and sampling
+    # The attributes besides `training` that change what this module computes from its parameters
+    # (a LayerNorm's eps, the number of heads): settings() reports them, so that ranks and a
+    # checkpoint's weights are held to one value. A module of yours names its own.
+    SETTINGS: tuple[str, ...] = ()
+    RUN_SETTINGS: tuple[str, ...] = ()  # those of SETTINGS a run may change over the same weights
 
     def __setattr__(self, name, value):
         """Name parameters by their path in the module tree as soon as they join it, so every error
@@ -119,8 +124,11 @@ class Module:
         parent remembers it, so a later change deep inside (tying `lm_head.weight = wte.weight`)
         renames the tree from its root: a tied weight keeps the name where it is first found."""
         object.__setattr__(self, name, value)
+        if name == "training" or name in type(self).SETTINGS:
+            _SETTINGS_CHANGED[0] += 1
         if name.startswith("_") or not _holds_parameters(value):
             return
+        _SETTINGS_CHANGED[0] += 1  # a module attached: its settings join the model's
         for child in value if isinstance(value, (list, tuple)) else [value]:
             if isinstance(child, Module) and child._parent is None and child is not self:
                 object.__setattr__(child, "_parent", self)
@@ -210,6 +218,21 @@ class Module:
         for p in self.parameters():
             p.zero_grad()
 
+    def settings(self, of_the_weights: bool = False) -> dict:
+        """Each module's settings that change what it computes, by module name: `training` and its
+        SETTINGS. of_the_weights: only those a checkpoint's weights were made for (not train/eval,
+        not RUN_SETTINGS such as a dropout rate). fully_shard holds the ranks to one value of each
+        (fsdp/model.py `ShardedModel.check_inputs`), checkpoints to the saved one."""
+        found = {}
+        for name, m in self.named_modules():
+            names = [k for k in m.SETTINGS if not (of_the_weights and k in m.RUN_SETTINGS)]
+            values = {k: _plain(getattr(m, k, None)) for k in names}
+            if not of_the_weights:
+                values["training"] = bool(m.training)
+            if values:
+                found[name] = values
+        return found
+
     def random_state(self) -> dict:
         """Where each module's random draws stand (a Dropout's count of masks drawn), by module name:
         checkpoints save it, so that a resumed run draws the masks the uninterrupted one would have."""
@@ -258,3 +281,17 @@ class Module:
             if value.dtype.kind != "f":
                 raise TypeError(f"load_state_dict: parameter {name!r} needs floats, found {value.dtype}")
             p.data[...] = to_device(value, device_of(p.data), dtype=p.dtype)
+
+
+_SETTINGS_CHANGED = [0]  # bumped whenever a module's setting (or a module) is assigned, in any model
+
+
+def settings_changes() -> int:
+    """How many times any module's setting was assigned in this process: a model's settings() can be
+    reused while this stays the same (a forward compares them across ranks, at no cost then)."""
+    return _SETTINGS_CHANGED[0]
+
+
+def _plain(value):
+    """A setting as JSON holds it (a NumPy scalar as a Python number), so ranks and files compare it."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value

@@ -1,6 +1,7 @@
 """Checkpoints never lose data: what pruning and "latest" may touch, interrupted overwrites, edited or
 malformed manifests and safetensors files, failed saves, and the command line's errors."""
 
+import dataclasses
 import json
 import os
 import re
@@ -486,3 +487,25 @@ def test_a_dead_owner_does_not_keep_the_lock(comm, tmp_path, monkeypatch, caplog
     save_step(root, 2, model, opt)  # not refreshed for two hours: its job is gone
     agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "both saved")
     lock.release(lock.root_lock(root))
+
+
+def test_weights_loaded_into_a_model_with_other_settings_are_refused(comm, tmp_path):
+    """Another head count over the same shapes computes another function from the same weights: the
+    checkpoint names the settings it was saved with, and load and load_params refuse others."""
+    from mpifsdp import AdamW, fully_shard
+    from mpifsdp.checkpoint.consolidated import load_params
+
+    root = shared_dir(comm, tmp_path)
+    model, opt = sharded_tiny_gpt(comm)
+    save(f"{root}/ck", model, opt)
+    other = GPT(dataclasses.replace(TINY_GPT, n_head=1), seed=1)
+    fully_shard(other, comm, units=other.blocks)
+    for loading in (
+        lambda: load(f"{root}/ck", other, AdamW(other)),
+        lambda: load_params(f"{root}/ck", other),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"other settings \(blocks\.0\.attn\.n_head: saved 2, the model's 1"
+        ):
+            loading()
+    assert load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=5)) == {}  # the same settings load

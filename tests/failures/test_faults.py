@@ -212,6 +212,33 @@ def test_an_uneven_evaluation_batch_is_allowed_and_a_forward_of_another_kind_is_
     model(x, x).backward()  # usable afterwards
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("change", ["eval", "dropout rate", "heads"])
+def test_a_setting_that_changes_the_mathematics_on_one_rank_is_named_on_every_rank(comm, change):
+    """model.eval() (or another dropout rate, another head count) on one rank after fully_shard ran
+    silently: the ranks averaged gradients of different functions. The next forward names it."""
+    model = GPT(GPTConfig(**{**vars(CFG), "dropout": 0.1}), seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    x = np.zeros((2, 4), dtype=np.int64)
+    model(x, x).backward()
+    if comm.rank == 1:
+        if change == "eval":
+            model.eval()
+        elif change == "dropout rate":
+            model.blocks[0].mlp.drop.p = 0.2
+        else:
+            model.blocks[1].attn.n_head = 1
+    said = {"eval": r"training \{0: True, 1: False.*\} in \d+ modules \(GPT, blocks\.0, \.\.\.\)",
+            "dropout rate": r"p \{0: 0\.1, 1: 0\.2.*\} in blocks\.0\.mlp\.drop\.",
+            "heads": r"n_head \{0: 2, 1: 1.*\} in blocks\.1\.attn\."}[change]  # fmt: skip
+    with pytest.raises(CollectiveError, match=said):
+        model(x, x)
+    if comm.rank == 1:
+        model.train()
+        model.blocks[0].mlp.drop.p, model.blocks[1].attn.n_head = 0.1, CFG.n_head
+    model(x, x).backward()  # agreed again: usable
+
+
 def test_optimizer_built_before_sharding(comm):
     model = MLPClassifier([3, 4, 2])
     opt = AdamW(model)

@@ -26,6 +26,25 @@ def _gather_moves_unchecked():
     _replace(unit, "moved", lambda name, now, to: to)
 
 
+def _settings_not_compared():
+    """Ranks' settings all digest alike (fsdp/model.py `_digest`)."""
+    from mpifsdp.fsdp import model
+
+    _replace(model, "_digest", lambda settings: 0)
+
+
+def _saved_settings_not_compared():
+    from mpifsdp.checkpoint import sharded
+
+    _replace(sharded, "check_settings", lambda manifest, model, directory: None)
+
+
+def _export_config_not_compared():
+    from mpifsdp.models import hf_gpt2
+
+    _replace(hf_gpt2, "_agrees_with_export", lambda config, directory: None)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -641,6 +660,29 @@ class Mutant:
 
 
 MUTANTS = {
+    "settings_compared": Mutant(
+        _settings_not_compared,
+        "the ranks' settings that change the mathematics (train/eval, dropout rate, heads) are compared "
+        "at each forward (fsdp/model.py `_digest`)",
+        [
+            "tests/failures/test_faults.py::test_a_setting_that_changes_the_mathematics_on_one_rank_is_named_on_every_rank"
+        ],
+        ranks=2,
+    ),
+    "saved_settings_compared": Mutant(
+        _saved_settings_not_compared,
+        "a checkpoint's settings are the model's it is loaded into (checkpoint/sharded.py check_settings)",
+        [
+            "tests/failures/test_checkpoint_safety.py::test_weights_loaded_into_a_model_with_other_settings_are_refused"
+        ],
+    ),
+    "export_config_compared": Mutant(
+        _export_config_not_compared,
+        "config.json agrees with the config the weights were exported with (models/hf_gpt2.py)",
+        [
+            "tests/unit/models/test_hf_gpt2.py::test_a_config_that_fits_the_shapes_but_not_the_exported_model_is_refused"
+        ],
+    ),
     "shared_dir_asked": Mutant(
         _shared_dir_not_asked_for,
         "every rank is asked whether it sees the shared test directory before a test uses it (support.py)",

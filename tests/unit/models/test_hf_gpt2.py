@@ -121,6 +121,26 @@ def test_a_config_that_contradicts_the_weights_is_refused(tmp_path, changes, mes
         load_hf_gpt2(directory)
 
 
+@pytest.mark.parametrize(
+    "changes, said",
+    [
+        ({"n_head": 4}, r"n_head=4 \(the weights': 2\)"),
+        ({"layer_norm_epsilon": 1e-6}, r"ln_eps=1e-06 \(the weights': 1e-05\)"),
+    ],
+)
+def test_a_config_that_fits_the_shapes_but_not_the_exported_model_is_refused(tmp_path, changes, said):
+    """Another head count (or eps) over the same shapes loaded silently, its logits 1e-3 off: the
+    weights' own config (the export's metadata) names the contradiction. Dropout may differ."""
+    directory = export_hf_gpt2(tmp_path / "hf", GPT(_config(True), seed=1))
+    _edited_config(directory, **changes)
+    with pytest.raises(
+        ValueError, match=r"config.json contradicts the config model.safetensors was exported with: " + said
+    ):
+        load_hf_gpt2(directory)
+    _edited_config(directory, n_head=2, layer_norm_epsilon=1e-5, resid_pdrop=0.3)
+    assert load_hf_gpt2(directory).config.n_head == 2
+
+
 def _exported_tensors(tmp_path, model):
     """(the GPT-2 directory export_hf_gpt2 writes of `model`, its weights file's tensors by name)."""
     directory = export_hf_gpt2(tmp_path / "hf", model)
