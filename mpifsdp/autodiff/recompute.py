@@ -8,7 +8,7 @@ only during its own backward, at the price of a second forward. The second run d
 random numbers as the first from the global generators: NumPy's legacy `np.random.*` and Python's
 `random` are put back to their state at the first run, and restored after. A Generator object fn
 holds (`np.random.default_rng(...)`) cannot be seen from here: pass a `replay` that rewinds it, as
-nn.layers.dropout_replay rewinds dropout's positions.
+nn.layers.draws_replay rewinds a module's dropouts and generators (fully_shard passes it).
 
 Under FSDP (fully_shard(..., recompute=...)) the node is recorded inside its unit's scope, so the
 unit's parameters are gathered for backward before the re-run, as they would be anyway: no extra

@@ -27,7 +27,7 @@ import functools
 from ..autodiff.recompute import recompute
 from ..autodiff.tape import grad_enabled, scope
 from ..autodiff.tensor import implementation_on
-from ..nn.layers import dropout_replay
+from ..nn.layers import draws_replay
 
 
 class Stage(enum.Enum):
@@ -120,7 +120,7 @@ class UnitLifecycle:
             with scope(self):
                 if self.recomputes and with_grad:
                     run = functools.partial(forward, **kwargs)
-                    return recompute(run, *args, replay=dropout_replay(forward.__self__))
+                    return recompute(run, *args, replay=draws_replay(forward.__self__))
                 return forward(*args, **kwargs)
         finally:
             self.release()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import random
 
 import numpy as np
 
@@ -87,24 +88,62 @@ class Dropout(Module):
         return ops.dropout(x, self.p, int(seed))
 
 
-def dropout_replay(module: Module):
-    """A replay() for recompute.recompute: inside it, the dropouts of `module` draw the masks they drew
-    since this call again (their positions rewound, then restored), so a re-run forward equals the first."""
+def draws_replay(module: Module):
+    """A replay() for recompute.recompute: inside it, `module` draws again what it drew since this
+    call: its dropouts' positions rewound, and every random generator it holds as an attribute
+    (NumPy's Generator or RandomState, Python's Random, in it or in a module inside it; also inside a
+    list, tuple or dict attribute) put back to its state now. After it, each goes on from where it
+    was. A generator it reaches otherwise (a global of yours, a closure) cannot be seen: the
+    re-run then draws anew (docs/training.md, "Activation checkpointing")."""
     dropouts = [m for _, m in module.named_modules() if isinstance(m, Dropout)]
-    before = [d._calls for d in dropouts]
+    generators = _generators_in(module)
+    before = [d._calls for d in dropouts], [_state(g) for g in generators]
 
     @contextlib.contextmanager
     def replay():
-        after = [d._calls for d in dropouts]
-        for d, calls in zip(dropouts, before):
-            d._calls = calls
+        after = [d._calls for d in dropouts], [_state(g) for g in generators]
+        _rewind(dropouts, generators, before)
         try:
             yield
         finally:
-            for d, calls in zip(dropouts, after):
-                d._calls = calls
+            _rewind(dropouts, generators, after)
 
     return replay
+
+
+def _generators_in(module: Module) -> list:
+    found = {}
+    for _, m in module.named_modules():
+        for value in vars(m).values():
+            inside = (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, (list, tuple))
+                else [value]
+            )
+            for v in inside:
+                if isinstance(v, (np.random.Generator, np.random.RandomState, random.Random)):
+                    found[id(v)] = v
+    return list(found.values())
+
+
+def _state(generator):
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.get_state() if isinstance(generator, np.random.RandomState) else generator.getstate()
+
+
+def _rewind(dropouts, generators, states):
+    for d, calls in zip(dropouts, states[0]):
+        d._calls = calls
+    for g, state in zip(generators, states[1]):
+        if isinstance(g, np.random.Generator):
+            g.bit_generator.state = state
+        elif isinstance(g, np.random.RandomState):
+            g.set_state(state)
+        else:
+            g.setstate(state)
 
 
 class MLP(Module):

@@ -194,12 +194,18 @@ def _nothing_cleaned_after_a_failed_backward():
     _replace(ShardedModel, "backward_failed", lambda self: None)
 
 
-def _no_dropout_replay():
+def _generators_not_replayed():
+    import mpifsdp.nn.layers
+
+    _replace(mpifsdp.nn.layers, "_generators_in", lambda module: [])
+
+
+def _no_draws_replay():
     import contextlib
 
     import mpifsdp.fsdp.lifecycle
 
-    _replace(mpifsdp.fsdp.lifecycle, "dropout_replay", lambda module: contextlib.nullcontext)
+    _replace(mpifsdp.fsdp.lifecycle, "draws_replay", lambda module: contextlib.nullcontext)
 
 
 def _step_over_unreduced_gradients():
@@ -1030,10 +1036,17 @@ MUTANTS = {
         "a backward that raised leaves nothing gathered or in flight (ShardedModel.backward_failed)",
         ["tests/features/test_frozen.py::test_unfreezing_after_fully_shard_is_refused"],
     ),
-    "dropout_replay": Mutant(
-        _no_dropout_replay,
-        "a checkpointed unit's re-run draws the same dropout masks (layers.dropout_replay)",
+    "draws_replay": Mutant(
+        _no_draws_replay,
+        "a checkpointed unit's re-run draws the same dropout masks (layers.draws_replay)",
         ["tests/features/test_recompute.py::test_checkpointed_units_train_bit_identically"],
+    ),
+    "generators_replayed": Mutant(
+        _generators_not_replayed,
+        "a checkpointed unit's re-run draws the same numbers from its generators (layers._generators_in)",
+        [
+            "tests/features/test_recompute.py::test_generators_a_unit_holds_draw_the_same_numbers_in_the_re_run"
+        ],
     ),
     "unreduced_gradients": Mutant(
         _step_over_unreduced_gradients,
