@@ -155,6 +155,8 @@ def draw_pictures(metrics_path: str) -> str:
         paths = pictures.draw(metrics_path)
     except ImportError:  # no matplotlib: say how to get the pictures later
         return f"pictures: pip install 'mpifsdp[viz]', then python -m mpifsdp pictures {metrics_path}"
+    except Exception as exc:  # optional: a finished run must not fail over its pictures
+        return f"pictures not drawn ({type(exc).__name__}: {exc}); python -m mpifsdp pictures {metrics_path}"
     return "pictures: " + ", ".join(str(p) for p in paths)
 
 

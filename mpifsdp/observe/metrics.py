@@ -23,6 +23,7 @@ RSS beside it) and the bytes each unit moved in each phase, as one extra line wi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections import defaultdict
@@ -32,6 +33,8 @@ from ..base.accounting import PERSISTENT, TRANSIENT
 from ..base.checks import plain_json
 from ..base.files import atomic_file
 from ..fsdp.build import sharded_model
+
+log = logging.getLogger(__name__)
 
 
 class StepMetrics:
@@ -55,8 +58,7 @@ class StepMetrics:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = b""
         if resume_after is not None and self.path.exists():
-            lines = self.path.read_bytes().splitlines(keepends=True)
-            kept = b"".join(line for line in lines if _step_of(line) <= resume_after)
+            kept = b"".join(line for line in _whole_lines(self.path) if _step_of(line) <= resume_after)
         with atomic_file(self.path) as f:
             f.write(kept)
 
@@ -144,6 +146,25 @@ class StepMetrics:
     def _append(self, line: dict):
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _whole_lines(path: Path) -> list[bytes]:
+    """The file's lines that were written whole: a crash while a line was written leaves a fragment
+    with no newline at the end, which is cut (the next line would be glued onto it); a line that is
+    not JSON (such a fragment a run before this check continued) goes too, said in a warning."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    whole = [line for line in lines if line.endswith(b"\n") and _is_json(line)]
+    if len(whole) < len(lines):
+        log.warning("%s: dropped %d torn line(s) a crash left while writing", path, len(lines) - len(whole))
+    return whole
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def _step_of(line: bytes) -> float:

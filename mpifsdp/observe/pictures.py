@@ -32,13 +32,16 @@ def read_run(path) -> dict:
         content = Path(path).read_text()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not a text file ({exc.reason}); is this a StepMetrics file?") from exc
-    for number, text in enumerate(content.splitlines(), 1):
+    lines = content.splitlines()
+    for number, text in enumerate(lines, 1):
         if not text.strip():
             continue
         where = f"{path}:{number}"
         try:
             line = json.loads(text)
         except json.JSONDecodeError as exc:
+            if number == len(lines) and not content.endswith("\n"):
+                continue  # a torn last line: a crash while it was written (a resume cuts it)
             raise ValueError(f"{where}: not a JSON line ({exc.msg}); is this a StepMetrics file?") from exc
         if not isinstance(line, dict):
             raise ValueError(

@@ -45,6 +45,12 @@ def _export_config_not_compared():
     _replace(hf_gpt2, "_agrees_with_export", lambda config, directory: None)
 
 
+def _torn_lines_kept():
+    from mpifsdp.observe import metrics
+
+    _replace(metrics, "_whole_lines", lambda path: path.read_bytes().splitlines(keepends=True))
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -666,6 +672,13 @@ class Mutant:
 
 
 MUTANTS = {
+    "torn_lines_cut": Mutant(
+        _torn_lines_kept,
+        "a resumed metrics file is cut back to its last whole line (observe/metrics.py _whole_lines)",
+        [
+            "tests/unit/observe/test_metrics.py::test_a_torn_last_line_is_cut_on_resume_and_the_next_line_starts_whole"
+        ],
+    ),
     "settings_compared": Mutant(
         _settings_not_compared,
         "the ranks' settings that change the mathematics (train/eval, dropout rate, heads) are compared "

@@ -2,12 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from mpifsdp import StepMetrics, fully_shard
 from mpifsdp.models import GPT, GPTConfig
 
-from support import TINY_GPT, shared_dir, train_with_metrics
+from support import TINY_GPT, on_rank_0, shared_dir, train_with_metrics
 
 
 def test_one_line_per_step_with_memory_bytes_and_time(comm, tmp_path):
@@ -61,6 +62,29 @@ def test_a_resumed_run_keeps_the_lines_of_the_steps_it_resumes_from(comm, tmp_pa
         assert after == [line for line in before if json.loads(line).get("step", 0) <= 2] and max(steps) == 2
     StepMetrics(path, model)  # a new run starts the file afresh
     assert comm.rank != 0 or open(path).read() == ""
+
+
+def test_a_torn_last_line_is_cut_on_resume_and_the_next_line_starts_whole(comm, tmp_path):
+    """A crash while a line was written leaves a fragment; --resume glued the next line onto it (that
+    step lost, the file no longer JSON lines) and drawing the finished run's pictures raised."""
+    from mpifsdp.observe.pictures import read_run
+
+    path, _ = train_with_metrics(comm, tmp_path, 3)
+    torn = '{"step": 4, "loss": 3.1, "tok'
+    on_rank_0(comm, lambda: open(path, "a").write(torn))
+    if comm.rank == 0:
+        assert len(read_run(path)["steps"]) == 3  # the pictures read past a torn tail
+    model = GPT(TINY_GPT, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    metrics = StepMetrics(path, model, resume_after=3)
+    metrics.start()
+    x = np.zeros((2, 8), dtype=np.int64)
+    model(x, x).backward()
+    metrics.write(step=4, loss=1.0, seconds=0.5, tokens=16)
+    if comm.rank == 0:
+        lines = open(path).read().splitlines()
+        assert all(isinstance(json.loads(line), dict) for line in lines) and torn not in open(path).read()
+        assert [s["step"] for s in read_run(path)["steps"]] == [1, 2, 3, 4]
 
 
 def test_numpy_scalars_are_numbers_and_a_bad_value_is_named_on_every_rank(comm, tmp_path):
