@@ -42,12 +42,18 @@ def removed_if_terminated(tmp: Path):
     """While the block runs, SIGTERM or SIGHUP removes `tmp` before the process ends as that signal
     would have ended it (a killed export must not leave a hidden copy of the model's size in the
     user's directory; SIGINT already raises KeyboardInterrupt, which the caller's cleanup sees).
-    Signal handlers belong to the main thread: elsewhere this only tracks nothing."""
+
+    Only where the signal would end the process: a signal ignored (nohup) is left ignored, and a
+    handler of the caller's (a graceful stop on a scheduler's warning) runs instead, the write going
+    on if it returns (if it raises, the caller's cleanup sees the exception). Signal handlers belong
+    to the main thread: elsewhere this only tracks nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     if not _in_progress:
-        _previous_handlers.update({s: signal.signal(s, _remove_then_end) for s in ENDING_SIGNALS})
+        for number in ENDING_SIGNALS:
+            if _ends_the_process(signal.getsignal(number)):
+                _previous_handlers[number] = signal.signal(number, _remove_then_end)
     _in_progress.append(Path(tmp))
     try:
         yield
@@ -55,19 +61,22 @@ def removed_if_terminated(tmp: Path):
         _in_progress.remove(Path(tmp))
         if not _in_progress:
             for number, handler in _previous_handlers.items():
-                signal.signal(number, handler)
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)
+            _previous_handlers.clear()
+
+
+def _ends_the_process(handler) -> bool:
+    """Whether a signal with this disposition ends the process: the default's (or a handler set
+    outside Python, taken as the default), not SIG_IGN and not a Python handler of the caller's."""
+    return handler in (signal.SIG_DFL, None)
 
 
 def _remove_then_end(number, frame):
     for tmp in _in_progress:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    previous = _previous_handlers[number]
-    if callable(previous):
-        previous(number, frame)
-    elif previous != signal.SIG_IGN:  # the default: end the process as the signal does
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
+    signal.signal(number, signal.SIG_DFL)  # end the process as the signal does
+    os.kill(os.getpid(), number)
 
 
 @contextlib.contextmanager

@@ -346,6 +346,53 @@ def test_a_write_killed_by_sigterm_leaves_no_temporary_file(comm, tmp_path, wher
     assert (tmp_path / "m.safetensors").read_bytes() == b"the user's earlier file"
 
 
+@pytest.mark.parametrize("disposition", ["ignored", "graceful"])
+def test_a_sigterm_that_does_not_end_the_process_leaves_the_write_going_on(comm, tmp_path, disposition):
+    """Under nohup (SIGTERM ignored) or a handler of the user's that stops gracefully, the process goes
+    on after the signal: the clean-up removed the temporary file anyway and the write then failed
+    with "No such file", the export lost. The file is written whole, the user's handler ran."""
+    if comm.size > 1:
+        pytest.skip("runs a single-process job: the plain-pytest pass covers it")
+    script = tmp_path / "signalled.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal
+        import mpifsdp.checkpoint.consolidated as consolidated
+        from mpifsdp.checkpoint.consolidated import export_safetensors
+        from mpifsdp.models import GPT
+        from mpifsdp import Comm, fully_shard
+        from support import TINY_GPT
+
+        asked = []
+        if {disposition!r} == "ignored":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGTERM, lambda number, frame: asked.append(number))
+        write = consolidated._write_pieces
+
+        def signalled(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return write(*args, **kwargs)
+
+        model = GPT(TINY_GPT)
+        fully_shard(model, Comm(), units=model.blocks)
+        consolidated._write_pieces = signalled
+        export_safetensors("{tmp_path}/m.safetensors", model)
+        assert signal.getsignal(signal.SIGTERM) is not None
+        print("exported; the handler saw", asked, flush=True)
+        """)
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, script], env=env, capture_output=True, timeout=120, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("[15]" if disposition == "graceful" else "[]") in result.stdout, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "signalled.py"]
+    assert safetensors.numpy.load_file(tmp_path / "m.safetensors")  # whole
+
+
 def test_an_exported_file_is_one_the_reference_reader_accepts(comm, tmp_path):
     root = shared_dir(comm, tmp_path)
     model, _ = sharded_tiny_gpt(comm)

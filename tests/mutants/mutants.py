@@ -51,6 +51,12 @@ def _torn_lines_kept():
     _replace(metrics, "_whole_lines", lambda path: path.read_bytes().splitlines(keepends=True))
 
 
+def _disposition_ignored():
+    from mpifsdp.base import files
+
+    _replace(files, "_ends_the_process", lambda handler: True)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -672,6 +678,13 @@ class Mutant:
 
 
 MUTANTS = {
+    "signal_disposition_respected": Mutant(
+        _disposition_ignored,
+        "a write's SIGTERM clean-up runs only where the signal ends the process (base/files.py)",
+        [
+            "tests/failures/test_checkpoint_safety.py::test_a_sigterm_that_does_not_end_the_process_leaves_the_write_going_on"
+        ],
+    ),
     "torn_lines_cut": Mutant(
         _torn_lines_kept,
         "a resumed metrics file is cut back to its last whole line (observe/metrics.py _whole_lines)",
