@@ -16,6 +16,7 @@ its data gave the reason). The tape itself (nodes, no_grad, scopes, backward) is
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -324,7 +325,7 @@ class Param(Tensor):
 
     @property
     def size(self):
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(int(d) for d in self._shape)  # a Python integer: exact at any size
 
     @property
     def data(self):

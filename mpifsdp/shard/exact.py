@@ -30,6 +30,7 @@ MAX_CHUNKS = 2**12  # chunks one sum may hold: 4096 sequences of one, at 4 bytes
 LEVEL_STEP = 4  # levels are multiples of this many bits
 TOP_BITS = 62 - int(math.log2(MAX_CHUNKS))  # |q| of one chunk stays below 2**TOP_BITS
 BLOCK = 1 << 16  # elements converted at a time on the CPU: 512 KiB of float64 scratch, in cache
+SPLIT_LEVEL = 960  # a level above it scales a chunk in two products: 2**level itself is no float64
 LOW_BITS = TOP_BITS - 1  # the second limb of a float64 chunk: |remainder| * 2**LOW_BITS <= 2**(TOP_BITS - 2)
 # x + ROUNDING_OFFSET, for |x| < 2**51, lands in [2**52, 2**53), where float64's spacing is 1: the add
 # rounds x to an integer (to nearest, ties to even, as rint) and the sum's bits are OFFSET_BITS + rint(x),
@@ -51,16 +52,20 @@ def scratch(xp, numel: int, dtype, which: int = 0):
     return buffer[:numel]
 
 
-def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, first: bool) -> list:
+def _add_limbs(xp, chunk, factor: float, limbs: list, two: bool, first: bool, rest: int = 0) -> list:
     """Add the fixed point of chunk * factor (|.| <= 2**TOP_BITS) into `limbs` (first: write them):
     rint of it, and with two=True the remainder (|r| <= 1/2, exact in float64) at LOW_BITS more
     bits, so a float64 chunk keeps its precision relative to its smaller elements too (2**-96 of its
     largest, not 2**-46). One product (exact for float32 and float16 chunks: 24 bits times an integer
     weight times a power of two), then in place, a cache-sized block at a time on the CPU
-    (elementwise: the blocks change no bit)."""
+    (elementwise: the blocks change no bit). rest: a further 2**rest, for a chunk so small (below
+    ~2**-970) that its level's factor exceeds float64's range: the first product is then normal and
+    the second exact."""
     for start, stop in blocks(xp, chunk.size):
         n = stop - start
         scaled = xp.multiply(chunk[start:stop], factor, out=scratch(xp, n, np.float64), dtype=np.float64)
+        if rest:
+            scaled *= 2.0**rest
         parts = [scaled]
         if two:
             high = xp.rint(scaled, out=scratch(xp, n, np.float64, which=1))
@@ -135,18 +140,21 @@ class ExactSum:
         """Add `weight` * chunk (a flat float array of numel), exactly; weight: an integer >= 0 (the
         chunk's count of targets, or of rows), the same for the same chunk at any N."""
         largest = largest_magnitude(self.xp, chunk)
-        self.weight += weight
-        self.chunks += 1
         if not math.isfinite(largest) or not math.isfinite(largest * weight):
             self.nonfinite = True
-            return
-        if largest == 0.0 or weight == 0:
-            return
-        level = level_of(largest * weight)
-        first = level not in self.levels
-        if first:
-            self.levels[level] = [self.take(self.numel) for _ in range(self.limbs)]
-        _add_limbs(self.xp, chunk, math.ldexp(weight, level), self.levels[level], self.limbs == 2, first)
+        elif largest != 0.0 and weight != 0:
+            level = level_of(largest * weight)  # up to ~1120 for a subnormal chunk: 2**level is no float
+            first = level not in self.levels
+            if first:
+                self.levels[level] = [self.take(self.numel) for _ in range(self.limbs)]
+            factor, rest = math.ldexp(weight, min(level, SPLIT_LEVEL)), max(level - SPLIT_LEVEL, 0)
+            try:
+                _add_limbs(self.xp, chunk, factor, self.levels[level], self.limbs == 2, first, rest)
+            except BaseException:  # part added: the sum is no longer exact, so it is NaN, never garbage
+                self.nonfinite = True
+                raise
+        self.weight += weight  # counted once added (a chunk that raised above is not in the sum)
+        self.chunks += 1
 
     def release(self):
         """Give back the vectors of chunks added and not reduced (the sum is forgotten)."""

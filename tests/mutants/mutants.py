@@ -57,6 +57,12 @@ def _disposition_ignored():
     _replace(files, "_ends_the_process", lambda handler: True)
 
 
+def _levels_not_split():
+    from mpifsdp.shard import exact
+
+    _replace(exact, "SPLIT_LEVEL", 10**6)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -678,6 +684,11 @@ class Mutant:
 
 
 MUTANTS = {
+    "exact_sum_any_magnitude": Mutant(
+        _levels_not_split,
+        "an exact sum scales a chunk near float64's smallest in two products (shard/exact.py SPLIT_LEVEL)",
+        ["tests/unit/shard/test_exact.py::test_chunks_at_the_edges_of_float64s_range_add_exactly"],
+    ),
     "signal_disposition_respected": Mutant(
         _disposition_ignored,
         "a write's SIGTERM clean-up runs only where the signal ends the process (base/files.py)",

@@ -262,3 +262,18 @@ def test_plan_cli_refuses_a_group_of_zero_and_says_when_memory_does_not_fit():
         text=True,
     )
     assert small.returncode == 0 and "DOES NOT FIT in --memory" in small.stdout, small.stdout + small.stderr
+
+
+def test_a_model_of_any_size_is_counted_in_exact_integers():
+    """plan of a 2.4e21-parameter GPT reported the count modulo 2**64 (an int64 product of a deferred
+    parameter's shape) and every byte figure with it, silently. Sizes are Python integers."""
+    C, L, V, T = 10**10, 2, 16, 4
+    units, _ = gpt_units(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=1, n_embd=C))
+    params = L * (12 * C * C + 13 * C) + V * C + T * C + 2 * C  # blocks, embeddings, the last LayerNorm
+    assert sum(u.numel for u in units) == params
+    result = plan(units, 8)
+    assert result["setup"]["params"] == params
+    padded = -(-params // 8) * 8  # each unit is padded to a multiple of 8: the sum of theirs is above
+    memory = result["memory_bytes"]
+    assert params // 8 * 4 <= memory["param_shards"] <= (padded // 8 + 3) * 4  # 3 units, float32
+    assert memory["optimizer"] == 2 * memory["param_shards"] == 2 * memory["grad_shards"]

@@ -41,6 +41,49 @@ def test_the_sum_of_chunks_is_the_true_sum_to_the_dtypes_precision(dtype):
     assert error <= len(chunks) * rounding + 2 * np.finfo(np.float64).eps * largest * len(chunks)
 
 
+@pytest.mark.parametrize("scale", [1e-280, 1e-300, 1e-310, 5e-324, 1e300])
+def test_chunks_at_the_edges_of_float64s_range_add_exactly(scale):
+    """A float64 chunk gradient below ~1e-293 raised a bare OverflowError (2**level is no float), and
+    once that was caught the mean was garbage (the chunk counted, its buffers never written).
+    Subnormals included, the total is the exact sum, rounded once, and a chunk counts once added."""
+    rng = np.random.default_rng(1)
+    chunks = [rng.standard_normal(40) * scale, rng.standard_normal(40) * scale * 0.3]
+    chunks[0][:3] = [5e-324, -5e-324, 0.0]  # the smallest subnormals beside the rest
+    exact = ExactSum(40, np, np.float64)
+    for chunk, weight in zip(chunks, (1, 3)):
+        exact.add(chunk, weight)
+    total, weight = exact.reduce_scatter(_alone(), 40, unit="u", phase="backward")
+    truth = [Fraction(float(a)) + 3 * Fraction(float(b)) for a, b in zip(*chunks)]
+    assert weight == 4 and np.isfinite(total).all()
+    # Per element: each weighted element's float64 product (eps of it), each chunk's fixed point
+    # (2**-95 of its largest weighted element, docs), the total's rounding to float64 (eps of it, or
+    # half the smallest subnormal).
+    eps, tops = (
+        Fraction(2) ** -53,
+        [max(abs(Fraction(float(v))) * w for v in c) for c, w in zip(chunks, (1, 3))],
+    )
+    for i, (t, x) in enumerate(zip(total, truth)):
+        bound = eps * (abs(Fraction(float(chunks[0][i]))) + 3 * abs(Fraction(float(chunks[1][i]))) + abs(x))
+        bound += sum(tops) * Fraction(2) ** -95 + Fraction(5e-324)
+        assert abs(Fraction(float(t)) - x) <= bound, (i, float(t), float(x))
+
+
+def test_a_chunk_whose_addition_failed_is_not_counted_and_leaves_no_garbage(monkeypatch):
+    import mpifsdp.shard.exact as exact_module
+
+    exact = ExactSum(4, np, np.float64)
+    exact.add(np.ones(4))
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(exact_module, "_add_limbs", fails)
+    with pytest.raises(MemoryError):
+        exact.add(np.full(4, 1e-3))
+    total, weight = exact.reduce_scatter(_alone(), 4, unit="u", phase="backward")
+    assert weight == 1 and np.isnan(total).all()  # refused as non-finite, never a wrong number
+
+
 def test_a_nonfinite_chunk_makes_the_total_nan_and_too_many_chunks_are_refused():
     exact = ExactSum(4, np)
     exact.add(np.array([1.0, np.inf, 0, 0], np.float32))
