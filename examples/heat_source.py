@@ -112,6 +112,13 @@ def main():
     )
     args = parser.parse_args()
     if args.deterministic:
+        ignored = [
+            flag
+            for flag, given in (("--save", args.save), ("--resume", args.resume), ("--lbfgs", args.lbfgs))
+            if given
+        ]
+        if ignored:  # they were ignored, silently
+            parser.error(f"--deterministic runs momentum SGD without checkpoints: drop {', '.join(ignored)}")
         return deterministic(args.steps)
 
     comm = Comm()

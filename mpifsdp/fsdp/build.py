@@ -73,16 +73,12 @@ def fully_shard(
     param_dtype, reduce_dtype, deterministic, chunk_size, chunk_threads = resolved(
         mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_size, chunk_threads
     )
-    units = _unit_modules(model, units)
-    flags = per_unit("reshard_after_forward", reshard_after_forward, units, default=True)
-    recomputed = per_unit("recompute", recompute, units, default=False)
-    names = {id(m): n for n, m in model.named_modules()}
-    unit_ids = {id(u) for u in units}
-    owned = [(names[id(u)], owned_params(u, names[id(u)], unit_ids)) for u in units]
-    owned.append(("root", owned_params(model, "", unit_ids)))
-    error = division_error(owned, [u for u, on in zip(units, recomputed) if on], names, unit_ids)
-    differs = configuration_differs(model, comm)  # collective: every rank, whatever `error` is
-    comm.raise_if_any(error or differs, "fully_shard")
+    names = ("prefetch", "reshard_root", "sync_params", "shard_size", "chunk_size", "chunk_threads")
+    given = dict(zip(names, (prefetch, reshard_root, sync_params, shard_size, chunk_size, chunk_threads)))
+    given.update(
+        param_dtype=str(param_dtype), reduce_dtype=str(reduce_dtype), deterministic=bool(deterministic)
+    )
+    units, flags, recomputed, owned = _division(model, comm, units, reshard_after_forward, recompute, given)
 
     shard_comm, replicas = shard_groups(comm, shard_size)
     if chunk_threads != 1 and not deterministic:
@@ -111,6 +107,24 @@ def fully_shard(
         lifecycle.release()  # from here on, parameters exist only as shards
     model._sharded = sharded
     return model
+
+
+def _division(model: Module, comm: Comm, units, reshard_after_forward, recompute, given: dict):
+    """(unit modules, reshard flags, recompute flags, each unit's (name, parameters) with the root's
+    last), refused on every rank where the division is wrong or where ranks differ in the model's
+    configuration or in fully_shard's options `given` (a chunk size, a dtype). Collective."""
+    units = _unit_modules(model, units)
+    flags = per_unit("reshard_after_forward", reshard_after_forward, units, default=True)
+    recomputed = per_unit("recompute", recompute, units, default=False)
+    names = {id(m): n for n, m in model.named_modules()}
+    unit_ids = {id(u) for u in units}
+    owned = [(names[id(u)], owned_params(u, names[id(u)], unit_ids)) for u in units]
+    owned.append(("root", owned_params(model, "", unit_ids)))
+    error = division_error(owned, [u for u, on in zip(units, recomputed) if on], names, unit_ids)
+    options = {**given, "reshard_after_forward": flags, "recompute": recomputed}
+    differs = configuration_differs(model, comm, options)  # collective: every rank, whatever `error` is
+    comm.raise_if_any(error or differs, "fully_shard")
+    return units, flags, recomputed, owned
 
 
 def _unit_modules(model: Module, units) -> list:

@@ -172,10 +172,8 @@ class ShardedModel:
         n = next((int(a.shape[0]) for a in args if getattr(a, "ndim", 0) > 0), -1)
         seq, digest = self.comm.schedule.position()  # so forward, too, starts from a checked schedule
         settings = self._settings(model)
-        verdicts = self.comm.gather_ints(
-            n, int(bool(problem)), int(grad_enabled()), self._settings_known[2], seq, digest,
-            phase="forward", op="batch_size_check",
-        )  # fmt: skip
+        mine = (n, int(bool(problem)), int(grad_enabled()), self._settings_known[2], seq, digest)
+        verdicts = self.comm.gather_ints(*mine, phase="forward", op="batch_size_check")
         self.comm.check_positions(verdicts[:, 4:], "at the start of a forward")
         if verdicts[:, 1].any():
             self.comm.raise_if_any(problem and f"{type(model).__name__}: {problem}", "checking the inputs")

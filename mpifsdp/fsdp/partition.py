@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..base.checks import is_count
 from ..comm.communicator import Comm
 from ..nn.module import Module
 
@@ -92,12 +93,18 @@ def configuration(model: Module) -> list:
     return found
 
 
-def configuration_differs(model: Module, comm: Comm) -> str | None:
-    """Collective: None when every rank's model has the same configuration, else where it differs."""
-    everyone = comm.allgather_object(configuration(model))
-    for rank, theirs in enumerate(everyone[1:], 1):
-        for mine, other in zip(everyone[0], theirs):
-            if mine != other:
+def configuration_differs(model: Module, comm: Comm, options: dict | None = None) -> str | None:
+    """Collective: None when every rank's model has the same configuration, and fully_shard the same
+    `options` (a chunk size, a dtype, prefetch), else where it differs. Compared as written (repr): a
+    NaN setting is the same NaN on every rank, and the check that refuses it names it."""
+    everyone = comm.allgather_object((configuration(model), options or {}))
+    for rank, (theirs, their_options) in enumerate(everyone[1:], 1):
+        for key, value in everyone[0][1].items():
+            if repr(value) != repr(their_options.get(key)):
+                values = {r: o.get(key) for r, (_, o) in enumerate(everyone)}
+                return f"fully_shard's {key} differs between ranks: {values}; give every rank the same"
+        for mine, other in zip(everyone[0][0], theirs):
+            if repr(mine) != repr(other):
                 return (
                     f"the model's configuration differs between ranks: "
                     f"{mine} on rank 0, {other} on rank {rank}"
@@ -117,8 +124,8 @@ def shard_groups(comm: Comm, shard_size) -> tuple[Comm, Comm | None]:
         group = comm.split(comm.node_id)
     elif shard_size is None or shard_size == comm.size:
         return comm, None
-    elif isinstance(shard_size, int) and shard_size >= 1 and comm.size % shard_size == 0:
-        group = comm.split(comm.rank // shard_size)
+    elif is_count(shard_size, 1) and comm.size % shard_size == 0:
+        group = comm.split(comm.rank // int(shard_size))
     else:
         raise ValueError(
             f"shard_size={shard_size!r}: give an int that divides the {comm.size} ranks, 'node', or None"

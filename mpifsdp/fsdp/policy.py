@@ -59,6 +59,11 @@ def resolved(mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_si
                 "give it once"
             )
         out.update(dataclasses.asdict(policy))
+    if deterministic and out["chunk_size"] is None:  # it ran the normal mode, silently
+        raise ValueError(
+            "fully_shard: deterministic=True with chunk_size=None: give the samples per chunk (an "
+            "integer >= 1; the bits depend on it), or deterministic=False"
+        )
     return (
         out["param_dtype"],
         out["reduce_dtype"],

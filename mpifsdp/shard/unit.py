@@ -610,6 +610,12 @@ class Unit:
                 "sync off: no_sync()); run the last micro-batch's backward with sync on before step(), "
                 "or zero_grad() to drop them"
             )
+        if self._exact is not None and self._exact.chunks:  # the next step would include them
+            raise RuntimeError(
+                f"unit {self.name!r} holds the gradients of {self._exact.chunks} chunk(s) never reduced (a "
+                "chunks() loop left before its last chunk's backward); finish the batch's chunks before "
+                "step(), or zero_grad() to drop them"
+            )
         return self.grad_shard if self.has_grad else None
 
     @property

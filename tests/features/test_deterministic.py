@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpifsdp import AdamW, Comm, Unit, full_state_dict, fully_shard, sharded_model
+from mpifsdp import AdamW, CollectiveError, Comm, Unit, full_state_dict, fully_shard, sharded_model
 from mpifsdp.base import machine
 from mpifsdp.checkpoint import load, save
 from mpifsdp.data import rank_slice
@@ -260,9 +260,29 @@ def test_misuse_is_named(comm):
         _model(comm, chunk_threads=0)
     with pytest.raises(ValueError, match="chunk_threads=2 is deterministic mode's"):
         _model(comm, deterministic=False, chunk_threads=2)
+    with pytest.raises(ValueError, match="deterministic=True with chunk_size=None: give the samples per"):
+        _model(comm, chunk_size=None)  # it ran the normal mode, silently
     if comm.size > 1:  # each rank's chunks would round as its own settings do: refused on every rank
-        with pytest.raises(ValueError, match="ranks have different \\(chunk_size, chunk_threads\\)"):
-            sharded_model(_model(comm, chunk_threads=1 + comm.rank % 2)[0]).chunks(x, y)
+        for option in ("chunk_threads", "chunk_size"):
+            said = f"fully_shard's {option} differs between ranks: {{0: 1, 1: 2"
+            with pytest.raises(CollectiveError, match=said):
+                _model(comm, **{option: 1 + comm.rank % 2})
+
+
+def test_a_chunk_loop_left_halfway_is_refused_by_the_step_not_added_to_the_next(comm):
+    """A chunks() loop abandoned after its first chunk (an exception caught outside it) left that
+    chunk's sums pending: step() only warned, and the next step silently included them."""
+    model, opt = _model(comm)
+    for chunk in sharded_model(model).chunks(*(rank_slice(a, comm.rank, comm.size) for a in _batch(0))):
+        model(*chunk).backward()
+        break
+    with pytest.raises(RuntimeError, match=r"holds the gradients of 1 chunk\(s\) never reduced"):
+        opt.step()
+    opt.zero_grad()  # dropped
+    before = full_state_dict(model)
+    opt.step()  # nothing pending, nothing to step
+    after = full_state_dict(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
 THREADS = """

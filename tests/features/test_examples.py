@@ -251,3 +251,8 @@ def test_train_gpt_never_fails_a_finished_run_over_its_pictures(tmp_path, monkey
     monkeypatch.setattr(example.pictures, "draw", fails)
     said = example.draw_pictures(str(tmp_path / "m.jsonl"))
     assert said.startswith("pictures not drawn (RuntimeError: a plotting error)"), said
+
+
+def test_heat_source_refuses_flags_its_deterministic_mode_would_ignore(comm):
+    out = run_example(comm, 1, ROOT / "examples" / "heat_source.py", "--deterministic", "--lbfgs", returncode=2)
+    assert "--deterministic runs momentum SGD without checkpoints: drop --lbfgs" in out
