@@ -11,13 +11,12 @@ import ctypes
 import functools
 import hashlib
 import importlib
-import os
 import sys
 
 import numpy as np
 
 from .accounting import HOST_SYNCS
-from .checks import is_bfloat16
+from .checks import env_flag, is_bfloat16
 
 CPU = "cpu"
 
@@ -208,15 +207,15 @@ def to_device(array, device: str = CPU, dtype=None):
 
 
 def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one GPU. Never raises, unless MPIFSDP_REQUIRE_GPU=1
+    """True when CuPy imports and sees at least one GPU. Never raises, unless MPIFSDP_REQUIRE_GPU is on
     (make gpu-check sets it): then a broken CuPy or a missing GPU raises with its cause, instead of
     quietly leaving only the CPU tests to pass."""
     try:
         cp = importlib.import_module("cupy")
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception as exc:
-        if os.environ.get("MPIFSDP_REQUIRE_GPU") == "1":
-            raise RuntimeError(f"MPIFSDP_REQUIRE_GPU=1, but no GPU is usable: {exc!r}") from exc
+        if env_flag("MPIFSDP_REQUIRE_GPU"):
+            raise RuntimeError(f"MPIFSDP_REQUIRE_GPU is on, but no GPU is usable: {exc!r}") from exc
         return False
 
 

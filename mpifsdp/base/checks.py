@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from numbers import Integral
 
 import numpy as np
@@ -72,6 +73,31 @@ def yes_or_no(text: str) -> bool:
     if word not in YES + NO:
         raise ValueError(f"{text!r} is not a yes or a no ({'/'.join(YES)} or {'/'.join(NO)})")
     return word in YES
+
+
+def env_flag(variable: str) -> bool:
+    """An on/off environment variable (unset or empty: off); any other word than yes_or_no's is an
+    error naming the variable (MPIFSDP_REQUIRE_GPU=true was read as off)."""
+    value = os.environ.get(variable, "")
+    try:
+        return bool(value.strip()) and yes_or_no(value)
+    except ValueError:
+        raise ValueError(f"{variable}={value!r}: use 1/true/yes/on or 0/false/no/off") from None
+
+
+def env_seconds(variable: str, default: float, what: str) -> float:
+    """A duration from the environment: a finite number of seconds > 0 (unset or empty: `default`);
+    words, a negative number, 0, NaN or inf are an error naming the variable and `what` it sets."""
+    raw = os.environ.get(variable, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise ValueError(f"{variable}={raw!r}: give {what} in seconds, a number > 0 (default {default:g})")
+    return value
 
 
 def is_finite_at_least(value, least: float) -> bool:

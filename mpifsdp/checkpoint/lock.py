@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..base.checks import env_seconds
 from .manifest import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,20 @@ def hold(lock: Path):
     live job holds it, or where ours was taken over."""
     lock = Path(lock)
     if lock in _held:
-        owner = _owner(lock)
-        if owner is None or owner.get("token") != _held[lock]:
+        if not lock.exists():  # removed (a clean-up script): no one took it over, so take it again
             del _held[lock]
-            raise CheckpointError(
-                f"{_place(lock)}: another job took over this job's lock ({_who(owner)}); stopping"
+            log.warning(
+                "%s: this job's writer lock %s was removed meanwhile; taking it again", _place(lock), lock
             )
-        os.utime(lock)
-        return
+        else:
+            owner = _owner(lock)
+            if owner is None or owner.get("token") != _held[lock]:
+                del _held[lock]
+                raise CheckpointError(
+                    f"{_place(lock)}: another job took over this job's lock ({_who(owner)}); stopping"
+                )
+            os.utime(lock)
+            return
     if lock.parent.exists() and not lock.parent.is_dir():
         raise CheckpointError(f"cannot save under {lock.parent}: Not a directory (it is a file)")
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +131,7 @@ def _stale(lock: Path, owner: dict) -> bool:
         except (OSError, ValueError, TypeError):
             return False  # it runs (under another user), or the pid is unreadable: assume alive
         return False
-    stale_after = float(os.environ.get("MPIFSDP_LOCK_STALE_S", 6 * 3600))
+    stale_after = env_seconds("MPIFSDP_LOCK_STALE_S", 6 * 3600, "the age of another host's stale lock")
     return _age(lock) > stale_after
 
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import time
 from collections import deque
 
-from ..base.checks import yes_or_no
+from ..base.checks import env_flag, env_seconds
 from . import presence
 
 log = logging.getLogger(__name__)
@@ -46,31 +45,6 @@ _OP_WORDS = {
     "schedule_check": "schedule check",
     "split": "split of the communicator",
 }
-
-
-def _flag(variable: str) -> bool:
-    """An on/off environment variable (unset or empty: off); any other word is an error naming it."""
-    value = os.environ.get(variable, "")
-    try:
-        return bool(value.strip()) and yes_or_no(value)
-    except ValueError:
-        raise ValueError(f"{variable}={value!r}: use 1/true/yes/on or 0/false/no/off") from None
-
-
-def _seconds(variable: str, default: float) -> float:
-    """A duration in seconds from the environment: a finite number > 0, else an error naming it."""
-    raw = os.environ.get(variable, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (0 < value < math.inf):
-        raise ValueError(
-            f"{variable}={raw!r}: give the watchdog's timeout in seconds, a number > 0 (default {default:g})"
-        )
-    return value
 
 
 class ScheduleError(RuntimeError):
@@ -126,8 +100,10 @@ class Schedule:
         self._mpi_error = mpi_error  # the MPI binding's exception class (Comm passes it)
         if debug not in (None, True, False):  # a string such as "no" would be truthy
             raise ValueError(f"Comm(debug={debug!r}): give True, False, or None (MPIFSDP_DEBUG decides)")
-        self.debug = _flag("MPIFSDP_DEBUG") if debug is None else debug
-        self.timeout = _seconds("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT) if timeout is None else timeout
+        self.debug = env_flag("MPIFSDP_DEBUG") if debug is None else debug
+        if timeout is None:
+            timeout = env_seconds("MPIFSDP_TIMEOUT", DEFAULT_TIMEOUT, "the watchdog's timeout")
+        self.timeout = timeout
         if not (isinstance(self.timeout, (int, float)) and 0 < self.timeout < math.inf):
             raise ValueError(f"Comm(timeout={timeout!r}): give the watchdog's timeout in seconds, > 0")
         self.abort_on_timeout = abort_on_timeout

@@ -556,3 +556,31 @@ def test_weights_loaded_into_a_model_with_other_settings_are_refused(comm, tmp_p
         ):
             loading()
     assert load(f"{root}/ck", *sharded_tiny_gpt(comm, seed=5)) == {}  # the same settings load
+
+
+def test_the_lock_staleness_setting_is_checked_and_a_removed_lock_is_taken_again(comm, tmp_path, monkeypatch):
+    """MPIFSDP_LOCK_STALE_S of words failed as a float conversion naming no variable, a negative one
+    took over a live job's lock at once, NaN never took over a dead one; a lock a clean-up script
+    deleted stopped the running job with "another job took over"."""
+    root = Path(shared_dir(comm, tmp_path)) / "ckpts"
+    model, opt = sharded_tiny_gpt(comm)
+
+    def plant():
+        root.mkdir(parents=True, exist_ok=True)
+        lock.root_lock(root).write_text(
+            json.dumps({"host": "another-host", "pid": 1, "since": 0, "token": "x"})
+        )
+
+    for value in ("six hours", "-1", "0", "nan", "inf"):
+        on_rank_0(comm, plant)
+        monkeypatch.setenv("MPIFSDP_LOCK_STALE_S", value)
+        with pytest.raises(CheckpointError, match=rf"MPIFSDP_LOCK_STALE_S='{value}': give the age"):
+            save_step(root, 1, model, opt)
+    monkeypatch.delenv("MPIFSDP_LOCK_STALE_S")
+    on_rank_0(comm, lambda: lock.root_lock(root).unlink())
+    save_step(root, 1, model, opt)  # this job holds the lock now
+    on_rank_0(comm, lambda: lock.root_lock(root).unlink())  # a clean-up script removes it
+    save_step(root, 2, model, opt)  # taken again, not "taken over"
+    assert comm.rank != 0 or json.loads(lock.root_lock(root).read_text())["pid"] == os.getpid()
+    agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "both saved")
+    lock.release(lock.root_lock(root))

@@ -254,5 +254,7 @@ def test_train_gpt_never_fails_a_finished_run_over_its_pictures(tmp_path, monkey
 
 
 def test_heat_source_refuses_flags_its_deterministic_mode_would_ignore(comm):
-    out = run_example(comm, 1, ROOT / "examples" / "heat_source.py", "--deterministic", "--lbfgs", returncode=2)
+    out = run_example(
+        comm, 1, ROOT / "examples" / "heat_source.py", "--deterministic", "--lbfgs", returncode=2
+    )
     assert "--deterministic runs momentum SGD without checkpoints: drop --lbfgs" in out

@@ -72,8 +72,14 @@ def test_a_required_gpu_that_is_missing_raises_with_its_cause(monkeypatch):
     monkeypatch.setattr(backend.importlib, "import_module", no_cupy)
     monkeypatch.delenv("MPIFSDP_REQUIRE_GPU", raising=False)
     assert backend.gpu_available() is False
-    monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", "1")
-    with pytest.raises(RuntimeError, match="MPIFSDP_REQUIRE_GPU=1, but no GPU is usable.*cupy"):
+    for on in ("1", "true", "yes", "ON"):  # true, yes and on were read as off, silently
+        monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", on)
+        with pytest.raises(RuntimeError, match="MPIFSDP_REQUIRE_GPU is on, but no GPU is usable.*cupy"):
+            backend.gpu_available()
+    monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", "off")
+    assert backend.gpu_available() is False
+    monkeypatch.setenv("MPIFSDP_REQUIRE_GPU", "sure")
+    with pytest.raises(ValueError, match="MPIFSDP_REQUIRE_GPU='sure': use 1/true/yes/on or 0/false/no/off"):
         backend.gpu_available()
 
 
