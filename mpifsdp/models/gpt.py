@@ -9,7 +9,7 @@ import numpy as np
 
 from mpifsdp import Tensor, no_grad, ops
 from mpifsdp.base.backend import array_module, array_module_of, to_numpy
-from mpifsdp.base.checks import is_count
+from mpifsdp.base.checks import is_count, is_finite_at_least, refuse_invalid
 from mpifsdp.nn.layers import Block, Dropout, Embedding, LayerNorm, Linear, norm_and_project, norm_then_linear
 from mpifsdp.nn.module import Module, deferred_init, ids_problem
 from mpifsdp.planning.planner import UnitSize, unit_sizes
@@ -132,13 +132,32 @@ class GPT(Module):
         Samples in evaluation mode (no dropout); the model's mode is restored afterwards."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)
-        out = to_numpy(idx).astype(np.int64)
+        out = self._checked_prompt(idx, max_new_tokens, temperature, top_k)
         was_training = self.training
         self.eval()
         try:
             return self._sample(out, xp, max_new_tokens, temperature, top_k, rng)
         finally:
             self.train(was_training)
+
+    def _checked_prompt(self, idx, max_new_tokens, temperature, top_k) -> np.ndarray:
+        """The prompt as int64 token ids, every argument checked at once by name (a NaN temperature,
+        a fractional top_k, a float or 1-D prompt failed deep inside, or sampled something else)."""
+        prompt = to_numpy(idx)
+        integral = np.issubdtype(prompt.dtype, np.integer)
+        ids = (int(prompt.min()), int(prompt.max())) if integral and prompt.size else (0, 0)
+        vocab = self.config.vocab_size
+        shape_ok = prompt.ndim == 2 and prompt.size > 0
+        refuse_invalid(
+            "GPT.generate",
+            (integral, f"prompt of dtype {prompt.dtype} (token ids: integers)"),
+            (shape_ok, f"prompt of shape {prompt.shape} (batch, tokens), both >= 1"),
+            (0 <= ids[0] and ids[1] < vocab, f"prompt ids {ids[0]}..{ids[1]} (in [0, {vocab}))"),
+            (is_count(max_new_tokens), f"max_new_tokens={max_new_tokens!r} (an integer >= 0)"),
+            (is_finite_at_least(temperature, 0), f"temperature={temperature!r} (finite, >= 0; 0: greedy)"),
+            (top_k is None or is_count(top_k, 1), f"top_k={top_k!r} (None or an integer >= 1)"),
+        )
+        return prompt.astype(np.int64)
 
     def _sample(self, out, xp, max_new_tokens, temperature, top_k, rng):
         with no_grad():

@@ -88,3 +88,25 @@ def test_evaluation_mode_turns_dropout_off_sharded_and_in_sampling(comm):
     assert all(m.training for _, m in with_dropout.named_modules())
     with pytest.raises(TypeError, match="mode must be True or False"):
         with_dropout.train("no")
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, said",
+    [
+        (np.zeros((1, 2), np.int64), {"temperature": float("nan")}, r"temperature=nan \(finite, >= 0"),
+        (np.zeros((1, 2), np.int64), {"temperature": -1.0}, r"temperature=-1.0 \(finite, >= 0"),
+        (np.zeros((1, 2), np.int64), {"top_k": 2.5}, r"top_k=2.5 \(None or an integer >= 1\)"),
+        (np.zeros((1, 2), np.int64), {"top_k": -1}, r"top_k=-1 \(None or an integer >= 1\)"),
+        (np.zeros((1, 2), np.int64), {"max_new_tokens": -3}, r"max_new_tokens=-3 \(an integer >= 0\)"),
+        (np.zeros((1, 0), np.int64), {}, r"prompt of shape \(1, 0\) \(batch, tokens\), both >= 1"),
+        (np.zeros(3, np.int64), {}, r"prompt of shape \(3,\) \(batch, tokens\)"),
+        (np.zeros((1, 2)), {}, r"prompt of dtype float64 \(token ids: integers\)"),
+        (np.full((1, 2), 11), {}, r"prompt ids 11..11 \(in \[0, 11\)\)"),
+    ],
+)
+def test_generate_names_a_bad_argument(prompt, kwargs, said):
+    """generate with temperature=nan, top_k=2.5, an empty, 1-D or float prompt: errors deep inside, or
+    something else sampled silently (a negative temperature was greedy)."""
+    model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=8), seed=0)
+    with pytest.raises(ValueError, match="GPT.generate: invalid .*" + said):
+        model.generate(prompt, **{"max_new_tokens": 2, **kwargs})
