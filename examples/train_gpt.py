@@ -16,9 +16,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -90,9 +92,25 @@ def parse_config() -> TrainConfig:
         wrong.append(f"--accum_sync {cfg.accum_sync!r} (reduce or no_sync)")
     if not cfg.grad_clip > 0:
         wrong.append(f"--grad_clip {cfg.grad_clip} (must be > 0)")
+    if cfg.dtype not in ("float32", "float64"):
+        wrong.append(f"--dtype {cfg.dtype!r} (float32 or float64: the parameters', gradients' and AdamW's)")
+    if cfg.seed < 0:
+        wrong.append(f"--seed {cfg.seed} (must be >= 0)")
+    wrong += save_dir_problems(cfg.save_dir) if cfg.save_every or cfg.resume == "latest" else []
     if wrong:
         parser.error("; ".join(wrong))
     return cfg
+
+
+def save_dir_problems(save_dir: str) -> list[str]:
+    """A save_dir that can never take a checkpoint, found before training: a dangling symbolic link
+    was taken for a first run and failed at the first save, the steps before it lost."""
+    path = Path(save_dir)
+    if path.is_symlink() and not path.exists():
+        return [f"--save_dir {save_dir} (a symbolic link to {os.readlink(path)}, which does not exist)"]
+    if path.exists() and not path.is_dir():
+        return [f"--save_dir {save_dir} (exists and is not a directory)"]
+    return []
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

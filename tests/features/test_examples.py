@@ -258,3 +258,13 @@ def test_heat_source_refuses_flags_its_deterministic_mode_would_ignore(comm):
         comm, 1, ROOT / "examples" / "heat_source.py", "--deterministic", "--lbfgs", returncode=2
     )
     assert "--deterministic runs momentum SGD without checkpoints: drop --lbfgs" in out
+
+
+def test_train_gpt_names_a_bad_flag_before_it_trains(comm, tmp_path):
+    """--dtype bogus, --seed -1: tracebacks not naming the flag; --save_dir a dangling symbolic link:
+    taken for a first run, failing at the first save with the steps before it lost."""
+    (tmp_path / "ck").symlink_to(tmp_path / "gone")
+    flags = ["--dtype", "bogus", "--seed", -1, "--save_every", 5, "--save_dir", tmp_path / "ck"]
+    out = run_example(comm, 1, ROOT / "examples" / "train_gpt.py", *flags, returncode=2)
+    assert "--dtype 'bogus' (float32 or float64" in out and "--seed -1 (must be >= 0)" in out, out
+    assert f"--save_dir {tmp_path / 'ck'} (a symbolic link to {tmp_path / 'gone'}, which does not exist)" in out
