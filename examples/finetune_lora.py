@@ -110,7 +110,12 @@ def main():
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     newest = checkpoint.checkpoints(args.base)
     base_dir = newest[0] if newest else args.base
-    saved = consolidated.saved_extra(base_dir)["config"]
+    saved = consolidated.saved_extra(base_dir).get("config")
+    if not isinstance(saved, dict):  # a checkpoint save() wrote without the model's config
+        raise SystemExit(
+            f"finetune_lora: {base_dir} holds no model config (its extra has no 'config'): use a "
+            "checkpoint train_gpt.py saved, or save yours with extra={'config': dataclasses.asdict(config)}"
+        )
     config = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig) if f.name in saved})
 
     with mpifsdp.deferred_init():  # the base values come from the checkpoint, unit by unit

@@ -25,7 +25,12 @@ def cache_dir() -> Path:
     """$MPIFSDP_CACHE, else $XDG_CACHE_HOME/mpifsdp, else ~/.cache/mpifsdp. An empty or relative
     XDG_CACHE_HOME is ignored, as the XDG specification says (it wrote 31 MB into the working directory)."""
     if os.environ.get("MPIFSDP_CACHE"):
-        return Path(os.environ["MPIFSDP_CACHE"])
+        path = Path(os.environ["MPIFSDP_CACHE"])
+        if path.exists() and not path.is_dir():
+            raise ValueError(
+                f"MPIFSDP_CACHE={path} is a file, not a directory: name a directory for the cache"
+            )
+        return path
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "mpifsdp"
 

@@ -158,6 +158,12 @@ def _check_flags(args):
         raise ValueError(f"--dtype {args.dtype}: the shards' dtype is float16, float32 or float64")
     if args.batch < 1:  # before --probe times a block on it
         raise ValueError(f"--batch {args.batch}: sequences per rank per micro-batch, >= 1")
+    if args.compute_bytes < 0:
+        raise ValueError(
+            f"--compute-bytes {args.compute_bytes}: bytes per gathered element (2, 4; 0: --dtype's)"
+        )
+    if args.grad_accum < 1 or args.prefetch < 0:
+        raise ValueError(f"--grad-accum {args.grad_accum} (>= 1), --prefetch {args.prefetch} (>= 0)")
 
 
 def _parse(name: str, kind, text: str):

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..base.accounting import PERSISTENT, TRANSIENT
-from ..base.checks import plain_json
+from ..base.checks import is_count, plain_json
 from ..base.files import atomic_file
 from ..fsdp.build import sharded_model
 
@@ -48,6 +48,10 @@ class StepMetrics:
         self.sharded = sharded_model(model)
         if self.sharded is None:
             raise ValueError("StepMetrics needs a model fully_shard() was called on (N = 1 works too)")
+        if resume_after is not None and not is_count(resume_after):  # on every rank, before rank 0 reads
+            raise ValueError(
+                f"StepMetrics: resume_after={resume_after!r} must be None or a step (an integer >= 0)"
+            )
         self.comm = self.sharded.comm
         self.path = Path(path)
         self.timeline_step, self.starts = timeline_step, 0

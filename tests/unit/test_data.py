@@ -105,3 +105,13 @@ def test_an_empty_or_relative_xdg_cache_home_is_ignored(monkeypatch):
         assert cache_dir() == Path.home() / ".cache" / "mpifsdp"
     monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg")
     assert cache_dir() == Path("/tmp/xdg/mpifsdp")
+
+
+def test_a_cache_that_names_a_file_is_named(monkeypatch, tmp_path):
+    from mpifsdp.data import cache_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.setenv("MPIFSDP_CACHE", str(tmp_path / "notes.txt"))
+    with pytest.raises(ValueError, match=r"MPIFSDP_CACHE=.*notes.txt is a file, not a directory"):
+        cache_dir()
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -105,3 +105,11 @@ def test_numpy_scalars_are_numbers_and_a_bad_value_is_named_on_every_rank(comm, 
         ValueError, match=rf"rank {comm.size - 1}: StepMetrics.write holds a ndarray \(an array"
     ):
         metrics.write(step=2, loss=1.0, seconds=1.0, tokens=8, **bad)
+
+
+def test_a_bad_resume_after_is_named_on_every_rank(comm, tmp_path):
+    """resume_after="4" failed on rank 0 only (the reader), leaving the others in the next collective."""
+    model = GPT(TINY_GPT, seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    with pytest.raises(ValueError, match=r"resume_after='4' must be None or a step"):
+        StepMetrics(f"{shared_dir(comm, tmp_path)}/m.jsonl", model, resume_after="4")

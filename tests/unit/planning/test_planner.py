@@ -225,6 +225,8 @@ def test_plan_names_a_value_it_cannot_plan_for(bad, named):
         (["--shard-size", "abc"], "--shard-size abc: give a group size"),
         (["--memory", "-5"], "--memory -5.0: give the device's bytes"),
         (["--batch", "0"], "--batch 0: sequences per rank per micro-batch, >= 1"),
+        (["--compute-bytes=-2"], "--compute-bytes -2: bytes per gathered element"),
+        (["--grad-accum", "0"], "--grad-accum 0 (>= 1)"),
     ],
 )
 def test_the_command_line_names_a_bad_argument(capsys, arguments, message):
