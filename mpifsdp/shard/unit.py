@@ -455,7 +455,7 @@ class Unit:
         self.finish_reduce_grad()  # at most one reduce-scatter of a unit in flight
         if self.full_grad is self._grad:  # one rank: the sum over ranks is its own gradient, in place
             if scale is not None:
-                self._grad *= scale
+                _scale(self._grad, scale)
             self.full_grad, self.has_grad = None, True
             return
         source = self._cast("gathered_grads", self.full_grad, self.reduce_dtype)
@@ -470,7 +470,7 @@ class Unit:
         else:
             self._grad_zeroed_lazily = False  # the sum is written over it
         if scale is not None:
-            source *= scale
+            _scale(source, scale)
         request = self.comm.ireduce_scatter(source, receive, unit=self.name, phase=phase)
         self._reducing = _Reduction(request, receive, source, divisor, phase)
 
@@ -685,3 +685,12 @@ def gathered_params(units) -> dict:
                 )
             out[name], owner[name] = to_numpy(value).copy(), unit.name
     return out
+
+
+def _scale(gradient, weight: float):
+    """gradient *= weight, where a weight of 0 (a rank without samples) contributes zeros: its
+    gradient of nothing may hold a NaN (a mean over no rows), and 0 * NaN would make every rank's NaN."""
+    if weight == 0:
+        gradient.fill(0)
+    else:
+        gradient *= weight

@@ -168,6 +168,17 @@ def test_weights_that_sum_to_zero_or_are_not_numbers_are_refused(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_rank_without_samples_contributes_zeros_even_where_its_gradient_is_nan(comm):
+    """A rank with 0 rows passes weight=0 and a gradient of nothing, a NaN where it is a mean over no
+    rows: 0 * NaN made every rank's mean NaN. Weight 0 means no part in the mean."""
+    unit = Unit("fit", {"w": np.zeros(5)}, comm)
+    empty = comm.rank == comm.size - 1
+    unit.reduce_grad({"w": np.full(5, np.nan if empty else 3.0)}, weight=0 if empty else 2)
+    got = unit.gather(unit.grad_shard)["w"]
+    agree(comm, np.array_equal(got, np.full(5, 3.0)), f"mean {got}, want 3")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_weight_that_one_rank_gets_wrong_is_named_on_every_rank(comm):
     """A NaN weight, or a weight on one rank and none on the others (a scalar exchange paired with a
     reduce-scatter: garbage gradients), raised on the bad rank only and left the others waiting."""
