@@ -49,6 +49,16 @@ def open_channel(mpi_comm, where, timeout: float):
         _channel = Channel(mpi_comm, where, timeout)
 
 
+def waiting_in(where):
+    """A Comm waits for a collective: reports name its position (with several Comms, the latest to
+    wait, not the first made), and a sys.excepthook the program set since is wrapped, so that an
+    exception ending this rank is still said to the others (it read as "its program ended")."""
+    if _channel is not None:
+        _channel.where = where
+        if sys.excepthook is not _channel.excepthook:
+            _channel.wrap_excepthook()
+
+
 def check(request):
     """Called while `request` (a collective) is awaited: answer a roll call; end the job if another
     rank has left and the collective does not complete within GRACE_S (one of its ranks is gone)."""
@@ -59,6 +69,26 @@ def check(request):
 def roll_call() -> str:
     """Where every other rank is, as far as they answer within GRACE_S (for the watchdog's report)."""
     return _channel.roll_call() if _channel is not None else ""
+
+
+def roll_call_verdict(answered: dict, silent: list, mine: str) -> str:
+    """The roll call in words: where each rank that answered waits, and who is to blame. Ranks that
+    did not answer are missing from the collective; where all wait in the watchdog's own collective,
+    it is slow (nothing is mismatched: the report said so, falsely, of any slow collective)."""
+    waiting = "; ".join(f"rank {r} waits in {where}" for r, where in sorted(answered.items()))
+    if silent:
+        missing = (
+            f"rank(s) {silent} did not answer within {GRACE_S:.0f} s: they are the ones missing from "
+            "the collective (frozen, blocked outside mpifsdp's collectives, or dead)"
+        )
+    elif set(answered.values()) <= {mine}:
+        missing = (
+            "every rank answered and waits in this same collective: it is slow, not mismatched (a slow "
+            "or stuck link, or more data than the timeout allows for)"
+        )
+    else:
+        missing = "every rank answered: they wait in collectives that do not match"
+    return f"{waiting + '. ' if waiting else ''}{missing}."
 
 
 def report_and_abort(text: str, abort, code: int):
@@ -114,12 +144,21 @@ class Channel:
             timeout,
         )
         self.why, self.failed = "its program ended", False
+        # a rank as reports name it: its rank in the job (MPI_COMM_WORLD), where the channel runs over
+        # a communicator of some of the ranks
+        world = MPI.COMM_WORLD.Get_group()
+        self.named = MPI.Group.Translate_ranks(self.comm.Get_group(), list(range(self.size)), world)
         # (request, message) of sends never waited for (roll calls and their answers: small, sent
         # eagerly); each message is kept with its request, as MPI may read it until it completes
         self._sends = []
-        self._previous_hook = sys.excepthook
-        sys.excepthook = self._excepthook
+        self.excepthook = self._excepthook  # bound once: `sys.excepthook is self.excepthook` holds
+        self.wrap_excepthook()
         atexit.register(self.leave)
+
+    def wrap_excepthook(self):
+        """Note an exception that ends this rank, then hand it to the hook that was there."""
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self.excepthook
 
     def _excepthook(self, kind, value, tb):
         self.why = f"an exception ended it: {kind.__name__}: {value}"
@@ -159,8 +198,9 @@ class Channel:
             time.sleep(1e-3)
         why = self._receive(left)
         self._end(
-            f"mpifsdp: rank {left.Get_source()} left the job ({why}) while rank {self.rank} waited in "
-            f"{self.where()}: ending the job (every rank must run the same collectives to the end)"
+            f"mpifsdp: rank {self.named[left.Get_source()]} left the job ({why}) while rank "
+            f"{self.named[self.rank]} waited in {self.where()}: ending the job (every rank must run the same "
+            "collectives to the end)"
         )
 
     def roll_call(self) -> str:
@@ -174,15 +214,9 @@ class Channel:
             else:
                 time.sleep(1e-3)
         self._sends += [(send, message) for send in sends]  # the silent ranks never receive theirs
-        waiting = "; ".join(f"rank {r} waits in {where}" for r, where in sorted(answers.items()))
-        silent = [r for r in range(self.size) if r != self.rank and r not in answers]
-        missing = (
-            f"rank(s) {silent} did not answer within {GRACE_S:.0f} s: they are the ones missing from the "
-            "collective (frozen, blocked outside mpifsdp's collectives, or dead)"
-            if silent
-            else "every rank answered: they wait in collectives that do not match"
-        )
-        return f"{waiting + '. ' if waiting else ''}{missing}."
+        answered = {self.named[r]: where for r, where in answers.items()}
+        silent = [self.named[r] for r in range(self.size) if r != self.rank and r not in answers]
+        return roll_call_verdict(answered, silent, self.where())
 
     def leave(self):
         """At exit: tell every other rank, then wait until every rank has left. No deadline: a rank
@@ -201,7 +235,8 @@ class Channel:
             self._answer_roll_calls(f"its exit (it ended its program; its last collective: {self.where()})")
             if time.monotonic() > said:
                 sys.stderr.write(
-                    f"mpifsdp: rank {self.rank} ended its program and waits for the others to end\n"
+                    f"mpifsdp: rank {self.named[self.rank]} ended its program and waits for the others "
+                    "to end\n"
                 )
                 sys.stderr.flush()
                 said = float("inf")
@@ -226,8 +261,8 @@ class Channel:
                 time.sleep(1e-3)
         if len(left) < self.size - 1:
             self._end(
-                f"mpifsdp: rank {self.rank} left the job ({self.why}) and no other rank ended the job "
-                f"within {EXIT_WAIT_S:.0f} s: ending it"
+                f"mpifsdp: rank {self.named[self.rank]} left the job ({self.why}) and no other rank ended "
+                f"the job within {EXIT_WAIT_S:.0f} s: ending it"
             )
 
     def _end(self, text: str):

@@ -152,6 +152,7 @@ class Schedule:
                 return self.wait(request)
             finally:
                 self.current = latest
+        presence.waiting_in(self.where)  # the Comm a report names: this one, the latest to wait
         if self._test(request):
             return
         start = time.monotonic()

@@ -85,11 +85,13 @@ LEAVES = textwrap.dedent(
     comm = Comm()
     how = sys.argv[1]
     for step in range(400):
+        if how == "hooked" and step == 1:  # the program's own hook, set after Comm(): ours still notes
+            sys.excepthook = lambda kind, value, tb: print(f"own hook: {kind.__name__}", file=sys.stderr)
         if comm.rank == 1 and step == 3:
+            if how in ("raise", "hooked"):
+                raise ValueError("injected failure on rank 1")
             if how == "exit":
                 sys.exit(0)
-            if how == "raise":
-                raise ValueError("injected failure on rank 1")
             if how == "budget":  # its time budget ran out sooner: it stops, the others go on
                 break
             if how == "freeze":
@@ -112,8 +114,13 @@ LEAVES = textwrap.dedent(
             r"rank 1 left the job \(an exception ended it: ValueError: injected failure on rank 1",
         ),
         ("budget", "mpi4py", r"rank 1 left the job \(its program ended"),
+        (
+            "hooked",
+            "plain",
+            r"own hook: ValueError(.|\n)*rank 1 left the job \(an exception ended it: ValueError: injected",
+        ),
     ],
-    ids=["exit", "raise", "budget"],
+    ids=["exit", "raise", "budget", "hooked"],
 )
 def test_a_rank_that_leaves_early_is_named_within_seconds(tmp_path, comm, how, launcher, says):
     """sys.exit on one rank, an exception without `-m mpi4py`, ranks with different step budgets: the

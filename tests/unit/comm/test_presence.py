@@ -82,3 +82,17 @@ def test_stderr_that_is_no_pipe_is_not_waited_for(tmp_path):
         start = time.monotonic()
         presence.wait_until_read(file.fileno())
         assert time.monotonic() - start < presence.FORWARD_S
+
+
+def test_the_roll_call_blames_a_mismatch_only_where_the_ranks_wait_in_different_collectives():
+    """Every rank answering from the watchdog's own collective was reported as "collectives that do not
+    match": any slow collective got that false diagnosis."""
+    from mpifsdp.comm.presence import roll_call_verdict
+
+    same = "all-reduce of a step (#12, 1 float64)"
+    said = roll_call_verdict({1: same, 2: same}, [], same)
+    assert "waits in this same collective: it is slow, not mismatched" in said and "do not match" not in said
+    said = roll_call_verdict({1: same, 2: "gather of blocks.0 (forward)"}, [], same)
+    assert "they wait in collectives that do not match" in said
+    said = roll_call_verdict({1: same}, [2], same)
+    assert "rank(s) [2] did not answer" in said and "rank 1 waits in all-reduce of a step" in said
