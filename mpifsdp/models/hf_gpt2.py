@@ -76,8 +76,16 @@ def export_hf_gpt2(directory, model: GPT, tokenizer=None) -> Path:
     that `transformers.pipeline("text-generation", model=DIR)` runs as it is."""
     directory = Path(directory)
     hf = hf_config(model.config)
-    state = full_state_dict(model)  # every parameter by our name, on every rank
     sharded = sharded_model(model)
+    try:  # before a byte is written, on every rank: a typo found after the weights lost the export
+        tokenizer_text, problem = _tokenizer_text(tokenizer, model.config), None
+    except ValueError as exc:
+        tokenizer_text, problem = None, str(exc)
+    if sharded is not None:
+        sharded.comm.raise_if_any(problem, "export_hf_gpt2", ValueError)
+    elif problem:
+        raise ValueError(problem)
+    state = full_state_dict(model)  # every parameter by our name, on every rank
     if sharded is not None and sharded.comm.rank != 0:
         sharded.comm.barrier()
         return directory
@@ -91,7 +99,7 @@ def export_hf_gpt2(directory, model: GPT, tokenizer=None) -> Path:
             f.write(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes())
     with atomic_file(directory / CONFIG) as f:
         f.write((json.dumps(hf, indent=2) + "\n").encode())
-    _write_tokenizer(directory, model.config, tokenizer)
+    _write_tokenizer(directory, model.config, tokenizer_text)
     if sharded is not None:
         sharded.comm.barrier()
     return directory
@@ -133,12 +141,38 @@ def byte_tokenizer() -> dict:
     }
 
 
-def _write_tokenizer(directory: Path, config: GPTConfig, tokenizer):
-    """tokenizer.json (the user's, or the byte-level one for a 256-token vocabulary) and the
-    tokenizer_config.json that makes transformers' AutoTokenizer load it."""
-    if tokenizer is None and config.vocab_size != 256:
+def _tokenizer_text(tokenizer, config: GPTConfig) -> bytes | None:
+    """The tokenizer.json to write: the user's file, checked (a tokenizers JSON whose ids fit the
+    model's vocabulary), or the byte-level one for a 256-token vocabulary; None: none is known."""
+    if tokenizer is None:
+        return json.dumps(byte_tokenizer()).encode() if config.vocab_size == 256 else None
+    where = f"export_hf_gpt2: tokenizer={str(tokenizer)!r}"
+    try:
+        text = Path(tokenizer).read_bytes()
+        spec = json.loads(text)
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file (give the path of a tokenizer.json)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where} is not a tokenizer.json ({exc})") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if not isinstance(vocab, (dict, list)):
+        raise ValueError(f"{where} is not a tokenizers tokenizer.json (it has no model.vocab)")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: by place
+    ids += [t.get("id") for t in spec.get("added_tokens") or [] if isinstance(t, dict)]
+    largest = max((i for i in ids if isinstance(i, int)), default=-1)
+    if largest >= config.vocab_size:
+        raise ValueError(
+            f"{where}: its ids reach {largest}, the model's vocabulary holds {config.vocab_size} "
+            "(a tokenizer of another model)"
+        )
+    return text
+
+
+def _write_tokenizer(directory: Path, config: GPTConfig, text: bytes | None):
+    """tokenizer.json and the tokenizer_config.json that makes transformers' AutoTokenizer load it."""
+    if text is None:
         return  # no tokenizer is known for this vocabulary: the user passes theirs
-    text = Path(tokenizer).read_bytes() if tokenizer is not None else json.dumps(byte_tokenizer()).encode()
     with atomic_file(directory / "tokenizer.json") as f:
         f.write(text)
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.block_size}

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,3 +257,34 @@ def test_half_precision_files_load_into_the_models_dtype(tmp_path, dtype):
     loaded = load_hf_gpt2(directory, dtype=np.float64)
     for name, p in loaded.named_parameters():
         assert p.data.dtype == np.float64 and np.array_equal(p.data, widened[hf_name(name)]), name
+
+
+def test_a_tokenizer_that_cannot_serve_the_export_is_named_before_anything_is_written(comm, tmp_path):
+    """tokenizer= a typo, a file that is no tokenizer, or one of another vocabulary: found (on rank 0
+    only) after the weights were written, or not at all. Now on every rank, before a byte is written."""
+    root = shared_dir(comm, tmp_path)
+    model = GPT(_config(True), seed=1)  # a 50-token vocabulary
+    fully_shard(model, comm, units=model.blocks)
+
+    def write(name, content):
+        path = f"{root}/{name}"
+        if comm.rank == 0:
+            with open(path, "w") as f:
+                f.write(content)
+        comm.barrier()
+        return path
+
+    wide = json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 60}}})
+    cases = [
+        (f"{root}/tokenizr.json", "no such file"),
+        (write("notes.txt", "just notes"), "is not a tokenizer.json"),
+        (write("other.json", json.dumps({"version": "1.0"})), "it has no model.vocab"),
+        (write("wide.json", wide), "its ids reach 60, the model's vocabulary holds 50"),
+    ]
+    for tokenizer, said in cases:
+        with pytest.raises(ValueError, match=said):
+            export_hf_gpt2(f"{root}/hf", model, tokenizer=tokenizer)
+        assert not Path(f"{root}/hf").exists()  # nothing written
+    fits = write("fits.json", json.dumps({"model": {"type": "BPE", "vocab": {"a": 0, "b": 49}}}))
+    export_hf_gpt2(f"{root}/hf", model, tokenizer=fits)
+    assert json.loads(open(f"{root}/hf/tokenizer.json").read())["model"]["vocab"]["b"] == 49
