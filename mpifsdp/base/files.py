@@ -61,14 +61,15 @@ def removed_if_terminated(tmp: Path):
         _in_progress.remove(Path(tmp))
         if not _in_progress:
             for number, handler in _previous_handlers.items():
-                signal.signal(number, signal.SIG_DFL if handler is None else handler)
+                signal.signal(number, handler)
             _previous_handlers.clear()
 
 
 def _ends_the_process(handler) -> bool:
-    """Whether a signal with this disposition ends the process: the default's (or a handler set
-    outside Python, taken as the default), not SIG_IGN and not a Python handler of the caller's."""
-    return handler in (signal.SIG_DFL, None)
+    """Whether a signal with this disposition ends the process: the default's; not SIG_IGN, not a
+    Python handler of the caller's, and not one set outside Python (None: its effect is unknown,
+    and replacing it could not put it back)."""
+    return handler == signal.SIG_DFL
 
 
 def _remove_then_end(number, frame):

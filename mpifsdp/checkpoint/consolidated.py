@@ -24,10 +24,11 @@ from ..base.checks import is_count
 from ..base.files import atomic_file, removed_if_terminated, replace_durably, temporary_name
 from .manifest import CheckpointError, read_manifest, read_slices, require, unit_record
 from .sharded import (
-    check_settings,
+    agreed_manifest,
     collective,
     copy_overlap,
     counted_slices,
+    filled,
     read_located,
     require_sharded_units,
     sharded_units,
@@ -281,21 +282,14 @@ def load_params(directory, model, allow_missing=lambda name: False) -> list[str]
     sharded = require_sharded_units(model)
 
     def read(where: Path) -> list[str]:
-        manifest, missing = collective(
-            sharded.comm,
-            lambda: _check_names(_settings_checked(where, model), sharded, allow_missing),
-            f"loading {where}",
+        manifest = agreed_manifest(sharded.comm, where, model)
+        _, missing = collective(
+            sharded.comm, lambda: _check_names(manifest, sharded, allow_missing), f"loading {where}"
         )
-        collective(sharded.comm, lambda: _fill_by_name(where, manifest, sharded), f"loading {where}")
+        filled(sharded.comm, where, manifest, lambda: _fill_by_name(where, manifest, sharded))
         return missing
 
     return read_located(sharded.comm, Path(directory), read)[1]
-
-
-def _settings_checked(directory: Path, model) -> dict:
-    manifest = read_manifest(directory)
-    check_settings(manifest, model, directory)
-    return manifest
 
 
 def saved_extra(directory) -> dict:

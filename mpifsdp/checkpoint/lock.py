@@ -9,7 +9,9 @@ the process ends. The file names the owner's host, pid and a token; it is refres
 A second job is refused at its first save, on every rank, naming the owner. A dead owner does not keep
 the lock: on the same host a pid that no longer runs is taken over at once; from another host (whose
 processes cannot be seen) a lock not refreshed for MPIFSDP_LOCK_STALE_S seconds (default 21600,
-6 hours) is. An owner that finds its lock taken over stops at its next save instead of writing on.
+6 hours) is. An owner that finds its lock taken over stops at its next save instead of writing on,
+also where that job has ended since (its token is kept in `<lock>.taken-over`); a lock that is only
+gone (a clean-up script removed it) is taken again, with a warning.
 """
 
 from __future__ import annotations
@@ -49,21 +51,9 @@ def hold(lock: Path):
     """Take `lock` for this process (or refresh it where already ours); CheckpointError where another
     live job holds it, or where ours was taken over."""
     lock = Path(lock)
-    if lock in _held:
-        if not lock.exists():  # removed (a clean-up script): no one took it over, so take it again
-            del _held[lock]
-            log.warning(
-                "%s: this job's writer lock %s was removed meanwhile; taking it again", _place(lock), lock
-            )
-        else:
-            owner = _owner(lock)
-            if owner is None or owner.get("token") != _held[lock]:
-                del _held[lock]
-                raise CheckpointError(
-                    f"{_place(lock)}: another job took over this job's lock ({_who(owner)}); stopping"
-                )
-            os.utime(lock)
-            return
+    if lock in _held and _still_ours(lock):
+        os.utime(lock)
+        return
     if lock.parent.exists() and not lock.parent.is_dir():
         raise CheckpointError(f"cannot save under {lock.parent}: Not a directory (it is a file)")
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +85,30 @@ def hold(lock: Path):
     raise CheckpointError(
         f"{_place(lock)}: could not take its writer lock {lock} (other jobs keep taking it)"
     )
+
+
+def _still_ours(lock: Path) -> bool:
+    """Whether `lock`, which this process took, is still its own (True), or gone and to be taken
+    again (False); CheckpointError where another job took it over (and perhaps ended since)."""
+    if not lock.exists() and _held[lock] in _taken_over(lock):  # taken, then released since
+        del _held[lock]
+        raise CheckpointError(
+            f"{_place(lock)}: another job took over this job's lock (it found it stale) and has "
+            "ended since; stopping"
+        )
+    if not lock.exists():  # removed (a clean-up script): no one took it over, so take it again
+        del _held[lock]
+        log.warning(
+            "%s: this job's writer lock %s was removed meanwhile; taking it again", _place(lock), lock
+        )
+        return False
+    owner = _owner(lock)
+    if owner is None or owner.get("token") != _held[lock]:
+        del _held[lock]
+        raise CheckpointError(
+            f"{_place(lock)}: another job took over this job's lock ({_who(owner)}); stopping"
+        )
+    return True
 
 
 def release(lock: Path):
@@ -152,7 +166,22 @@ def _move_aside(lock: Path, owner: dict | None):
     except FileNotFoundError:
         return
     log.warning("taking over %s from a job that is gone (%s)", lock, _who(owner))
+    if owner and owner.get("token"):  # should it be alive after all, its next save stops
+        with open(_taken_over_file(lock), "a") as f:
+            f.write(f"{owner['token']}\n")
     aside.unlink(missing_ok=True)
+
+
+def _taken_over_file(lock: Path) -> Path:
+    return lock.with_name(f"{lock.name}.taken-over")
+
+
+def _taken_over(lock: Path) -> set[str]:
+    """The tokens of locks other jobs took over as stale (a job whose token is here stops)."""
+    try:
+        return set(_taken_over_file(lock).read_text().split())
+    except OSError:
+        return set()
 
 
 def _place(lock: Path) -> Path:

@@ -32,6 +32,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit the model."""
 
 
+class ChangedWhileRead(CheckpointError):
+    """A checkpoint another job saved over while this one read it: read again (no mix of two)."""
+
+
+class SettingsDiffer(CheckpointError):
+    """The model's settings (heads, eps) are not those the checkpoint's weights were made for."""
+
+
 def manifest_digest(manifest: dict) -> str:
     """SHA-256 of the manifest's content without its own checksum, in a canonical JSON form."""
     body = {k: v for k, v in manifest.items() if k != "sha256"}

@@ -154,8 +154,13 @@ def _complete_leftovers(final: Path) -> list[Path]:
     """The staging and replaced copies of `final` that hold a manifest, oldest first."""
     if not final.parent.is_dir():
         return []
-    leftovers = sorted(final.parent.glob(f"{glob.escape(final.name)}.*-*"), key=lambda p: p.stat().st_mtime)
-    return [p for p in leftovers if is_real_dir(p) and (p / MANIFEST).is_file()]
+    found = []
+    for path in final.parent.glob(f"{glob.escape(final.name)}.*-*"):
+        try:  # a live save may rename or remove it between the listing and this look
+            found.append((path.stat().st_mtime, path))
+        except FileNotFoundError:
+            continue
+    return [p for _, p in sorted(found) if is_real_dir(p) and (p / MANIFEST).is_file()]
 
 
 def named_by(leftover: Path) -> str | None:

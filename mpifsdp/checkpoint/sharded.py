@@ -30,8 +30,11 @@ from .manifest import (
     FORMAT,
     MANIFEST,
     VERSION,
+    ChangedWhileRead,
     CheckpointError,
+    SettingsDiffer,
     flat_range,
+    manifest_digest,
     read_manifest,
     read_slices,
     slice_digest,
@@ -230,13 +233,9 @@ def _load(directory: Path, model, optimizer) -> tuple[Path, dict]:
 
 
 def _load_from(directory: Path, sharded, model, optimizer) -> dict:
-    def checked():
-        manifest = _check_fits(read_manifest(directory), sharded, optimizer)
-        check_settings(manifest, model, directory)
-        return manifest
-
-    manifest = collective(sharded.comm, checked, f"loading {directory}")
-    collective(sharded.comm, lambda: _fill(directory, manifest, sharded, optimizer), f"loading {directory}")
+    manifest = agreed_manifest(sharded.comm, directory, model)
+    collective(sharded.comm, lambda: _check_fits(manifest, sharded, optimizer), f"loading {directory}")
+    filled(sharded.comm, directory, manifest, lambda: _fill(directory, manifest, sharded, optimizer))
     if manifest.get("random_state") and hasattr(model, "load_random_state"):
         collective(
             sharded.comm, lambda: model.load_random_state(manifest["random_state"]), f"loading {directory}"
@@ -249,6 +248,39 @@ def _load_from(directory: Path, sharded, model, optimizer) -> dict:
     return manifest["extra"]
 
 
+def agreed_manifest(comm, directory: Path, model) -> dict:
+    """The manifest of `directory`, the same one on every rank (another job's save over it while the
+    ranks read would give some the old and some the new, each consistent: ChangedWhileRead, read
+    again), and the model's settings checked against it on every rank (SettingsDiffer). Collective."""
+    manifest = collective(comm, lambda: read_manifest(directory), f"loading {directory}")
+    if len(set(comm.allgather_object(manifest_digest(manifest)))) > 1:
+        raise ChangedWhileRead(f"{directory} changed while it was read (another job saved over it)")
+    try:
+        problem = check_settings(manifest, model, directory)
+    except CheckpointError as exc:
+        problem = str(exc)
+    comm.raise_if_any(problem, f"loading {directory}", SettingsDiffer)
+    return manifest
+
+
+def filled(comm, directory: Path, manifest: dict, fill):
+    """fill() on every rank (collective); where it failed because the checkpoint was saved over
+    meanwhile (its manifest is another now), ChangedWhileRead instead, so that the read is retried."""
+    try:
+        collective(comm, fill, f"loading {directory}")
+    except CheckpointError as exc:
+
+        def now():
+            try:
+                return manifest_digest(read_manifest(directory))
+            except CheckpointError:
+                return None  # gone, or half replaced
+
+        if comm.broadcast_object(now() if comm.rank == 0 else None) != manifest_digest(manifest):
+            raise ChangedWhileRead(f"{directory} changed while it was read: {exc}") from exc
+        raise
+
+
 def read_located(comm, directory: Path, read) -> tuple[Path, object]:
     """(where, read(where)) for the checkpoint named `directory`. A copy an unfinished save left
     nameless is read where it lies; if that read fails because the save's job just renamed it into
@@ -257,11 +289,11 @@ def read_located(comm, directory: Path, read) -> tuple[Path, object]:
     where = readable(comm, directory)
     try:
         return where, read(where)
-    except CheckpointError:
+    except CheckpointError as exc:
         again = readable(comm, directory)
-        if again == where:
+        if again == where and not isinstance(exc, ChangedWhileRead):
             raise
-        log.info("%s moved to %s while it was read (its save finished): reading it there", where, again)
+        log.info("%s moved or changed while it was read (a save finished): reading %s", where, again)
         return again, read(again)
 
 
@@ -293,7 +325,7 @@ def _check_fits(manifest: dict, sharded, optimizer=None) -> dict:
     return manifest
 
 
-def check_settings(manifest: dict, model, directory: Path):
+def check_settings(manifest: dict, model, directory: Path) -> None:
     """The settings the saved weights were made for (heads, a LayerNorm's eps, the activation) must be
     the model's, module by module where both have the module: other settings over the same shapes
     would compute another function from them, silently. (A checkpoint written before settings were
@@ -307,7 +339,7 @@ def check_settings(manifest: dict, model, directory: Path):
         if name in mine and key in mine[name] and mine[name][key] != value
     ]
     if differ:
-        raise CheckpointError(
+        raise SettingsDiffer(
             f"{directory} was saved from a model with other settings ({'; '.join(differ[:3])}"
             f"{'; ...' if len(differ) > 3 else ''}): build the model with the checkpoint's settings"
         )
@@ -416,6 +448,8 @@ def load_latest(
         for path in listed:
             try:
                 return _load(Path(root) / _named(Path(path)), model, optimizer)
+            except SettingsDiffer:  # the model is the wrong one: an older checkpoint must not hide it
+                raise
             except CheckpointError as exc:
                 log.warning("skipping checkpoint %s: %s", path, exc)
                 failures.append(f"{Path(path).name}: {exc}")

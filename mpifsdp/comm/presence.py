@@ -161,9 +161,11 @@ class Channel:
         sys.excepthook = self.excepthook
 
     def _excepthook(self, kind, value, tb):
+        again, self.failed = self.failed, True
         self.why = f"an exception ended it: {kind.__name__}: {value}"
-        self.failed = True
-        if self._previous_hook is not sys.__excepthook__:
+        if self._previous_hook is not sys.__excepthook__ and not again:
+            # a hook of the program's that hands on to the one it found (ours, wrapped again since)
+            # comes back here once: from then on the traceback is printed below
             self._previous_hook(kind, value, tb)
             return
         # One write: every rank printing the same traceback line by line interleaved them

@@ -10,6 +10,7 @@ import numpy as np
 from mpifsdp import Tensor, no_grad, ops
 from mpifsdp.base.backend import array_module, array_module_of, to_numpy
 from mpifsdp.base.checks import is_count, is_finite_at_least, refuse_invalid
+from mpifsdp.fsdp.build import sharded_model
 from mpifsdp.nn.layers import Block, Dropout, Embedding, LayerNorm, Linear, norm_and_project, norm_then_linear
 from mpifsdp.nn.module import Module, deferred_init, ids_problem
 from mpifsdp.planning.planner import UnitSize, unit_sizes
@@ -132,7 +133,15 @@ class GPT(Module):
         Samples in evaluation mode (no dropout); the model's mode is restored afterwards."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)
-        out = self._checked_prompt(idx, max_new_tokens, temperature, top_k)
+        try:  # ranks may hold different prompts: a bad one is named on every rank (a collective)
+            out, problem = self._checked_prompt(idx, max_new_tokens, temperature, top_k), None
+        except ValueError as exc:
+            out, problem = None, str(exc)
+        sharded = sharded_model(self)
+        if sharded is not None:
+            sharded.comm.raise_if_any(problem, "GPT.generate", ValueError)
+        elif problem:
+            raise ValueError(problem)
         was_training = self.training
         self.eval()
         try:

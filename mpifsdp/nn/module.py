@@ -226,7 +226,7 @@ class Module:
         found = {}
         for name, m in self.named_modules():
             names = [k for k in m.SETTINGS if not (of_the_weights and k in m.RUN_SETTINGS)]
-            values = {k: _plain(getattr(m, k, None)) for k in names}
+            values = {k: _plain(getattr(m, k, None), m, k) for k in names}
             if not of_the_weights:
                 values["training"] = bool(m.training)
             if values:
@@ -292,6 +292,13 @@ def settings_changes() -> int:
     return _SETTINGS_CHANGED[0]
 
 
-def _plain(value):
-    """A setting as JSON holds it (a NumPy scalar as a Python number), so ranks and files compare it."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+def _plain(value, module=None, name: str = ""):
+    """A setting as JSON holds it (a NumPy scalar as a Python number), so ranks and files compare it;
+    anything else (an object whose text holds its address differs on every rank) is refused."""
+    value = value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise TypeError(
+            f"{type(module).__name__}.SETTINGS names {name}={value!r}: settings are plain values "
+            "(numbers, strings, booleans, None), compared across ranks and saved with checkpoints"
+        )
+    return value

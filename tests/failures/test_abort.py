@@ -85,10 +85,16 @@ LEAVES = textwrap.dedent(
     comm = Comm()
     how = sys.argv[1]
     for step in range(400):
-        if how == "hooked" and step == 1:  # the program's own hook, set after Comm(): ours still notes
-            sys.excepthook = lambda kind, value, tb: print(f"own hook: {kind.__name__}", file=sys.stderr)
+        if how in ("hooked", "chained") and step == 1:  # the program's own hook, set after Comm()
+            before = sys.excepthook if how == "chained" else lambda *exc: None  # handed on, or not
+
+            def own(kind, value, tb, before=before):
+                print(f"own hook: {kind.__name__}", file=sys.stderr, flush=True)
+                before(kind, value, tb)
+
+            sys.excepthook = own
         if comm.rank == 1 and step == 3:
-            if how in ("raise", "hooked"):
+            if how in ("raise", "hooked", "chained"):
                 raise ValueError("injected failure on rank 1")
             if how == "exit":
                 sys.exit(0)
@@ -119,8 +125,13 @@ LEAVES = textwrap.dedent(
             "plain",
             r"own hook: ValueError(.|\n)*rank 1 left the job \(an exception ended it: ValueError: injected",
         ),
+        (  # a hook that hands on to the one it found: ours, wrapped around it since (no recursion)
+            "chained",
+            "plain",
+            r"own hook: ValueError(.|\n)*rank 1 left the job \(an exception ended it: ValueError: injected",
+        ),
     ],
-    ids=["exit", "raise", "budget", "hooked"],
+    ids=["exit", "raise", "budget", "hooked", "chained"],
 )
 def test_a_rank_that_leaves_early_is_named_within_seconds(tmp_path, comm, how, launcher, says):
     """sys.exit on one rank, an exception without `-m mpi4py`, ranks with different step budgets: the

@@ -583,4 +583,12 @@ def test_the_lock_staleness_setting_is_checked_and_a_removed_lock_is_taken_again
     save_step(root, 2, model, opt)  # taken again, not "taken over"
     assert comm.rank != 0 or json.loads(lock.root_lock(root).read_text())["pid"] == os.getpid()
     agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "both saved")
-    lock.release(lock.root_lock(root))
+
+    def taken_over_then_released():  # another job found this one's lock stale, saved, and ended
+        path = lock.root_lock(root)
+        lock._move_aside(path, json.loads(path.read_text()))
+
+    on_rank_0(comm, taken_over_then_released)
+    with pytest.raises(CheckpointError, match="another job took over this job's lock .* and has ended since"):
+        save_step(root, 3, model, opt)
+    agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "none written")

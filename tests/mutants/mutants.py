@@ -63,6 +63,12 @@ def _levels_not_split():
     _replace(exact, "SPLIT_LEVEL", 10**6)
 
 
+def _manifests_not_compared():
+    from mpifsdp.checkpoint import sharded
+
+    _replace(sharded, "manifest_digest", lambda manifest: "")
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -684,6 +690,12 @@ class Mutant:
 
 
 MUTANTS = {
+    "manifest_agreed": Mutant(
+        _manifests_not_compared,
+        "every rank loads the same version of a checkpoint (checkpoint/sharded.py agreed_manifest)",
+        ["tests/failures/test_readers.py::test_ranks_never_load_two_versions_of_one_checkpoint"],
+        ranks=2,
+    ),
     "exact_sum_any_magnitude": Mutant(
         _levels_not_split,
         "an exact sum scales a chunk near float64's smallest in two products (shard/exact.py SPLIT_LEVEL)",

@@ -110,3 +110,19 @@ def test_generate_names_a_bad_argument(prompt, kwargs, said):
     model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=8), seed=0)
     with pytest.raises(ValueError, match="GPT.generate: invalid .*" + said):
         model.generate(prompt, **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_prompt_on_one_rank_is_named_on_every_rank(comm):
+    """Ranks sample from prompts of their own: one rank's out-of-vocabulary prompt must not leave
+    the others waiting in the forward's first collective."""
+    from mpifsdp import fully_shard
+
+    model = GPT(GPTConfig(vocab_size=11, block_size=6, n_layer=1, n_head=2, n_embd=8), seed=0)
+    fully_shard(model, comm, units=model.blocks)
+    prompt = np.full((1, 2), 11 if comm.rank == 1 else 3)
+    with pytest.raises(
+        ValueError, match=r"GPT.generate failed on 1 of \d+ ranks:\n  rank 1: .*prompt ids 11..11"
+    ):
+        model.generate(prompt, 2)
+    assert model.generate(np.full((1, 2), 3), 2).shape == (1, 4)  # usable afterwards
