@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 STAGING, REPLACED = ".tmp-", ".old-"  # suffixes of a save in progress and of a checkpoint being replaced
 RANK_FILE = re.compile(r"rank-\d{5}\.bin")  # what each rank writes
+PARTIAL_MANIFEST = f".{MANIFEST}.partial"  # the manifest while it is written, renamed once whole
 
 
 def is_ours(path: Path) -> bool:
     """A regular file (not a link) with a name a checkpoint's files have."""
-    named_ours = path.name == MANIFEST or RANK_FILE.fullmatch(path.name)
+    named_ours = path.name in (MANIFEST, PARTIAL_MANIFEST) or RANK_FILE.fullmatch(path.name)
     return bool(named_ours) and path.is_file() and not path.is_symlink()
 
 
@@ -72,11 +73,14 @@ def staging_dir(final: Path, comm) -> Path:
 
 
 def write_manifest(directory: Path, manifest: dict):
-    """Written last, and fsynced with its directory: its presence marks the checkpoint complete."""
-    with open(directory / MANIFEST, "w") as f:
+    """Written last, whole under another name and renamed, and fsynced with its directory: its
+    presence marks the checkpoint complete (a reader never meets a manifest half written)."""
+    partial = directory / PARTIAL_MANIFEST
+    with open(partial, "w") as f:
         json.dump(with_digest(manifest), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(partial, directory / MANIFEST)
     fsync_dir(directory)
 
 

@@ -440,7 +440,7 @@ def load_latest(
         return [str(p) for p in _listed_checkpoints(Path(root), publish.locate)]
 
     listed, failures = None, []
-    for _ in range(3):  # a live writer may prune what was listed while it is read: list again
+    for _ in range(10):  # a live writer may prune what was listed while it is read: list again
         now = comm.broadcast_object(collective(comm, listing, f"listing {root}", root=0))
         if now == listed:
             break
