@@ -69,6 +69,15 @@ def _manifests_not_compared():
     _replace(sharded, "manifest_digest", lambda manifest: "")
 
 
+def _sizes_in_int64():
+    """A deferred parameter's size as an int64 product again (autodiff/tensor.py Param.size)."""
+    import math
+
+    import numpy as np
+
+    _replace(math, "prod", lambda values, start=1: int(np.prod(list(values), dtype=np.int64)) * start)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -690,6 +699,11 @@ class Mutant:
 
 
 MUTANTS = {
+    "exact_sizes": Mutant(
+        _sizes_in_int64,
+        "sizes are Python integers, exact at any size (autodiff/tensor.py Param.size)",
+        ["tests/unit/planning/test_planner.py::test_a_model_of_any_size_is_counted_in_exact_integers"],
+    ),
     "manifest_agreed": Mutant(
         _manifests_not_compared,
         "every rank loads the same version of a checkpoint (checkpoint/sharded.py agreed_manifest)",
