@@ -24,7 +24,7 @@ from ..base import backend
 from ..base.accounting import HOST_SYNCS, CommLedger
 from ..base.backend import array_module_of, bytes_digest, parse_device, rank_device
 from ..base.threads import set_threads
-from . import presence
+from . import launcher, presence
 from .schedule import Schedule, ScheduleError, describe, digest
 from .transport import MPITransport, choose_transport
 
@@ -71,6 +71,11 @@ class Comm:
         if not isinstance(base, MPI.Comm):
             raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
         self.rank, self.size = base.Get_rank(), base.Get_size()
+        if mpi_comm is None:  # the job's world: is it the job the launcher started?
+            launcher.log_library(MPI)
+            problem = launcher.launcher_problem(self.rank, self.size)
+            if problem:
+                raise RuntimeError(problem)
         self.ledger = CommLedger()
         self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
         self._captured: list | None = None  # device collectives noted while a CUDA graph captures

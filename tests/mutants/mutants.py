@@ -78,6 +78,12 @@ def _sizes_in_int64():
     _replace(math, "prod", lambda values, start=1: int(np.prod(list(values), dtype=np.int64)) * start)
 
 
+def _launcher_not_checked():
+    from mpifsdp.comm import launcher
+
+    _replace(launcher, "launcher_problem", lambda rank, size: None)
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -699,6 +705,11 @@ class Mutant:
 
 
 MUTANTS = {
+    "launcher_checked": Mutant(
+        _launcher_not_checked,
+        "tasks that did not join one MPI job are refused at the first Comm (comm/launcher.py)",
+        ["tests/failures/test_launcher.py::test_tasks_that_did_not_join_one_job_are_refused_on_every_task"],
+    ),
     "exact_sizes": Mutant(
         _sizes_in_int64,
         "sizes are Python integers, exact at any size (autodiff/tensor.py Param.size)",
