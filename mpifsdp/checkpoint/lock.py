@@ -8,10 +8,12 @@ the process ends. The file names the owner's host, pid and a token; it is refres
 
 A second job is refused at its first save, on every rank, naming the owner. A dead owner does not keep
 the lock: on the same host a pid that no longer runs is taken over at once; from another host (whose
-processes cannot be seen) a lock not refreshed for MPIFSDP_LOCK_STALE_S seconds (default 21600,
-6 hours) is. An owner that finds its lock taken over stops at its next save instead of writing on,
-also where that job has ended since (its token is kept in `<lock>.taken-over`); a lock that is only
-gone (a clean-up script removed it) is taken again, with a warning.
+processes cannot be seen) a lock that names this very Slurm job (its earlier run: a preempted or
+requeued job keeps its SLURM_JOB_ID, and lands on any node) or a Slurm job `squeue` says is over is
+taken over at once, and any other one once not refreshed for MPIFSDP_LOCK_STALE_S seconds
+(default 21600, 6 hours). An owner that finds its lock taken over stops at its next save instead of
+writing on, also where that job has ended since (its token is kept in `<lock>.taken-over`); a lock
+that is only gone (a clean-up script removed it) is taken again, with a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -75,9 +78,8 @@ def hold(lock: Path):
             _move_aside(lock, owner)
             continue
         with os.fdopen(fd, "w") as f:
-            json.dump(
-                {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": token}, f
-            )
+            me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": token}
+            json.dump({**me, **({"slurm_job": _slurm_job()} if _slurm_job() else {})}, f)
             f.flush()
             os.fsync(f.fileno())
         _held[lock] = token
@@ -137,6 +139,10 @@ def _owner(lock: Path) -> dict | None:
 
 
 def _stale(lock: Path, owner: dict) -> bool:
+    """Whether the job that owns `lock` no longer runs. Same host: its pid. Another host: the lock
+    names this very Slurm job (an earlier run of it: a requeued job keeps its SLURM_JOB_ID and lands
+    on any node), or a Slurm job squeue says is over; else a lock not refreshed for
+    MPIFSDP_LOCK_STALE_S seconds."""
     if owner.get("host") == socket.gethostname():
         try:
             os.kill(int(owner.get("pid", -1)), 0)
@@ -145,8 +151,32 @@ def _stale(lock: Path, owner: dict) -> bool:
         except (OSError, ValueError, TypeError):
             return False  # it runs (under another user), or the pid is unreadable: assume alive
         return False
+    theirs = str(owner.get("slurm_job") or "")
+    if theirs and (theirs == _slurm_job() or slurm_job_over(theirs)):
+        return True
     stale_after = env_seconds("MPIFSDP_LOCK_STALE_S", 6 * 3600, "the age of another host's stale lock")
     return _age(lock) > stale_after
+
+
+def _slurm_job() -> str:
+    """This process's Slurm job (an array task as ARRAY_TASK: each task is a job of its own), or ''."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID", ""), os.environ.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID", "")
+
+
+def slurm_job_over(job: str) -> bool:
+    """Whether Slurm says `job` is over: squeue knows it no longer (or not as pending or running).
+    False where that cannot be asked (no squeue, no answer in 10 s): the lock's age decides then."""
+    try:
+        result = subprocess.run(
+            ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    states = result.stdout.split()
+    if result.returncode != 0:
+        return "Invalid job id" in result.stderr  # purged from the controller: long over
+    return not any(s in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED") for s in states)
 
 
 def _age(lock: Path) -> float:

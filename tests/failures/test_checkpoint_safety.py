@@ -592,3 +592,57 @@ def test_the_lock_staleness_setting_is_checked_and_a_removed_lock_is_taken_again
     with pytest.raises(CheckpointError, match="another job took over this job's lock .* and has ended since"):
         save_step(root, 3, model, opt)
     agree(comm, [p.name for p in checkpoints(root)] == ["step-00000002", "step-00000001"], "none written")
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from mpifsdp import Comm, Unit
+    from mpifsdp.checkpoint import save_step
+    comm = Comm()
+    unit = Unit("fit", {"w": np.arange(6.0)}, comm)
+    save_step(sys.argv[1], int(sys.argv[2]), [unit])
+    print("saved", sys.argv[2], flush=True)
+    if sys.argv[3] == "killed":
+        os.kill(os.getpid(), signal.SIGTERM)  # preempted: no exit handler runs, the lock stays
+    """
+)
+
+
+def test_a_preempted_job_requeued_on_another_node_saves_at_once(comm, tmp_path):
+    """A job ended by SIGTERM left its writer lock; requeued, its rank 0 landed on another node and
+    its first save was refused for up to 6 hours. A lock that names this very Slurm job is its own
+    earlier run's; one naming a job squeue says is over is taken too; a live job's is refused."""
+    if comm.size > 1:
+        pytest.skip("runs single-process jobs: the plain-pytest pass covers it")
+    root, script = tmp_path / "ckpts", tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_COMM"))}
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+
+    def run(step, how, job, **more):
+        env = {**clean, "PYTHONPATH": path, "SLURM_JOB_ID": job, **more}
+        return subprocess.run([sys.executable, script, root, str(step), how], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    first = run(1, "killed", "77")
+    assert first.returncode == -15 and "saved 1" in first.stdout, first.stderr[-2000:]
+    held = json.loads(lock.root_lock(root).read_text())
+    assert held["slurm_job"] == "77"
+    lock.root_lock(root).write_text(json.dumps({**held, "host": "node-7"}))  # it ran on another node
+
+    refused = run(2, "ends", "78")  # another job: no squeue here, and the lock is fresh
+    assert refused.returncode != 0 and "is being written by another job (host node-7" in refused.stderr
+    requeued = run(2, "ends", "77")  # the same job, requeued
+    assert requeued.returncode == 0 and "saved 2" in requeued.stdout, requeued.stderr[-2000:]
+
+    lock.root_lock(root).write_text(json.dumps({**held, "host": "node-7", "slurm_job": "70"}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for states, code, taken in (("RUNNING", 0, False), ("", 0, True)):
+        (bin_dir / "squeue").write_text(f"#!/bin/sh\necho '{states}'\nexit {code}\n")
+        (bin_dir / "squeue").chmod(0o755)
+        result = run(3, "ends", "78", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        assert (result.returncode == 0) == taken, result.stderr[-2000:]  # over: taken; running: refused
+    assert [p.name for p in checkpoints(root)] == ["step-00000003", "step-00000002", "step-00000001"]

@@ -84,6 +84,12 @@ def _launcher_not_checked():
     _replace(launcher, "launcher_problem", lambda rank, size: None)
 
 
+def _slurm_job_not_recorded():
+    from mpifsdp.checkpoint import lock
+
+    _replace(lock, "_slurm_job", lambda: "")
+
+
 def _no_schedule_check():
     from mpifsdp.comm.communicator import Comm
 
@@ -705,6 +711,13 @@ class Mutant:
 
 
 MUTANTS = {
+    "requeued_job_takes_its_lock": Mutant(
+        _slurm_job_not_recorded,
+        "a lock naming this Slurm job (its preempted run, elsewhere) is taken at once (checkpoint/lock.py)",
+        [
+            "tests/failures/test_checkpoint_safety.py::test_a_preempted_job_requeued_on_another_node_saves_at_once"
+        ],
+    ),
     "launcher_checked": Mutant(
         _launcher_not_checked,
         "tasks that did not join one MPI job are refused at the first Comm (comm/launcher.py)",
