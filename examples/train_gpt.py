@@ -252,6 +252,7 @@ def main():
     resumed = first_step if path else None
     metrics = mpifsdp.StepMetrics(cfg.metrics, model, resume_after=resumed) if cfg.metrics else None
     bar = progress_bar(cfg.max_steps, first_step, rank)
+    stop = mpifsdp.StopRequest()  # a scheduler's warning (SIGUSR1, SIGTERM): save at a step's end, exit 0
 
     def log(text: str):  # rank 0's lines, above the bar, flushed: stdout is a pipe under mpiexec
         (bar.write if bar else say)(text, file=sys.stdout)
@@ -292,11 +293,18 @@ def main():
             log(f"step {step + 1}: val loss {val_loss:.4f}")
             if metrics:
                 metrics.note(step=step + 1, val_loss=val_loss)
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last):
+        stopping = stop.agreed(comm)  # every rank the same answer: all stop after this step
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last or stopping):
             # the data position is the step: batches are a pure function of (seed, step)
             extra = {"config": dataclasses.asdict(model_config)}
             path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, extra, keep=cfg.keep)
             log(f"saved {path}")
+        if stopping:
+            why = f"{stop.received} here" if stop.received else "a signal on another rank"
+            log(f"stopped after step {step + 1} ({why}): --resume latest continues from its checkpoint")
+            if bar:
+                bar.close()
+            return
     elapsed = time.perf_counter() - t_start
     if bar:
         bar.close()

@@ -21,6 +21,7 @@ from .base.threads import set_threads  # noqa: E402
 from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
 from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
+from .comm.stopping import StopRequest  # noqa: E402
 from .fsdp import (  # noqa: E402
     Deterministic,
     GraphedPasses,
@@ -63,6 +64,7 @@ __all__ = [
     "no_sync",
     "report",
     "StepMetrics",
+    "StopRequest",
     "full_state_dict",
     "Unit",
     # optimizers

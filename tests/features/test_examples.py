@@ -269,3 +269,56 @@ def test_train_gpt_names_a_bad_flag_before_it_trains(comm, tmp_path):
     assert "--dtype 'bogus' (float32 or float64" in out and "--seed -1 (must be >= 0)" in out, out
     link = f"--save_dir {tmp_path / 'ck'} (a symbolic link to {tmp_path / 'gone'}, which does not exist)"
     assert link in out, out
+
+
+def test_train_gpt_saves_and_exits_0_when_the_scheduler_warns_one_rank(comm, tmp_path):
+    """sbatch --signal=USR1@120: the warning before a time limit or preemption. train_gpt had no
+    handler (the signal ended it, the steps since its last checkpoint lost). Every rank stops after the
+    same step, it is saved, the job ends with status 0, and --resume latest continues from it."""
+    if comm.size > 1:
+        pytest.skip("drives its own mpiexec: runs in the plain-pytest pass of make test")
+    import signal
+    import subprocess
+    import time
+
+    from mpifsdp.checkpoint import checkpoints
+
+    from support import processes_running
+
+    small = ["--n_layer", 1, "--n_embd", 16, "--n_head", 2, "--block_size", 16, "--batch_size", 4,
+             "--sample_tokens", 2, "--eval_every", 100000, "--log_every", 1]  # fmt: skip
+    script = tmp_path / "train_gpt.py"  # its own path, to find its ranks by
+    script.write_text((ROOT / "examples" / "train_gpt.py").read_text())
+    ckpt = ["--save_dir", tmp_path / "ck", "--save_every", 100000, "--metrics", tmp_path / "m.jsonl"]
+    cmd = [
+        *mpiexec(),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "mpi4py",
+        script,
+        "--max_steps",
+        100000,
+        *ckpt,
+        *small,
+    ]
+    job = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)  # fmt: skip
+    try:
+        for _ in range(600):  # until it has trained a few steps
+            lines = (tmp_path / "m.jsonl").read_text().count("\n") if (tmp_path / "m.jsonl").exists() else 0
+            if lines >= 3:
+                break
+            time.sleep(0.1)
+        ranks = sorted(int(p) for p in processes_running(str(script)))
+        os.kill(ranks[-1], signal.SIGUSR1)  # one rank's warning: the other learns it at the step's end
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:]
+    step = int(out.split("stopped after step ")[1].split()[0])
+    assert [p.name for p in checkpoints(tmp_path / "ck")] == [f"step-{step:08d}"], out[-2000:]
+    resumed = run_example(comm, 2, script, "--max_steps", step + 2, *ckpt, "--resume", "latest", *small)
+    assert f"resumed from {tmp_path / 'ck' / f'step-{step:08d}'} at step {step}" in resumed
