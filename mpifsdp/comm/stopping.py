@@ -18,12 +18,12 @@ import threading
 class StopRequest:
     """SIGUSR1 and SIGTERM (by default) ask for a stop at the next step boundary (module docstring).
 
-        stop = StopRequest()
-        for step in ...:
-            ... forward, backward, opt.step() ...
-            if stop.agreed(comm):
-                save_step(root, step + 1, model, opt)
-                break
+    stop = StopRequest()
+    for step in ...:
+        ... forward, backward, opt.step() ...
+        if stop.agreed(comm):
+            save_step(root, step + 1, model, opt)
+            break
     """
 
     def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
