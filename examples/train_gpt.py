@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -37,49 +39,62 @@ from mpifsdp.observe import pictures
 class TrainConfig(GPTConfig):
     """The model's GPTConfig fields (byte tokens: vocab 256; a smaller context), then training's own."""
 
-    block_size: int = 64
+    block_size: int = 64  # the longest context, in tokens
     data: str = ""  # a text file; empty: the Python standard library's sources
     # optimization
     batch_size: int = 32  # global, per micro-batch: split evenly over the ranks
     grad_accum: int = 1  # micro-batches per step: a step sees grad_accum * batch_size sequences
     accum_sync: str = "reduce"  # "reduce": reduce-scatter each micro-batch; "no_sync": only the last
     recompute: bool = False  # activation checkpointing: each block re-runs its forward in backward
-    max_steps: int = 1000
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    max_steps: int = 1000  # the run's last step (a resumed run continues to it)
+    lr: float = 3e-3  # AdamW's peak learning rate, after warmup
+    min_lr: float = 3e-4  # the learning rate the cosine decay ends at, at max_steps
+    warmup_steps: int = 100  # steps of linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this
     # evaluation and logging
-    eval_every: int = 200
-    eval_batches: int = 8
-    log_every: int = 10
+    eval_every: int = 200  # steps between validation losses
+    eval_batches: int = 8  # batches a validation loss averages
+    log_every: int = 10  # steps between progress lines
     metrics: str = ""  # a file for one JSON line per step (loss, lr, norm, time split, memory, bytes)
-    sample_tokens: int = 200
+    sample_tokens: int = 200  # tokens sampled from the model at the end
     # checkpoints
     save_every: int = 0  # steps between checkpoints; 0: none
-    save_dir: str = "out/checkpoints"
+    save_dir: str = "out/checkpoints"  # the root of the step-N checkpoints (shared by every rank)
     keep: int = 3  # complete checkpoints kept
     resume: str = ""  # a checkpoint directory, or "latest" (the newest intact one in save_dir)
     fresh: bool = False  # start over although save_dir holds checkpoints (they will be replaced)
     # system
-    seed: int = 1337
-    device: str = "cpu"
+    seed: int = 1337  # the model's initial values and the batches' order
+    device: str = "cpu"  # "cpu" or "cuda" (each rank takes GPU node-rank mod GPUs)
     transport: str = ""  # GPU collectives: "nccl", "cuda-aware-mpi" or "host"; empty: mpifsdp chooses
-    dtype: str = "float32"
+    dtype: str = "float32"  # the parameters', gradients' and AdamW's: float32 or float64
+
+
+def field_help() -> dict:
+    """Each config field's help: the comment after it in TrainConfig or GPTConfig (one text, read
+    where it is written)."""
+    found = {}
+    for kind in (GPTConfig, TrainConfig):  # TrainConfig's own words last: they win
+        for line in inspect.getsource(kind).splitlines():
+            if match := re.match(r"\s+(\w+): [\w\[\]| ]+ = [^#]+#\s*(.+)$", line):
+                found[match[1]] = match[2].strip()
+    return found
 
 
 def parse_config() -> TrainConfig:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    helps = field_help()
     for f in dataclasses.fields(TrainConfig):
         kind = yes_or_no if f.type in (bool, "bool") else type(f.default)
         flags = {f"--{f.name}", f"--{f.name.replace('_', '-')}"}
+        words = f"{helps[f.name]} " if f.name in helps else ""
         parser.add_argument(
-            *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"(default: {f.default})"
+            *sorted(flags), dest=f.name, type=kind, default=f.default, help=f"{words}(default: {f.default})"
         )
     try:
         cfg = TrainConfig(**vars(parser.parse_args()))  # GPTConfig checks the model's fields

@@ -20,14 +20,14 @@ ACTIVATIONS = ("gelu_tanh", "relu")
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
+    vocab_size: int = 256  # token ids 0..vocab_size-1 (256: bytes)
+    block_size: int = 128  # the longest context, in tokens
+    n_layer: int = 4  # transformer blocks (each a unit under fully_shard(units=model.blocks))
+    n_head: int = 4  # attention heads; n_embd must divide by it
+    n_embd: int = 128  # the model's width
+    dropout: float = 0.0  # dropout rate after attention, in the MLP and on the embeddings
+    bias: bool = True  # biases in the linears and LayerNorms
+    tie_weights: bool = True  # the head is the token embedding's transpose
     activation: str = "gelu_tanh"  # the MLP's: "gelu_tanh" (GPT-2's "gelu_new") or "relu"
     mlp_hidden: int = 0  # the MLP's width; 0: 4 * n_embd
     ln_eps: float = 1e-5  # every LayerNorm's epsilon

@@ -322,3 +322,21 @@ def test_train_gpt_saves_and_exits_0_when_the_scheduler_warns_one_rank(comm, tmp
     assert [p.name for p in checkpoints(tmp_path / "ck")] == [f"step-{step:08d}"], out[-2000:]
     resumed = run_example(comm, 2, script, "--max_steps", step + 2, *ckpt, "--resume", "latest", *small)
     assert f"resumed from {tmp_path / 'ck' / f'step-{step:08d}'} at step {step}" in resumed
+
+
+def test_every_train_gpt_flag_says_what_it_does():
+    """38 flags, most with no help text: each field's comment in TrainConfig or GPTConfig is its help."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_help", ROOT / "examples" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    try:
+        spec.loader.exec_module(example)
+        helps = example.field_help()
+        fields = [f.name for f in dataclasses.fields(example.TrainConfig)]
+    finally:
+        del sys.modules[spec.name]
+    assert len(fields) >= 38 and [f for f in fields if len(helps.get(f, "")) < 8] == []
+    assert helps["beta1"] == "AdamW's first-moment decay" and helps["block_size"].startswith("the longest")
