@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -71,6 +72,7 @@ class TrainConfig(GPTConfig):
     device: str = "cpu"  # "cpu" or "cuda" (each rank takes GPU node-rank mod GPUs)
     transport: str = ""  # GPU collectives: "nccl", "cuda-aware-mpi" or "host"; empty: mpifsdp chooses
     dtype: str = "float32"  # the parameters', gradients' and AdamW's: float32 or float64
+    log_level: str = "warning"  # mpifsdp's log lines shown: debug, info, warning or error
 
 
 def field_help() -> dict:
@@ -111,6 +113,8 @@ def parse_config() -> TrainConfig:
         wrong.append(f"--dtype {cfg.dtype!r} (float32 or float64: the parameters', gradients' and AdamW's)")
     if cfg.seed < 0:
         wrong.append(f"--seed {cfg.seed} (must be >= 0)")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        wrong.append(f"--log_level {cfg.log_level!r} (debug, info, warning or error)")
     wrong += save_dir_problems(cfg.save_dir) if cfg.save_every or cfg.resume == "latest" else []
     if wrong:
         parser.error("; ".join(wrong))
@@ -195,6 +199,7 @@ def draw_pictures(metrics_path: str) -> str:
 
 def main():
     cfg = parse_config()
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(message)s")  # "[rank k]" where several
     # on a GPU: this rank's GPU, and how collectives move
     comm = mpifsdp.Comm(device=cfg.device, transport=cfg.transport or None)
     rank, world = comm.rank, comm.size

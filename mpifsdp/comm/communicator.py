@@ -72,6 +72,7 @@ class Comm:
             raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
         self.rank, self.size = base.Get_rank(), base.Get_size()
         if mpi_comm is None:  # the job's world: is it the job the launcher started?
+            launcher.label_logs(self.rank, self.size)
             launcher.log_library(MPI)
             problem = launcher.launcher_problem(self.rank, self.size)
             if problem:

@@ -265,8 +265,11 @@ def test_train_gpt_names_a_bad_flag_before_it_trains(comm, tmp_path):
     taken for a first run, failing at the first save with the steps before it lost."""
     (tmp_path / "ck").symlink_to(tmp_path / "gone")
     flags = ["--dtype", "bogus", "--seed", -1, "--save_every", 5, "--save_dir", tmp_path / "ck"]
-    out = run_example(comm, 1, ROOT / "examples" / "train_gpt.py", *flags, returncode=2)
+    out = run_example(
+        comm, 1, ROOT / "examples" / "train_gpt.py", *flags, "--log_level", "loud", returncode=2
+    )
     assert "--dtype 'bogus' (float32 or float64" in out and "--seed -1 (must be >= 0)" in out, out
+    assert "--log_level 'loud' (debug, info, warning or error)" in out
     link = f"--save_dir {tmp_path / 'ck'} (a symbolic link to {tmp_path / 'gone'}, which does not exist)"
     assert link in out, out
 

@@ -193,3 +193,16 @@ def test_object_collectives_barrier_and_agreement_are_announced_and_counted(comm
     for op, calls in (("broadcast", 2), ("allgather_object", 3), ("barrier", 1)):
         assert comm.ledger.total("calls", op=op) == calls, op
     assert comm.schedule.position()[0] - before == 6
+
+
+def test_mpifsdp_log_lines_say_which_rank_wrote_them(comm, caplog):
+    """A warning every rank gave was a wall of identical lines: where several ranks print, each of
+    mpifsdp's log records starts with its rank; other loggers' records are left as they are."""
+    import logging
+
+    with caplog.at_level("WARNING"):
+        logging.getLogger("mpifsdp.checkpoint").warning("a warning from %s", "mpifsdp")
+        logging.getLogger("someone.else").warning("not ours")
+    said = [r.getMessage() for r in caplog.records]
+    label = f"[rank {comm.rank}] " if comm.size > 1 else ""
+    assert said == [f"{label}a warning from mpifsdp", "not ours"], said
