@@ -75,12 +75,12 @@ def yes_or_no(text: str) -> bool:
     return word in YES
 
 
-def env_flag(variable: str) -> bool:
-    """An on/off environment variable (unset or empty: off); any other word than yes_or_no's is an
-    error naming the variable (MPIFSDP_REQUIRE_GPU=true was read as off)."""
+def env_flag(variable: str, default: bool = False) -> bool:
+    """An on/off environment variable (unset or empty: `default`); any other word than yes_or_no's is
+    an error naming the variable (MPIFSDP_REQUIRE_GPU=true was read as off)."""
     value = os.environ.get(variable, "")
     try:
-        return bool(value.strip()) and yes_or_no(value)
+        return yes_or_no(value) if value.strip() else default
     except ValueError:
         raise ValueError(f"{variable}={value!r}: use 1/true/yes/on or 0/false/no/off") from None
 

@@ -79,7 +79,8 @@ def hold(lock: Path):
             continue
         with os.fdopen(fd, "w") as f:
             me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": token}
-            json.dump({**me, **({"slurm_job": _slurm_job()} if _slurm_job() else {})}, f)
+            job = _slurm_job()
+            json.dump({**me, **({"slurm_job": job} if job else {})}, f)
             f.flush()
             os.fsync(f.fileno())
         _held[lock] = token

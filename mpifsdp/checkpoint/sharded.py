@@ -11,6 +11,7 @@ the directory into place only after every rank has finished: a checkpoint either
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -255,11 +256,8 @@ def agreed_manifest(comm, directory: Path, model) -> dict:
     manifest = collective(comm, lambda: read_manifest(directory), f"loading {directory}")
     if len(set(comm.allgather_object(manifest_digest(manifest)))) > 1:
         raise ChangedWhileRead(f"{directory} changed while it was read (another job saved over it)")
-    try:
-        problem = check_settings(manifest, model, directory)
-    except CheckpointError as exc:
-        problem = str(exc)
-    comm.raise_if_any(problem, f"loading {directory}", SettingsDiffer)
+    check = functools.partial(check_settings, manifest, model, directory)
+    comm.run_everywhere(check, f"loading {directory}", (SettingsDiffer,), SettingsDiffer)
     return manifest
 
 

@@ -26,7 +26,7 @@ _logged = _labelled = False
 
 def launcher_problem(rank: int, size: int) -> str | None:
     """Why this process's MPI world (rank of size) is not the job its launcher started, or None."""
-    if os.environ.get("MPIFSDP_CHECK_LAUNCHER", "").strip() and not env_flag("MPIFSDP_CHECK_LAUNCHER"):
+    if not env_flag("MPIFSDP_CHECK_LAUNCHER", default=True):
         return None
     variable = next((v for v in ANNOUNCED if os.environ.get(v, "").strip().isdigit()), None)
     if variable is None:

@@ -18,7 +18,6 @@ next unit's backward computes. Every rank issues the same collectives in the sam
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import weakref
 from collections import deque
 
@@ -31,18 +30,12 @@ from ..base.accounting import MemoryLedger
 from ..base.backend import host_value
 from ..base.checks import is_count
 from ..comm.communicator import CollectiveError, Comm
+from ..comm.schedule import digest
 from ..nn.module import settings_changes
 from ..shard.pool import BufferPool
 from ..shard.unit import Unit
 from .deterministic import ChunkedBatch, ChunkState
 from .lifecycle import Stage, UnitLifecycle, casts_kept
-
-
-def _digest(settings: dict) -> int:
-    """A signed 64-bit digest of a model's settings, compared across ranks with the batch size."""
-    return int.from_bytes(
-        hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little", signed=True
-    )
 
 
 class ShardedModel:
@@ -197,7 +190,7 @@ class ShardedModel:
         """model.settings() and its digest, walked again only after a module's setting was assigned."""
         if self._settings_known is None or self._settings_known[0] != settings_changes():
             settings = model.settings()
-            self._settings_known = (settings_changes(), settings, _digest(settings))
+            self._settings_known = (settings_changes(), settings, digest(settings))
         return self._settings_known[1]
 
     def _refuse_settings(self, settings: dict):

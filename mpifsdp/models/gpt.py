@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -133,15 +134,13 @@ class GPT(Module):
         Samples in evaluation mode (no dropout); the model's mode is restored afterwards."""
         rng = rng or np.random.default_rng(0)
         xp = array_module(self._device)
-        try:  # ranks may hold different prompts: a bad one is named on every rank (a collective)
-            out, problem = self._checked_prompt(idx, max_new_tokens, temperature, top_k), None
-        except ValueError as exc:
-            out, problem = None, str(exc)
-        sharded = sharded_model(self)
-        if sharded is not None:
-            sharded.comm.raise_if_any(problem, "GPT.generate", ValueError)
-        elif problem:
-            raise ValueError(problem)
+        check = functools.partial(self._checked_prompt, idx, max_new_tokens, temperature, top_k)
+        sharded = sharded_model(self)  # ranks may hold different prompts: a bad one is named on all
+        out = (
+            check()
+            if sharded is None
+            else sharded.comm.run_everywhere(check, "GPT.generate", (ValueError,), ValueError)
+        )
         was_training = self.training
         self.eval()
         try:

@@ -10,6 +10,7 @@ also travels in the safetensors metadata (`mpifsdp_gpt_config`), so the file alo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -77,14 +78,13 @@ def export_hf_gpt2(directory, model: GPT, tokenizer=None) -> Path:
     directory = Path(directory)
     hf = hf_config(model.config)
     sharded = sharded_model(model)
-    try:  # before a byte is written, on every rank: a typo found after the weights lost the export
-        tokenizer_text, problem = _tokenizer_text(tokenizer, model.config), None
-    except ValueError as exc:
-        tokenizer_text, problem = None, str(exc)
-    if sharded is not None:
-        sharded.comm.raise_if_any(problem, "export_hf_gpt2", ValueError)
-    elif problem:
-        raise ValueError(problem)
+    # checked before a byte is written, on every rank: a typo found after the weights lost the export
+    check = functools.partial(_tokenizer_text, tokenizer, model.config)
+    tokenizer_text = (
+        check()
+        if sharded is None
+        else sharded.comm.run_everywhere(check, "export_hf_gpt2", (ValueError,), ValueError)
+    )
     state = full_state_dict(model)  # every parameter by our name, on every rank
     if sharded is not None and sharded.comm.rank != 0:
         sharded.comm.barrier()

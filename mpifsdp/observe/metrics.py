@@ -62,7 +62,7 @@ class StepMetrics:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = b""
         if resume_after is not None and self.path.exists():
-            kept = b"".join(line for line in _whole_lines(self.path) if _step_of(line) <= resume_after)
+            kept = b"".join(line for line, step in _whole_lines(self.path) if step <= resume_after)
         with atomic_file(self.path) as f:
             f.write(kept)
 
@@ -152,32 +152,23 @@ class StepMetrics:
             f.write(json.dumps(line) + "\n")
 
 
-def _whole_lines(path: Path) -> list[bytes]:
-    """The file's lines that were written whole: a crash while a line was written leaves a fragment
-    with no newline at the end, which is cut (the next line would be glued onto it); a line that is
-    not JSON (such a fragment a run before this check continued) goes too, said in a warning."""
-    lines = path.read_bytes().splitlines(keepends=True)
-    whole = [line for line in lines if line.endswith(b"\n") and _is_json(line)]
+def _whole_lines(path: Path) -> list[tuple[bytes, float]]:
+    """(line, the step it belongs to) for each line of the file written whole, each read once: a
+    crash while a line was written leaves a fragment with no newline at the end, which is cut (the
+    next line would be glued onto it); a line that is not JSON (such a fragment a run before this
+    check continued) goes too, said in a warning. A line that is not a step's belongs to step 0."""
+    lines, whole = path.read_bytes().splitlines(keepends=True), []
+    for line in lines:
+        try:
+            value = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            continue
+        if value is not None:
+            step = value.get("step", 0) if isinstance(value, dict) else 0
+            whole.append((line, step if isinstance(step, (int, float)) else 0))
     if len(whole) < len(lines):
         log.warning("%s: dropped %d torn line(s) a crash left while writing", path, len(lines) - len(whole))
     return whole
-
-
-def _is_json(line: bytes) -> bool:
-    try:
-        json.loads(line)
-    except ValueError:
-        return False
-    return True
-
-
-def _step_of(line: bytes) -> float:
-    """The step a line of the file belongs to (a line that is not a step's, or unreadable, is kept)."""
-    try:
-        step = json.loads(line).get("step", 0)
-    except (ValueError, AttributeError):
-        return 0
-    return step if isinstance(step, (int, float)) else 0
 
 
 def _summed(dicts) -> dict:

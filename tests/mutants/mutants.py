@@ -27,10 +27,10 @@ def _gather_moves_unchecked():
 
 
 def _settings_not_compared():
-    """Ranks' settings all digest alike (fsdp/model.py `_digest`)."""
+    """Ranks' settings all digest alike (fsdp/model.py's `digest`)."""
     from mpifsdp.fsdp import model
 
-    _replace(model, "_digest", lambda settings: 0)
+    _replace(model, "digest", lambda *parts: 0)
 
 
 def _saved_settings_not_compared():
@@ -48,7 +48,7 @@ def _export_config_not_compared():
 def _torn_lines_kept():
     from mpifsdp.observe import metrics
 
-    _replace(metrics, "_whole_lines", lambda path: path.read_bytes().splitlines(keepends=True))
+    _replace(metrics, "_whole_lines", lambda path: [(line, 0) for line in path.read_bytes().splitlines(True)])
 
 
 def _disposition_ignored():
@@ -756,7 +756,7 @@ MUTANTS = {
     "settings_compared": Mutant(
         _settings_not_compared,
         "the ranks' settings that change the mathematics (train/eval, dropout rate, heads) are compared "
-        "at each forward (fsdp/model.py `_digest`)",
+        "at each forward (fsdp/model.py `ShardedModel._settings`)",
         [
             "tests/failures/test_faults.py::test_a_setting_that_changes_the_mathematics_on_one_rank_is_named_on_every_rank"
         ],
