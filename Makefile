@@ -1,18 +1,20 @@
 # Set-up and everyday commands. `make test` and `make train` build the virtual environment first.
-# Cluster users: `make install EXTRAS=test,dev` leaves out the mpich wheel and uses the site MPI
-# that mpi4py is then rebuilt against (.venv/bin/pip install --force-reinstall --no-cache-dir
-# --no-binary=mpi4py mpi4py, with the site's mpicc first on PATH).
+# Cluster users: `make install MPI=site` (a venv of its own, .venv-site) leaves out the MPI wheels and
+# builds mpi4py from source against the site MPI, whose mpicc must be first on PATH (`module load
+# openmpi`, say): pip's --force-reinstall, or it keeps the mpi4py wheel it has. CI runs this route
+# against Debian's Open MPI under Slurm (tests/cluster/test_slurm.py).
 # `make test MPI=openmpi`: the same suite under the openmpi wheel, in a venv of its own (.venv-openmpi);
 # Open MPI needs --oversubscribe for more ranks than cores, and --allow-run-as-root as root.
 PYTHON ?= python3
+comma  := ,
 MPI    ?= mpich
 VENV   ?= $(if $(filter mpich,$(MPI)),.venv,.venv-$(MPI))
-EXTRAS ?= $(MPI),test,dev
+EXTRAS ?= $(if $(filter site,$(MPI)),test$(comma)dev,$(MPI)$(comma)test$(comma)dev)
 NP     ?= 2
 BIN     = $(VENV)/bin
-comma  := ,
 MPIFLAGS = $(if $(filter openmpi,$(MPI)),--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root),)
-MPIRUN  = $(BIN)/mpiexec $(MPIFLAGS) -n
+# The site's mpiexec (on PATH) for MPI=site; SITE_MPIFLAGS are its flags, if it needs any.
+MPIRUN  = $(if $(filter site,$(MPI)),mpiexec $(SITE_MPIFLAGS),$(BIN)/mpiexec $(MPIFLAGS)) -n
 # One BLAS thread per rank in tests: ranks share the machine's cores.
 TEST_ENV = OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 PYTEST   = $(BIN)/python -m pytest -q --with-mpi
@@ -27,6 +29,7 @@ $(VENV)/.installed: pyproject.toml tools/pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(if $(filter test,$(subst $(comma), ,$(EXTRAS))),$(BIN)/pip install -q -e tools)
+	$(if $(filter site,$(MPI)),$(BIN)/pip install -q --force-reinstall --no-cache-dir --no-binary=mpi4py mpi4py)
 	touch $@
 
 # The GPU toolchain's checks without a GPU, in a venv of their own: bench/nvrtc_check.py compiles

@@ -176,8 +176,9 @@ def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str 
 
 def progress_bar(total: int, done: int, rank: int):
     """tqdm on rank 0 where it is installed (it draws without a TTY as well: under mpiexec rank 0's
-    output is a pipe); None otherwise, and the log lines are the only progress."""
-    if rank != 0:
+    output is a pipe); None otherwise, and the log lines are the only progress. Not in a Slurm batch
+    job (sbatch sets ENVIRONMENT=BATCH): its output is a log file, where a bar is a line of noise."""
+    if rank != 0 or os.environ.get("ENVIRONMENT") == "BATCH":
         return None
     try:
         from tqdm import tqdm
@@ -212,7 +213,8 @@ def main():
     except (OSError, ValueError) as exc:  # every rank reads the same file: every rank stops
         say(f"error: --data: {exc}", file=sys.stderr)
         sys.exit(2)
-    say(f"data: {data.path} ({len(data.tokens) / 1e6:.1f} M byte tokens), {world} rank(s) on {cfg.device}")
+    tokens = f"{len(data.tokens) / 1e6:.1f} M byte tokens"
+    say(f"data: {data.path} ({tokens}), {world} rank(s) on {cfg.device} over {comm.library}")
 
     model_config = GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)})
     with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit

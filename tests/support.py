@@ -255,3 +255,58 @@ def train_with_metrics(comm, tmp_path, steps: int, **write_values) -> tuple[str,
         metrics.note(step=step, val_loss=3.5)
     comm.barrier()
     return path, returned
+
+
+class Slurm:
+    """The one-node Slurm on this machine (tools/slurm/one_node.sh; .ci/run starts one), driven as a user
+    drives a cluster's: sbatch, scontrol, squeue. `Slurm.here()` skips the calling test where there is
+    none, and fails it where MPIFSDP_REQUIRE_SLURM=1 (CI: a Slurm that did not start is no skip)."""
+
+    FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
+
+    @classmethod
+    def here(cls) -> Slurm:
+        problem = None
+        if shutil.which("sbatch") is None:
+            problem = "no Slurm here (no sbatch on PATH)"
+        else:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=60)
+            if "UP" not in ping.stdout:
+                said = (ping.stdout + ping.stderr).strip().splitlines() or ["nothing"]
+                problem = f"no Slurm controller answers (scontrol ping: {said[-1]}; is SLURM_CONF set?)"
+        if problem is None:
+            return cls()
+        problem += "; `tools/slurm/one_node.sh install`, then `start`, makes one, as CI does"
+        if os.environ.get("MPIFSDP_REQUIRE_SLURM") == "1":
+            pytest.fail(problem)
+        pytest.skip(MACHINE_LACKS + problem)
+
+    def submit(self, script: Path, *options: str, env: dict) -> str:
+        """sbatch `script` from the repository's root with `options` overriding its #SBATCH lines and `env`
+        added to the caller's environment; the job's id (an array's job id)."""
+        exports = ",".join(["ALL", *(f"{name}={value}" for name, value in env.items())])
+        done = subprocess.run(["sbatch", "--parsable", f"--export={exports}", *options, str(script)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().split(";")[0]
+
+    def jobs(self, job: str) -> list[dict]:
+        """`scontrol show job`'s fields of `job` (every task of an array), one dict a job."""
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
+                               timeout=60)  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in lines]
+
+    def wait(self, job: str, until=None, timeout: float = 300) -> list[dict]:
+        """Poll `job` until `until(jobs)` holds (default: every task has ended); its fields then."""
+        until = until or (lambda jobs: all(j["JobState"] in self.FINAL for j in jobs))
+        deadline = time.monotonic() + timeout
+        while True:
+            jobs = self.jobs(job)
+            if until(jobs):
+                return jobs
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", job])
+                pytest.fail(f"Slurm job {job} did not get there in {timeout:.0f} s: {jobs}")
+            time.sleep(0.5)

@@ -71,9 +71,10 @@ class Comm:
         if not isinstance(base, MPI.Comm):
             raise TypeError(f"Comm(mpi_comm=...) takes an mpi4py communicator, not {base!r}")
         self.rank, self.size = base.Get_rank(), base.Get_size()
+        self.library = launcher.library(MPI)  # which MPI: "MPICH Version: 5.0.2", "Open MPI v4.1.4"
         if mpi_comm is None:  # the job's world: is it the job the launcher started?
             launcher.label_logs(self.rank, self.size)
-            launcher.log_library(MPI)
+            launcher.log_library(self.rank, self.library)
             problem = launcher.launcher_problem(self.rank, self.size)
             if problem:
                 raise RuntimeError(problem)

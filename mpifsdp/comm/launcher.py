@@ -63,10 +63,17 @@ def label_logs(rank: int, size: int):
     logging.setLogRecordFactory(labelled)
 
 
-def log_library(mpi):
-    """The MPI library and version, said once per process (rank 0's log): which MPI a job ran on."""
+def library(mpi) -> str:
+    """The MPI library's name and version, from the first line it gives ("MPICH Version: 5.0.2",
+    "Open MPI v4.1.4"): which MPI a job ran on, for its log."""
+    first = " ".join(mpi.Get_library_version().strip().splitlines()[0].split())
+    return first.split(",")[0]
+
+
+def log_library(rank: int, name: str):
+    """The MPI library said once per process (rank 0's log)."""
     global _logged
     if not _logged:
         _logged = True
-        if mpi.COMM_WORLD.Get_rank() == 0:
-            log.info("MPI: %s", mpi.Get_library_version().strip().splitlines()[0])
+        if rank == 0:
+            log.info("MPI: %s", name)
