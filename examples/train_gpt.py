@@ -72,6 +72,8 @@ class TrainConfig(GPTConfig):
     device: str = "cpu"  # "cpu" or "cuda" (each rank takes GPU node-rank mod GPUs)
     transport: str = ""  # GPU collectives: "nccl", "cuda-aware-mpi" or "host"; empty: mpifsdp chooses
     dtype: str = "float32"  # the parameters', gradients' and AdamW's: float32 or float64
+    param_dtype: str = ""  # compute in float16 (with a loss scaler) or bfloat16; empty: in --dtype
+    graphs: bool = False  # each step's forward and backward replayed from one CUDA graph (cuda, NCCL)
     log_level: str = "warning"  # mpifsdp's log lines shown: debug, info, warning or error
 
 
@@ -113,12 +115,31 @@ def parse_config() -> TrainConfig:
         wrong.append(f"--dtype {cfg.dtype!r} (float32 or float64: the parameters', gradients' and AdamW's)")
     if cfg.seed < 0:
         wrong.append(f"--seed {cfg.seed} (must be >= 0)")
+    if cfg.param_dtype not in ("", "float16", "bfloat16"):
+        wrong.append(f"--param_dtype {cfg.param_dtype!r} (float16 or bfloat16; the masters stay in --dtype)")
+    wrong += graphs_problems(cfg) if cfg.graphs else []
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         wrong.append(f"--log_level {cfg.log_level!r} (debug, info, warning or error)")
     wrong += save_dir_problems(cfg.save_dir) if cfg.save_every or cfg.resume == "latest" else []
     if wrong:
         parser.error("; ".join(wrong))
     return cfg
+
+
+def graphs_problems(cfg: TrainConfig) -> list[str]:
+    """What --graphs cannot replay, named before training (mpifsdp.GraphedPasses would refuse it later)."""
+    wrong = []
+    if cfg.device != "cuda":
+        wrong.append(f"--graphs with --device {cfg.device} (CUDA graphs need --device cuda)")
+    if cfg.transport not in ("", "nccl"):
+        wrong.append(
+            f"--graphs with --transport {cfg.transport} (a graph holds NCCL's collectives, not MPI's)"
+        )
+    if cfg.dropout > 0:
+        wrong.append(f"--graphs with --dropout {cfg.dropout} (a graph would replay the same dropout masks)")
+    if cfg.accum_sync == "no_sync" and cfg.grad_accum > 1:
+        wrong.append("--graphs with --accum_sync no_sync (a graph replays every micro-batch's reduction)")
+    return wrong
 
 
 def save_dir_problems(save_dir: str) -> list[str]:
@@ -140,8 +161,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
 
 
-def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str | None, int]:
-    """(checkpoint, step) to start from: a checkpoint's (--resume), or (None, 0).
+def resume(cfg: TrainConfig, comm, model, opt, model_config: dict, scaler=None) -> tuple[str | None, int]:
+    """(checkpoint, step) to start from: a checkpoint's (--resume), or (None, 0); the loss scaler
+    (--param_dtype float16) goes on from its saved scale.
 
     Never discards an earlier run silently: checkpoints that exist but do not load, or a fresh start
     into a save_dir holding checkpoints (its saves would replace them), are errors unless --fresh
@@ -171,6 +193,8 @@ def resume(cfg: TrainConfig, comm, model, opt, model_config: dict) -> tuple[str 
         raise checkpoint.CheckpointError(
             f"{path} was saved by a model with another configuration (saved, now): {changed}"
         )
+    if scaler is not None and "loss_scale" in extra:
+        scaler.load_state_dict(extra["loss_scale"])
     return path, extra["step"]
 
 
@@ -220,7 +244,10 @@ def main():
     with mpifsdp.deferred_init():  # no rank ever holds the whole model: fully_shard makes it unit by unit
         model = GPT(model_config, seed=cfg.seed, dtype=np.dtype(cfg.dtype), device=comm.device)
     n_params = model.num_params()
-    mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=cfg.recompute)
+    low = cfg.param_dtype or None  # the masters stay in --dtype; gradients are reduced in it too
+    mpifsdp.fully_shard(model, comm, units=model.blocks, recompute=cfg.recompute, param_dtype=low,
+                        reduce_dtype=cfg.dtype if low else None)  # fmt: skip
+    scaler = mpifsdp.LossScaler() if cfg.param_dtype == "float16" else None  # bfloat16: float32's range
     sharded = sharded_model(model)
     plan = sharded.plan()
     say(
@@ -237,17 +264,39 @@ def main():
         x, y = data.global_batch(split, index, cfg.batch_size, cfg.block_size, seed=cfg.seed)
         return xp.asarray(rank_slice(x, rank, world)), xp.asarray(rank_slice(y, rank, world))
 
-    def accumulate_gradients(step):
-        """Backward over grad_accum micro-batches; each loss weighs 1/k, so their summed gradients are
-        those of the mean over all k * batch_size sequences. Returns the mean loss."""
-        k, total = cfg.grad_accum, 0.0
+    weights = {}  # 1 / grad_accum as a 0-d device array, by the loss's dtype
+
+    def passes(*pairs):
+        """The step's forwards and backwards, over its grad_accum micro-batches (x0, y0, x1, y1, ...);
+        each loss weighs 1/k, so their summed gradients are those of the mean over all k * batch_size
+        sequences. With --graphs, captured once and replayed."""
+        k, losses = cfg.grad_accum, []
         for j in range(k):
-            sync = cfg.accum_sync == "reduce" or j == k - 1  # no_sync: reduce only the last one
-            sharded.set_requires_gradient_sync(sync)
-            loss = model(*batch("train", step * k + j)) / k
-            loss.backward()
-            total += loss.item()
-        return total
+            if cfg.accum_sync == "no_sync":  # reduce only the last one
+                sharded.set_requires_gradient_sync(j == k - 1)
+            loss = model(pairs[2 * j], pairs[2 * j + 1])
+            if k > 1:  # by a device number made in the first (eager) call: a graph copies nothing in
+                share = weights.setdefault(loss.dtype, mpifsdp.Tensor(xp.full((), 1 / k, dtype=loss.dtype)))
+                loss = loss * share
+            (scaler.scale(loss) if scaler else loss).backward()
+            losses.append(loss)
+        return tuple(losses)
+
+    run = mpifsdp.GraphedPasses(model, passes) if cfg.graphs else passes
+
+    def accumulate_gradients(step) -> float:
+        """Backward over the step's micro-batches; the mean loss."""
+        k = cfg.grad_accum
+        return sum(loss.item() for loss in run(*(a for j in range(k) for a in batch("train", step * k + j))))
+
+    def optimizer_step() -> float:
+        """Clip and step (a step whose float16 gradients overflowed is skipped); the gradient norm."""
+        if scaler:
+            scaler.step(opt, max_norm=cfg.grad_clip)
+            return scaler.last_grad_norm
+        grad_norm = opt.clip_grad_norm(cfg.grad_clip)
+        opt.step()
+        return grad_norm
 
     def evaluate() -> float:  # in evaluation mode: no dropout, so the loss depends on the parameters alone
         model.eval()
@@ -257,7 +306,7 @@ def main():
         return comm.all_reduce_scalar(local) / (world * cfg.eval_batches)
 
     try:
-        path, first_step = resume(cfg, comm, model, opt, dataclasses.asdict(model_config))
+        path, first_step = resume(cfg, comm, model, opt, dataclasses.asdict(model_config), scaler)
     except checkpoint.CheckpointError as exc:  # raised on every rank alike: every rank stops
         say(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -289,8 +338,7 @@ def main():
         began = time.perf_counter()
         opt.lr = lr_at(step, cfg)
         loss = accumulate_gradients(step)
-        grad_norm = opt.clip_grad_norm(cfg.grad_clip)
-        opt.step()
+        grad_norm = optimizer_step()
         opt.zero_grad()
         if last:
             step_comm = comm.ledger.report()
@@ -319,6 +367,8 @@ def main():
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or last or stopping):
             # the data position is the step: batches are a pure function of (seed, step)
             extra = {"config": dataclasses.asdict(model_config)}
+            if scaler:
+                extra["loss_scale"] = scaler.state_dict()
             path = checkpoint.save_step(cfg.save_dir, step + 1, model, opt, extra, keep=cfg.keep)
             log(f"saved {path}")
         if stopping:

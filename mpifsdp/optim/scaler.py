@@ -48,6 +48,23 @@ class LossScaler:
         self.good_steps = 0
         self.skipped_steps = 0
         self.skips_in_a_row = 0
+        self.last_grad_norm = math.nan  # the last step's global norm, unscaled (what clipping saw)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to go on as an uninterrupted one would: the scale and its counts
+        (plain numbers: a checkpoint's `extra`)."""
+        return {k: getattr(self, k) for k in ("scale_value", "good_steps", "skipped_steps", "skips_in_a_row")}
+
+    def load_state_dict(self, state: dict):
+        """Take a state_dict(); a missing or unknown key is refused by name."""
+        want = set(self.state_dict())
+        if set(state) != want:
+            raise ValueError(
+                f"LossScaler.load_state_dict: expected the keys {sorted(want)}, got {sorted(state)}"
+            )
+        for key in ("good_steps", "skipped_steps", "skips_in_a_row"):
+            setattr(self, key, int(state[key]))
+        self.scale_value = float(state["scale_value"])
 
     def scale(self, loss):
         """loss * the scale, a 0-d array of the loss's type on its device (as a Python number would
@@ -85,6 +102,7 @@ class LossScaler:
         if not folded:
             optimizer.scale_grads(1.0 / self.scale_value)
         norm = optimizer.grad_norm() / (self.scale_value if folded else 1.0)
+        self.last_grad_norm = norm
         if not math.isfinite(norm):
             if self.scale_value <= self.min_scale or self.skips_in_a_row + 1 >= self.max_skips_in_a_row:
                 raise NonFiniteError(

@@ -1,6 +1,7 @@
 """The examples run under mpiexec as a user would run them, and do what they claim."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -330,6 +331,32 @@ def test_train_gpt_saves_and_exits_0_when_the_scheduler_warns_one_rank(comm, tmp
     assert [p.name for p in checkpoints(tmp_path / "ck")] == [f"step-{step:08d}"], out[-2000:]
     resumed = run_example(comm, 2, script, "--max_steps", step + 2, *ckpt, "--resume", "latest", *small)
     assert f"resumed from {tmp_path / 'ck' / f'step-{step:08d}'} at step {step}" in resumed
+
+
+def test_train_gpt_trains_the_fast_gpu_way_on_the_standin_gpus(comm, tmp_path):
+    """gpu.sbatch's flags, run on 2 stand-in GPUs (tools/gpusim: CuPy and NCCL on NumPy, CUDA graphs
+    captured and replayed as a device does): float16 with the loss scaler, eagerly and from one CUDA
+    graph a step, with the same loss at every step; bfloat16 with recompute and 2 micro-batches, the
+    same again. What the graphs cannot replay is named before training."""
+    small = ["--n_layer", 2, "--n_embd", 32, "--n_head", 2, "--block_size", 16, "--batch_size", 4,
+             "--max_steps", 6, "--sample_tokens", 2, "--eval_every", 100, "--device", "cuda",
+             "--transport", "nccl"]  # fmt: skip
+    gpus = ["-m", "gpusim", "--gpus", 2, ROOT / "examples" / "train_gpt.py", *small]
+
+    def losses(*flags) -> list[float]:
+        metrics = tmp_path / f"m{len(list(tmp_path.iterdir()))}.jsonl"
+        run_example(comm, 2, *gpus, *flags, "--metrics", metrics)
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+
+    for flags in (["--param_dtype", "float16"], ["--param_dtype", "bfloat16", "--recompute", "true",
+                                                  "--grad_accum", 2]):  # fmt: skip
+        eager = losses(*flags)
+        assert len(eager) == 6 and all(math.isfinite(v) for v in eager), eager
+        assert losses(*flags, "--graphs", "true") == eager, flags
+    script = ROOT / "examples" / "train_gpt.py"
+    out = run_example(comm, 1, script, "--graphs", "true", "--dropout", 0.1, returncode=2)
+    assert "--graphs with --device cpu (CUDA graphs need --device cuda)" in out
+    assert "--graphs with --dropout 0.1" in out
 
 
 def test_every_train_gpt_flag_says_what_it_does():

@@ -1,9 +1,10 @@
 """Mixed precision: fp32 master shards and AdamW state, float16 gathers and compute, fp32 reductions."""
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
-from mpifsdp import AdamW, Comm, LossScaler, full_state_dict, fully_shard, sharded_model
+from mpifsdp import AdamW, Comm, LossScaler, Tensor, full_state_dict, fully_shard, sharded_model
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
@@ -92,3 +93,12 @@ def test_loss_scaler_skips_overflow_and_adapts(comm):
         assert scaler.step(opt) is True
         opt.zero_grad()
     assert scaler.scale_value == 2.0**12 and opt.step_count == 2
+    # a resumed run's scaler goes on where this one is (train_gpt keeps it in the checkpoint's extra)
+    state = scaler.state_dict()
+    assert state == {"scale_value": 2.0**12, "good_steps": 2, "skipped_steps": 1, "skips_in_a_row": 0}
+    assert np.isfinite(scaler.last_grad_norm) and scaler.last_grad_norm > 0
+    resumed = LossScaler()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state and resumed.scale(Tensor(np.float32(1.0))).item() == 2.0**12
+    with pytest.raises(ValueError, match="expected the keys"):
+        resumed.load_state_dict({"scale": 2.0})
