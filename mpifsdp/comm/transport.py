@@ -3,8 +3,9 @@
 Comm keeps the schedule, the ledger and the checks; a transport only starts the data movement and
 returns a request with Test()/Wait(). Chosen explicitly (Comm(transport=...)) or by `choose_transport`:
   "mpi"             NumPy arrays, MPI directly (the CPU path).
-  "cuda-aware-mpi"  CuPy arrays handed to MPI directly; only when the user declares their MPI is
-                    CUDA-aware. The producing stream is synchronized first (MPI does not see streams).
+  "cuda-aware-mpi"  CuPy arrays handed to MPI directly; only where the MPI is CUDA-aware (asked of it:
+                    mpi_cuda_support; one that says no gets host staging). The producing stream is
+                    synchronized first (MPI does not see streams).
   "host"            CuPy arrays copied to host buffers, MPI on those, copied back on completion:
                     works with any MPI, and with several ranks sharing one GPU.
   "nccl"            cupy.cuda.nccl on a dedicated stream, its unique id broadcast over MPI; one rank per
@@ -16,6 +17,7 @@ by `make gpu-check` on a GPU machine.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -172,24 +174,67 @@ class NCCLTransport:
 
 
 def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
-    """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else host."""
+    """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else MPI
+    on device buffers where the MPI says it is CUDA-aware, else host staging (transport_name)."""
     if device == "cpu":
         if transport not in (None, "mpi"):
             raise ValueError(f"transport {transport!r} needs a GPU device; on the CPU only 'mpi' applies")
         return MPITransport(mpi)
-    ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
-    if transport is None:
-        transport = "nccl" if ranks_per_gpu == 1 and backend.nccl_available() else "host"
-        if ranks_per_gpu > 1:
-            log.warning(
-                "%d ranks share one GPU: NCCL needs one rank per GPU, so collectives use MPI "
-                "with host staging",
-                ranks_per_gpu,
-            )
     choices = {"nccl": NCCLTransport, "cuda-aware-mpi": CudaAwareMPITransport, "host": HostStagingTransport}
-    if transport not in choices:
+    if transport not in (None, *choices):
         raise ValueError(f"unknown transport {transport!r}: choose one of {sorted(choices)}")
+    aware, how = mpi_cuda_support()
+    from mpi4py import MPI  # every rank must choose alike: the least any rank's MPI says (no < unknown < yes)
+
+    aware = {0: False, 1: None, 2: True}[mpi.allreduce({False: 0, None: 1, True: 2}[aware], op=MPI.MIN)]
+    ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
+    name, warning = transport_name(transport, ranks_per_gpu, backend.nccl_available(), aware, how)
+    if warning and mpi.Get_rank() == 0:  # said once for the job: the choice is the same on every rank
+        log.warning(warning)
+    log.info("collectives on %s use %s", device, name)
+    return choices[name](mpi)
+
+
+def transport_name(transport, ranks_per_gpu: int, nccl: bool, aware: bool | None, how: str):
+    """(the transport's name, a warning or None): NCCL needs one rank per GPU; device buffers go to MPI
+    only where it is CUDA-aware (an MPI that says it is not would crash or send garbage: host staging
+    instead, said); an MPI that cannot say is taken at the user's word."""
     if transport == "nccl" and ranks_per_gpu > 1:
         raise ValueError(f"NCCL needs one rank per GPU, but {ranks_per_gpu} ranks share one: use 'host'")
-    log.info("collectives on %s use %s", device, transport)
-    return choices[transport](mpi)
+    warning = None
+    if transport is None:
+        if ranks_per_gpu == 1 and nccl:
+            return "nccl", None
+        transport = "cuda-aware-mpi" if aware else "host"
+        if ranks_per_gpu > 1:
+            warning = (
+                f"{ranks_per_gpu} ranks share one GPU: NCCL needs one rank per GPU, so collectives use MPI"
+            )
+    if transport == "cuda-aware-mpi" and aware is False:
+        return "host", (
+            f"transport 'cuda-aware-mpi': this MPI says it is not CUDA-aware ({how}), so collectives stage "
+            "through host memory instead; build the MPI with CUDA (or set its switch) for device buffers"
+        )
+    return transport, warning
+
+
+def mpi_cuda_support() -> tuple[bool | None, str]:
+    """Whether this process's MPI takes device buffers, and who said so: the library itself where it
+    can answer (MPIX_Query_cuda_support: Open MPI, MPICH 4 and later), else the switch of an MPI that
+    has one (Cray MPICH's MPICH_GPU_SUPPORT_ENABLED, MVAPICH2's MV2_USE_CUDA); (None, why) where
+    nothing says. Handing device memory to an MPI that is not CUDA-aware crashes it or sends garbage."""
+    import ctypes
+
+    from mpi4py import MPI
+
+    try:  # the MPI extension module's handle reaches the libmpi it was linked with
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        query = None
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query()), "MPIX_Query_cuda_support"
+    for variable in ("MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA"):
+        if variable in os.environ:
+            return os.environ[variable] == "1", variable
+    return None, "this MPI library cannot say"

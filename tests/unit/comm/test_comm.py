@@ -145,6 +145,39 @@ def test_transport_choices_are_checked(comm):
     assert comm.transport.name == "mpi" and comm.device == "cpu"
 
 
+def test_the_mpi_is_asked_whether_it_takes_device_buffers(comm, monkeypatch):
+    """Issue 49: CUDA awareness was the user's word alone; an MPI that is not CUDA-aware, handed device
+    memory, crashes or sends garbage. The library answers where it can (the wheels' MPICH 5 and Open
+    MPI 5 both export MPIX_Query_cuda_support, and neither is CUDA-aware); Cray's and MVAPICH2's
+    switches answer otherwise; a no turns the user's 'cuda-aware-mpi' into host staging, said."""
+    from mpifsdp.comm import transport
+
+    aware, how = transport.mpi_cuda_support()
+    if comm.library.startswith(("MPICH Version: 5", "Open MPI v5")):
+        assert (aware, how) == (False, "MPIX_Query_cuda_support")
+    import ctypes
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *_: object())  # a library without the query
+    monkeypatch.setenv("MPICH_GPU_SUPPORT_ENABLED", "1")
+    assert transport.mpi_cuda_support() == (True, "MPICH_GPU_SUPPORT_ENABLED")
+    monkeypatch.delenv("MPICH_GPU_SUPPORT_ENABLED")
+    monkeypatch.setenv("MV2_USE_CUDA", "0")
+    assert transport.mpi_cuda_support() == (False, "MV2_USE_CUDA")
+    monkeypatch.delenv("MV2_USE_CUDA")
+    assert transport.mpi_cuda_support()[0] is None
+    name = transport.transport_name
+    assert name("cuda-aware-mpi", 1, True, True, "q") == ("cuda-aware-mpi", None)
+    chosen, said = name("cuda-aware-mpi", 1, True, False, "MPIX_Query_cuda_support")
+    assert chosen == "host" and "says it is not CUDA-aware (MPIX_Query_cuda_support)" in said
+    assert name("cuda-aware-mpi", 1, True, None, "cannot say") == ("cuda-aware-mpi", None)  # the user's word
+    assert name(None, 1, True, False, "q") == ("nccl", None)
+    assert name(None, 1, False, True, "q") == ("cuda-aware-mpi", None)
+    assert name(None, 1, False, None, "q") == ("host", None)
+    assert name(None, 2, True, True, "q")[0] == "cuda-aware-mpi"
+    with pytest.raises(ValueError, match="NCCL needs one rank per GPU"):
+        name("nccl", 2, True, True, "q")
+
+
 def test_no_module_but_comm_and_transport_calls_mpi_collectives():
     """docs/design.md, invariant 5: every collective goes through Comm (announced, watched, counted)."""
     from pathlib import Path
