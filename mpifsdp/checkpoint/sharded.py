@@ -24,6 +24,7 @@ import numpy as np
 
 from ..base.backend import array_module_of, to_numpy
 from ..base.checks import is_count, plain_json
+from ..base.logs import job_warning
 from ..fsdp.build import sharded_model
 from ..shard.unit import Unit
 from . import lock, publish
@@ -243,9 +244,9 @@ def _load_from(directory: Path, sharded, model, optimizer) -> dict:
         )
     if optimizer is not None:  # saved without one: it starts over, not from moments of other params
         optimizer.restore(manifest["optimizer"] or {"step": 0})
-        if manifest["optimizer"] is None and sharded.comm.rank == 0:
+        if manifest["optimizer"] is None:
             name = type(optimizer).__name__
-            log.warning("%s holds no optimizer state: %s starts from step 0", directory, name)
+            job_warning(log, "%s holds no optimizer state: %s starts from step 0", directory, name)
     return manifest["extra"]
 
 
@@ -449,7 +450,7 @@ def load_latest(
             except SettingsDiffer:  # the model is the wrong one: an older checkpoint must not hide it
                 raise
             except CheckpointError as exc:
-                log.warning("skipping checkpoint %s: %s", path, exc)
+                job_warning(log, "skipping checkpoint %s: %s", path, exc)  # raised on every rank alike
                 failures.append(f"{Path(path).name}: {exc}")
     if failures:
         raise CheckpointError(f"no checkpoint under {root} could be loaded:\n  " + "\n  ".join(failures))

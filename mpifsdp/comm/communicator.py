@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ..base import backend
+from ..base import backend, logs
 from ..base.accounting import HOST_SYNCS, CommLedger
 from ..base.backend import array_module_of, bytes_digest, parse_device, rank_device
 from ..base.threads import set_threads
@@ -73,7 +73,7 @@ class Comm:
         self.rank, self.size = base.Get_rank(), base.Get_size()
         self.library = launcher.library(MPI)  # which MPI: "MPICH Version: 5.0.2", "Open MPI v4.1.4"
         if mpi_comm is None:  # the job's world: is it the job the launcher started?
-            launcher.label_logs(self.rank, self.size)
+            logs.label(self.rank, self.size)
             launcher.log_library(self.rank, self.library)
             problem = launcher.launcher_problem(self.rank, self.size)
             if problem:

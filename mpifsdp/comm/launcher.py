@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 ANNOUNCED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS")  # innermost launcher first
 RANK_OF = {"OMPI_COMM_WORLD_SIZE": "OMPI_COMM_WORLD_RANK", "PMI_SIZE": "PMI_RANK"}
 RANK_OF["SLURM_STEP_NUM_TASKS"] = "SLURM_PROCID"
-_logged = _labelled = False
+_logged = False
 
 
 def launcher_problem(rank: int, size: int) -> str | None:
@@ -42,25 +42,6 @@ def launcher_problem(rank: int, size: int) -> str | None:
         "--mpi=pmix), or mpi4py was built against another MPI than the launcher's (python -m "
         "mpi4py --mpi-lib-version). MPIFSDP_CHECK_LAUNCHER=0 turns this check off."
     )
-
-
-def label_logs(rank: int, size: int):
-    """Prefix mpifsdp's log records with "[rank k] " where several ranks print (a warning each rank
-    gives was a wall of identical lines with no way to tell them apart). Once per process, for the
-    job's world; other loggers' records are left as they are."""
-    global _labelled
-    if _labelled or size < 2:
-        return
-    _labelled = True
-    make = logging.getLogRecordFactory()
-
-    def labelled(name, *args, **kwargs):
-        record = make(name, *args, **kwargs)
-        if name == "mpifsdp" or name.startswith("mpifsdp."):
-            record.msg = f"[rank {rank}] {record.msg}"
-        return record
-
-    logging.setLogRecordFactory(labelled)
 
 
 def library(mpi) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..base import backend
 from ..base.checks import check_summable, is_bfloat16
+from ..base.logs import job_warning
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,8 @@ def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int
     aware = {0: False, 1: None, 2: True}[mpi.allreduce({False: 0, None: 1, True: 2}[aware], op=MPI.MIN)]
     ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
     name, warning = transport_name(transport, ranks_per_gpu, backend.nccl_available(), aware, how)
-    if warning and mpi.Get_rank() == 0:  # said once for the job: the choice is the same on every rank
-        log.warning(warning)
+    if warning:  # said once for the job: the choice is the same on every rank
+        job_warning(log, warning)
     log.info("collectives on %s use %s", device, name)
     return choices[name](mpi)
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..autodiff.tensor import Param
 from ..base.backend import array_module_of
+from ..base.logs import job_warning
 from ..shard.exact import exact_squared_norm
 from .device import on_device
 from .verdict import StepVerdict
@@ -194,7 +195,7 @@ class FlatOptimizer:
                     f"gradients (on at least one rank). {name}(nonfinite='skip') drops such steps instead."
                 )
             self.skipped_steps += 1
-            log.warning("skipped step %d: gradient norm %s", self.step_count + 1, norm)
+            job_warning(log, "skipped step %d: gradient norm %s", self.step_count + 1, norm)  # norm: agreed
             return False
         grads = [group.flat_grad() for group in self.groups]
         if all(g is None for g in grads):

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from ..autodiff.tensor import Tensor
+from ..base.logs import job_warning
 from .flat_optimizer import clip_scale
 from .optimizers import FlatOptimizer, NonFiniteError
 
@@ -114,7 +115,7 @@ class LossScaler:
             self.skips_in_a_row += 1
             self.good_steps = 0
             self.scale_value = max(self.min_scale, self.scale_value / 2)
-            log.warning("loss scale overflow: skipped the step, scale now %g", self.scale_value)
+            job_warning(log, "loss scale overflow: skipped the step, scale now %g", self.scale_value)
             return False
         self.skips_in_a_row = 0
         factor = 1.0 / self.scale_value if folded else 1.0

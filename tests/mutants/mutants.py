@@ -84,6 +84,24 @@ def _launcher_not_checked():
     _replace(launcher, "launcher_problem", lambda rank, size: None)
 
 
+def _cuda_awareness_not_asked():
+    from mpifsdp.comm import transport
+
+    _replace(transport, "mpi_cuda_support", lambda: (None, "not asked"))
+
+
+def _job_warnings_on_every_rank():
+    from mpifsdp.base import logs
+
+    labels = logs.label
+
+    def label(rank, size):
+        labels(rank, size)
+        logs._rank = 0  # every rank takes itself for the one that speaks for the job
+
+    _replace(logs, "label", label)
+
+
 def _slurm_job_not_recorded():
     from mpifsdp.checkpoint import lock
 
@@ -711,6 +729,17 @@ class Mutant:
 
 
 MUTANTS = {
+    "cuda_awareness_asked": Mutant(
+        _cuda_awareness_not_asked,
+        "the MPI is asked whether it takes device buffers before it gets any (comm/transport.py)",
+        ["tests/unit/comm/test_comm.py::test_the_mpi_is_asked_whether_it_takes_device_buffers"],
+    ),
+    "job_warnings_once": Mutant(
+        _job_warnings_on_every_rank,
+        "a warning every rank agrees on is said once for the job, by rank 0 (base/logs.py)",
+        ["tests/unit/comm/test_comm.py::test_a_warning_every_rank_agrees_on_is_said_once_for_the_job"],
+        ranks=2,
+    ),
     "requeued_job_takes_its_lock": Mutant(
         _slurm_job_not_recorded,
         "a lock naming this Slurm job (its preempted run, elsewhere) is taken at once (checkpoint/lock.py)",

@@ -239,3 +239,22 @@ def test_mpifsdp_log_lines_say_which_rank_wrote_them(comm, caplog):
     said = [r.getMessage() for r in caplog.records]
     label = f"[rank {comm.rank}] " if comm.size > 1 else ""
     assert said == [f"{label}a warning from mpifsdp", "not ours"], said
+
+
+def test_a_warning_every_rank_agrees_on_is_said_once_for_the_job(comm, caplog):
+    """Issue 49: a skipped step (its norm all-reduced) was N identical lines in a Slurm log. A warning
+    whose condition the ranks agree on is said by rank 0 alone, unlabelled; here a real one: float16
+    gradients that overflow, skipped by the loss scaler."""
+    from mpifsdp import AdamW, LossScaler, fully_shard, sharded_model
+    from mpifsdp.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8), seed=0)
+    fully_shard(model, comm, units=model.blocks, param_dtype=np.float16, reduce_dtype=np.float32)
+    opt, scaler = AdamW(model, lr=1e-3), LossScaler(init_scale=2.0**8)
+    x = np.zeros((1, 4), dtype=np.int64)
+    scaler.scale(model(x, x)).backward()
+    sharded_model(model).units[0].grad_shard[0] = np.inf  # on every rank: the norm is Inf on all
+    with caplog.at_level("WARNING"):
+        assert scaler.step(opt) is False
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("mpifsdp")]
+    assert said == (["loss scale overflow: skipped the step, scale now 128"] if comm.rank == 0 else []), said
