@@ -181,7 +181,8 @@ def forward(
     """out = LayerNorm(x2) * w (+ b) over rows of x2 (n, C), and each row's mean and 1/std (n, 1)
     into mean, rstd; False (nothing written) where the kernel cannot run. out is (n, C), or with
     ones_column (n, ld > C) with a 1 at column C of every row (the next linear's bias gradient comes
-    out of its weight gradient's GEMM). seed (n, C): written x2 + seed_bias on the way (cuda/fused.py Seed);
+    out of a GEMM with that column: cuda/fused.py `_folded_grads`). seed (n, C): written x2 +
+    seed_bias on the way (cuda/fused.py Seed);
     biased (n, N): every row written next_bias (the next linear's GEMM then adds its product)."""
     kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias)
     if kernels is None or out.shape[1] < x2.shape[1] + ones_column:

@@ -54,12 +54,33 @@ def test_every_public_name_is_in_the_api_reference():
 
 
 DESIGN = ROOT / "docs" / "design.md"
-CITED_SYMBOL = re.compile(r"(?<![\w/.])([\w/]+\.py) `([A-Za-z_][\w.]*)`")
+CITED_SYMBOL = re.compile(r"(?<![\w/.])([\w/]+\.py) (?:\*\*)?`([A-Za-z_][\w.]*)`")  # **bold**: a route's hop
 
 
 def _cited(path: str) -> Path:
     """A path as design.md writes it: from the repository root, or inside mpifsdp/."""
     return ROOT / path if (ROOT / path).exists() else ROOT / "mpifsdp" / path
+
+
+def _defined(path: str, symbol: str):
+    """The ast node of `symbol` ("Class.method" or "function") in design.md's `path`."""
+    scope = ast.parse(_cited(path).read_text()).body
+    for part in symbol.split("."):
+        [node] = [n for n in scope if getattr(n, "name", None) == part]
+        scope = getattr(node, "body", [])
+    return node
+
+
+def test_each_function_the_reading_routes_open_fits_on_a_screen():
+    """design.md's two routes open one function a hop (in bold): each ≤ 50 lines with its docstring, so
+    that reading a hop is reading one function, and the route's minutes can be counted."""
+    text = DESIGN.read_text()
+    routes = text[text.index("## Reading one training step") : text.index("## Invariants")]
+    opened = re.findall(r"([\w/]+\.py) \*\*`([\w.]+)`\*\*", routes)
+    assert len(opened) == 12 + 7, opened  # a hop each
+    long = [f"{p} {s}: {n.end_lineno - n.lineno + 1} lines" for p, s in opened
+            if (n := _defined(p, s)).end_lineno - n.lineno + 1 > 50]  # fmt: skip
+    assert not long, f"a route's hop opens more than a screen: {long}"
 
 
 def test_every_function_the_design_names_after_a_file_is_in_that_file():
