@@ -14,7 +14,7 @@ install() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client slurm-wlm-basic-plugins \
-    munge openmpi-bin libopenmpi-dev libpmix-dev >/dev/null
+    munge procps openmpi-bin libopenmpi-dev libpmix-dev >/dev/null
 }
 
 write_conf() {
