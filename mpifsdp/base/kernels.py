@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from .backend import array_module_of, to_numpy
-from .checks import bfloat16, finfo, is_bfloat16, yes_or_no
+from .checks import bfloat16, env_flag, finfo, is_bfloat16, yes_or_no
 
 log = logging.getLogger(__name__)
 
@@ -189,16 +189,41 @@ def typed_source(dtype, body: str) -> str:
 
 @functools.cache
 def compiled(cupy, source: str, names: tuple, what: str):
-    """The functions `names` of `source`, or None where NVRTC cannot build them (then the caller keeps
-    its array-module passes; one warning says so, naming `what`)."""
+    """The functions `names` of `source`; where NVRTC cannot build them, SlowPathError naming `what`
+    (or, with MPIFSDP_ALLOW_SLOW=1, None: the caller keeps its array-module passes, one warning)."""
     if not fused_enabled():
         return None
     try:
         module = cupy.RawModule(code=source, options=("--std=c++17",))
         return tuple(module.get_function(name) for name in names)
     except Exception as exc:  # a CUDA toolkit without cuda_fp16.h for NVRTC, say
-        log.warning("%s unavailable (%s): using unfused passes", what, exc)
+        slow_path(what, exc)
         return None
+
+
+class SlowPathError(RuntimeError):
+    """A GPU fast path (a raw kernel, cuDNN's attention) cannot run on this machine."""
+
+
+_said_slow: set = set()
+
+
+def slow_path(what: str, why) -> None:
+    """A fast path that cannot run here: raised, naming it and the setting that accepts the slower
+    passes (MPIFSDP_ALLOW_SLOW=1: one warning, then the array-module passes). Why: a step 5-10x
+    slower that one warning mentioned went unnoticed for whole runs (issue 50)."""
+    if env_flag("MPIFSDP_ALLOW_SLOW"):
+        if what not in _said_slow:
+            _said_slow.add(what)
+            log.warning(
+                "%s unavailable (%s): the slower passes run instead (MPIFSDP_ALLOW_SLOW=1)", what, why
+            )
+        return
+    raise SlowPathError(
+        f"{what} cannot run on this machine ({why}): training would go on several times slower on the "
+        "plain array passes. Fix what is named, or set MPIFSDP_ALLOW_SLOW=1 to train on the slower passes "
+        "(MPIFSDP_FUSED=0: none of the raw kernels at all)"
+    )
 
 
 def fused_enabled() -> bool:

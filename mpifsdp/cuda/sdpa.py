@@ -6,9 +6,10 @@ backward: 4 launches forward and 10 backward a layer, most of a GPU step's time.
 and v straight out of the fused (B, T, 3C) projection by their strides, writes the heads side by
 side into (B, T, C) and one float32 log-sum-exp per row, and its backward writes dq, dk and dv into
 the (B, T, 3C) gradient: one launch each way and no T x T array. cuDNN's SDPA takes float16 and
-bfloat16; other dtypes, shapes its engines refuse, MPIFSDP_FUSED=0 or no cuDNN run
-attention.py's passes (one line says why). Graphs are built once per shape and cached, with
-one workspace for all; each shape is checked against a float64 reference at its first use.
+bfloat16; other dtypes and MPIFSDP_FUSED=0 run attention.py's passes; a shape its engines refuse, or
+no cuDNN, raises (base/kernels.py slow_path) unless MPIFSDP_ALLOW_SLOW=1 accepts those passes.
+Graphs are built once per shape and cached, with one workspace for all; each shape is checked
+against a float64 reference at its first use.
 """
 
 from __future__ import annotations
@@ -98,13 +99,15 @@ class _Library:
 
     def __init__(self):
         self.tried, self.cudnn, self.handle, self.graphs, self.workspace = False, None, None, {}, None
+        self.failure = ""  # why cudnn could not load
 
 
 _LIBRARY = _Library()
 
 
 def _cudnn():
-    """cudnn with a handle, or None: then one line says why and what to install."""
+    """cudnn with a handle; where it cannot load, SlowPathError saying why and what to install (with
+    MPIFSDP_ALLOW_SLOW=1: None, one warning, and attention runs as batched passes)."""
     if not _LIBRARY.tried:
         _LIBRARY.tried = True
         try:
@@ -113,19 +116,21 @@ def _cudnn():
             cudnn.backend_version()  # loads libcudnn.so.9
             _LIBRARY.handle, _LIBRARY.cudnn = cudnn.create_handle(), cudnn
         except Exception as exc:  # not installed, no libcudnn.so.9, a driver it cannot use
-            log.warning(
-                "cuDNN's fused attention is unavailable (%s: %s): attention runs as batched GEMMs and a "
-                "softmax kernel. `pip install --no-deps nvidia-cudnn-frontend` and `pip install "
-                "nvidia-cudnn-cu12` (or -cu13) provide it.",
-                type(exc).__name__,
-                exc,
+            _LIBRARY.failure = (
+                f"{type(exc).__name__}: {exc}; `pip install --no-deps nvidia-cudnn-frontend` and `pip "
+                "install nvidia-cudnn-cu12` (or -cu13) provide it"
             )
+    if _LIBRARY.cudnn is None:
+        gk.slow_path("cuDNN's fused attention", _LIBRARY.failure)
     return _LIBRARY.cudnn
 
 
 def version() -> str:
     """'cuDNN <n>' where the fused attention can run on this device, else why not (a run's preflight)."""
-    cudnn = _cudnn()
+    try:
+        cudnn = _cudnn()
+    except gk.SlowPathError as exc:
+        return f"unavailable: {exc}"
     if cudnn is None:
         return "unavailable (see the warning)"
     return f"cuDNN {cudnn.backend_version()}"
@@ -144,12 +149,7 @@ def _planned(cudnn, shape, dtype_name: str, scale: float):
                 graph.build_plans()
             graphs.workspace_bytes = max(g.get_workspace_size() for g in (graphs.forward, graphs.backward))
         except Exception as exc:
-            log.warning(
-                "cuDNN refuses attention of shape %s in %s (%s): it runs as batched GEMMs",
-                shape,
-                dtype_name,
-                exc,
-            )
+            gk.slow_path(f"cuDNN's attention of shape {shape} in {dtype_name}", f"cuDNN refuses it: {exc}")
             graphs = None
         _LIBRARY.graphs[key] = graphs
     return _LIBRARY.graphs[key]

@@ -84,6 +84,15 @@ def _launcher_not_checked():
     _replace(launcher, "launcher_problem", lambda rank, size: None)
 
 
+def _slow_path_warned_only():
+    import logging
+
+    from mpifsdp.base import kernels
+
+    say = logging.getLogger("mpifsdp").warning
+    _replace(kernels, "slow_path", lambda what, why: say("%s: %s", what, why))
+
+
 def _cuda_awareness_not_asked():
     from mpifsdp.comm import transport
 
@@ -729,6 +738,15 @@ class Mutant:
 
 
 MUTANTS = {
+    "no_silent_slow_path": Mutant(
+        _slow_path_warned_only,
+        "a GPU fast path that cannot run stops the run unless the slower one is accepted (base/kernels.py)",
+        [
+            "tests/unit/base/test_kernels.py::"
+            "test_a_kernel_that_does_not_build_stops_the_run_unless_the_slow_path_is_accepted",
+            "tests/project/test_gpu_budget.py::test_the_gpu_attention_computes_causal_attention[no-cudnn]",
+        ],
+    ),
     "cuda_awareness_asked": Mutant(
         _cuda_awareness_not_asked,
         "the MPI is asked whether it takes device buffers before it gets any (comm/transport.py)",

@@ -2,7 +2,9 @@
 puts cudnn_standin.py's twin in cudnn's place): a float16 attention_qkv forward and backward
 on the GPU branch against float64 on the host, within the first-use check's bound; one launch each
 way; the first-use check itself (a twin with the causal mask planted off must be refused by name);
-and, with --no-cudnn, the fallback (one line says why, and the batched passes compute the same).
+and, with --no-cudnn, no silent slow path: attention refuses to run without cuDNN (SlowPathError
+naming it and MPIFSDP_ALLOW_SLOW), and with MPIFSDP_ALLOW_SLOW=1 one line says why and the batched
+passes compute the same.
 Prints one JSON line; exits 1 on a failure.
 
     python -m gpusim tools/gpusim/standin_attention.py
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import cupy
@@ -89,11 +92,19 @@ def model_shape_checks() -> dict:
 def main() -> int:
     with_cudnn = "cudnn" in sys.modules
     said = []
-    logging.getLogger("mpifsdp.cuda.sdpa").addHandler(logging.Handler())
-    logging.getLogger("mpifsdp.cuda.sdpa").handlers[-1].emit = lambda r: said.append(r.getMessage())
+    for name in ("mpifsdp.cuda.sdpa", "mpifsdp.base.kernels"):  # attention's lines, and a slow path's
+        logging.getLogger(name).addHandler(logging.Handler())
+        logging.getLogger(name).handlers[-1].emit = lambda r: said.append(r.getMessage())
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * HEADS * HEAD)).astype(np.float16)
     g = rng.standard_normal((B, T, HEADS * HEAD)).astype(np.float16)
+    refused = ""
+    if not with_cudnn:  # no silent slow path: refused until the user accepts it
+        try:
+            attention(qkv, g)
+        except kernels.SlowPathError as exc:
+            refused = str(exc)
+        os.environ["MPIFSDP_ALLOW_SLOW"] = "1"
     attention(qkv, g)  # the first use builds the graphs and runs the check
     out, gqkv, forward, backward = attention(qkv, g)
     bound, floor = gpu_attention.error_bound(np.float16, T)
@@ -116,7 +127,9 @@ def main() -> int:
         ok = ok and launched and "cudnn_sdpa" in refusal and not said
         ok = ok and all(e <= b for e, b in result["model_shape_checks"].values())
     else:
-        ok = ok and len(said) == 1 and "cuDNN's fused attention is unavailable" in said[0]
+        result["refused"] = refused
+        ok = ok and "cuDNN's fused attention cannot run" in refused and "MPIFSDP_ALLOW_SLOW=1" in refused
+        ok = ok and len(said) == 1 and "cuDNN's fused attention unavailable" in said[0]
     print(json.dumps({**result, "ok": ok}))
     return 0 if ok else 1
 
