@@ -1,9 +1,11 @@
-"""Shared pieces of the benchmarks: the peer config, timing, peak RSS. The one import helper:
-every script runs as `python bench/<script>.py`, so Python puts bench/ first on sys.path and
+"""Shared pieces of the benchmarks: the peer config, timing, peak RSS, a figure's provenance. The one
+import helper: every script runs as `python bench/<script>.py`, so Python puts bench/ first on sys.path and
 `from common import ...` finds this file (no sys.path edits)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import statistics
@@ -195,3 +197,41 @@ def run_json(cmd, threads: int) -> dict:
     line = result.stdout.strip().splitlines()[-1]
     print(line, flush=True)
     return json.loads(line)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def provenance() -> dict:
+    """What a measured figure stands on, for every JSON line a device check prints: the commit and
+    whether the tree differed from it (None where there is no git: the lent device gets a copy
+    without .git, so MPIFSDP_COMMIT may say it), the digest of the source that ran (mpifsdp/ and
+    bench/: it names the code where the commit cannot), and the libraries' versions. Figures kept
+    without these could not be tied to the code they measured (issue 50)."""
+    import mpi4py
+    import mpi4py.MPI
+
+    def git(*args):
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    digest = hashlib.blake2b(digest_size=8)
+    for folder in ("mpifsdp", "bench"):
+        for here, dirs, files in sorted(os.walk(os.path.join(ROOT, folder))):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith((".py", ".cu", ".sh"))):
+                path = os.path.join(here, name)
+                digest.update(os.path.relpath(path, ROOT).encode())
+                with open(path, "rb") as file:
+                    digest.update(file.read())
+    return {
+        "commit": commit or os.environ.get("MPIFSDP_COMMIT"),
+        "dirty": None if status is None else bool(status),
+        "source": digest.hexdigest(),
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi": " ".join(mpi4py.MPI.Get_library_version().splitlines()[0].split()),
+    }

@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     CONFIGS,
     gpt_config,
     median_time,
+    provenance,
     random_batch,
     step_gemm_shapes,
     synchronizer,
@@ -36,6 +37,7 @@ import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
+from mpifsdp.comm.transport import mpi_cuda_support  # noqa: E402
 from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT  # noqa: E402
@@ -53,6 +55,16 @@ PEAK_TFLOPS = {"float16": 989.4, "bfloat16": 989.4, "float32": 60.0}
 
 
 F64_BOUND = 1e-10  # float64 CPU vs GPU losses, relative: only summation order differs (~1e-15 per op)
+
+
+def emit(row: dict):
+    """One JSON line of a check, with what it stands on (common.provenance: commit, source digest,
+    libraries) and, on a GPU, which one and its dense peak (PEAK_TFLOPS: the MFU's denominator)."""
+    where = {"gpu": _GPU[0], "peak_tflops": PEAK_TFLOPS} if _GPU else {}
+    print(json.dumps({**row, **where, "provenance": provenance()}), flush=True)
+
+
+_GPU: list = []  # the GPU's name, once a check found one
 
 
 def _losses(device, dtype, global_batch, comm=None, reverse=False, transport_comm=None):
@@ -80,7 +92,7 @@ def preflight(args):
     from mpi4py import MPI
 
     info = {"check": "preflight", "mpi": MPI.Get_library_version().splitlines()[0],
-            "mpi_cuda_aware": _mpi_cuda_aware()}  # fmt: skip
+            "mpi_cuda_aware": mpi_cuda_support()}  # fmt: skip
     if args.device != "cpu":
         cp = mpifsdp.array_module(args.device)
         a = cp.arange(1 << 20, dtype=cp.float32)
@@ -88,28 +100,16 @@ def preflight(args):
         info.update(
             cupy=cp.__version__,
             gpu=props["name"].decode(),
+            cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
             nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
             cudnn=gpu_attention.version(),
             bfloat16=bfloat16() is not None,  # ml_dtypes, which CuPy's bfloat16 is
         )
-    print(json.dumps(info))
+    emit(info)
     if info.get("kernel_ok") is False:
         sys.exit(1)
-
-
-def _mpi_cuda_aware():
-    """The MPI library's own answer (MPIX_Query_cuda_support, MPICH and Open MPI) to whether it takes
-    device pointers; None when it has no such query."""
-    import ctypes
-
-    for name in ("libmpi.so.12", "libmpi.so.40", "libmpi.so"):  # MPICH, Open MPI, either
-        try:
-            return bool(ctypes.CDLL(name).MPIX_Query_cuda_support())
-        except (OSError, AttributeError):
-            continue
-    return None
 
 
 def parity(args):
@@ -137,7 +137,7 @@ def parity(args):
                                          "bound": limit}  # fmt: skip
     if comm is None or comm.rank == 0:
         where = {"ranks": comm.size if comm else 1, "transport": comm.transport.name if comm else None}
-        print(json.dumps({"check": "parity", "sharded": args.sharded, **where, "ok": ok, **results}))
+        emit({"check": "parity", "sharded": args.sharded, **where, "ok": ok, **results})
     if not ok:
         sys.exit(1)
 
@@ -199,6 +199,8 @@ def speed(args):
     itemsize = np.dtype(dtype or np.float32).itemsize
     activations = gpt_activation_bytes(gpt_config(cfg), cfg["batch_size"], itemsize, device=comm.device)
     activations += gpt_loss_gradient_bytes(gpt_config(cfg), cfg["batch_size"], itemsize)
+    whole = model.flops_per_token(cfg["block_size"])  # a causal mask needs half of attention's products
+    causal = (whole - 6 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]) / whole
     result = {
         "check": "speed",
         "config": args.config,
@@ -212,7 +214,8 @@ def speed(args):
         "last_loss": float(loss.item()),
         "tokens_per_s": round(tokens / step_s, 1),
         "tflops": round(tflops, 2),
-        "mfu": round(tflops / PEAK_TFLOPS[args.dtype], 4),
+        "mfu": round(tflops / PEAK_TFLOPS[args.dtype], 4),  # PaLM's: attention's products counted whole
+        "mfu_causal": round(tflops * causal / PEAK_TFLOPS[args.dtype], 4),  # llm.c's: their causal half
         "steady_step_s": round(steady_s(passes), 4),
         # CuPy's pool keeps what it once held: its size is the step's high-water mark
         "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),
@@ -220,7 +223,7 @@ def speed(args):
         "plan_mib_with_activations": round((formula + activations) / 2**20, 1),  # the pool's yardstick
     }
     if comm.rank == 0:  # before the graph is tried: a capture that fails loses no eager figure
-        print(json.dumps(result))
+        emit(result)
     if args.graph:  # the same model's steps, forward and backward replayed from one CUDA graph
         graphed = mpifsdp.GraphedPasses(model, passes)
         graphed_times, _ = _timed(lambda: step(graphed), args.steps, 2, synchronize, comm)
@@ -231,23 +234,24 @@ def speed(args):
             "steps_s": [round(t, 4) for t in graphed_times],
             "speedup": round(step_s / graphed_s, 3),
             "mfu": round(result["mfu"] * step_s / graphed_s, 4),
+            "mfu_causal": round(result["mfu_causal"] * step_s / graphed_s, 4),
             "steady_step_s": round(steady := steady_s(graphed), 4),
             "steady_mfu": round(result["mfu"] * step_s / steady, 4),
             "graph_pool_mib": round(graphed.pool_bytes() / 2**20, 1),
         }
         if comm.rank == 0:
-            print(json.dumps(graphed_result))
+            emit(graphed_result)
     if args.kernels and comm.rank == 0:
         runs = {"eager": passes, **({"graphed": graphed} if args.graph else {})}
         for name, run in runs.items():
-            print(json.dumps({"check": "kernels", "run": name, **_kernel_times(lambda run=run: step(run))}))
+            emit({"check": "kernels", "run": name, **_kernel_times(lambda run=run: step(run))})
     if args.profile:
         with profile() as costs:
             step(passes)
         top = sorted(costs.items(), key=lambda kv: -(kv[1]["forward_s"] + kv[1]["backward_s"]))
         seconds = {name: [round(c["forward_s"], 4), round(c["backward_s"], 4)] for name, c in top[:8]}
         if comm.rank == 0:
-            print(json.dumps({"check": "profile", "config": args.config, "fwd_bwd_s": seconds}))
+            emit({"check": "profile", "config": args.config, "fwd_bwd_s": seconds})
 
 
 def _kernel_times(step, top: int = 25) -> dict:
@@ -321,7 +325,7 @@ def gemm(args):
         )
         row["torch_matmul_tflops"] = _torch_gemm_tflops(args.device, dtype, M, K, N)
         rows.append(row)
-    print(json.dumps({"check": "gemm", "rows": rows}))
+    emit({"check": "gemm", "rows": rows})
 
 
 def attention(args):
@@ -354,7 +358,7 @@ def attention(args):
                      "forward_tflops": round(flops / fwd / 1e12, 1),
                      "backward_tflops": round(2.5 * flops / max(both - fwd, 1e-9) / 1e12, 1)}  # fmt: skip
     os.environ.pop("MPIFSDP_FUSED")
-    print(json.dumps(row))
+    emit(row)
 
 
 def roofline(args):
@@ -381,9 +385,7 @@ def roofline(args):
     into = xp.empty_like(block)
     seconds = median_time(lambda: (xp.copyto(into, block), synchronize()), 5)
     copy_tbs = round(2 * block.nbytes / seconds / 1e12, 2)  # read + write
-    print(
-        json.dumps({"check": "roofline", "config": args.config, "gemms_float16": rows, "copy_tb_s": copy_tbs})
-    )
+    emit({"check": "roofline", "config": args.config, "gemms_float16": rows, "copy_tb_s": copy_tbs})
 
 
 def columns(args):
@@ -449,7 +451,7 @@ def columns(args):
         )
     row["gelu_bias_rows"] = microseconds(lambda: gpu_kernels.gelu_bias_into(h, xh, bias), 2 * xh.nbytes)
     row["max_sum_blocks"] = kernels.MAX_SUM_BLOCKS
-    print(json.dumps(row))
+    emit(row)
 
 
 REPEATS = 10  # GEMMs queued between two syncs: the launch and the sync's own time spread over them
@@ -513,6 +515,9 @@ def main():
     ap.add_argument("--graph", action="store_true", help="speed: then the same steps from one CUDA graph")
     ap.add_argument("--kernels", action="store_true", help="speed: one step's GPU kernels by time (CUPTI)")
     args = ap.parse_args()
+    if args.device != "cpu":  # every line names the GPU it was measured on
+        cp = mpifsdp.array_module(args.device)
+        _GPU.append(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode())
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
     checks.update(roofline=roofline, columns=columns)
     checks[args.check](args)

@@ -226,7 +226,8 @@ def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
 def test_the_device_script_runs_through_without_a_device(comm, tmp_path):
     """make gpu-check's own script, dry (GPU_CHECK_DEVICE=cpu: every step on the CPU, the small
     models): each step runs and passes, so a lent device's minutes are not spent on a broken script
-    (its float16 step on a GPT too wide for NumPy's float16 GEMMs once timed out here)."""
+    (its float16 step on a GPT too wide for NumPy's float16 GEMMs once timed out here); each JSON
+    line carries its provenance."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     env = {
@@ -241,3 +242,9 @@ def test_the_device_script_runs_through_without_a_device(comm, tmp_path):
     assert done.returncode == 0 and "gpu-check passed" in done.stdout, (
         done.stdout[-3000:] + done.stderr[-2000:]
     )
+    # every figure says what it stands on (issue 50): the commit, the source that ran, the libraries
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"check"')]
+    assert len(rows) >= 3, done.stdout[-3000:]
+    for row in rows:
+        assert {"commit", "dirty", "source", "mpi", "numpy"} <= set(row["provenance"]), row
+    assert len({row["provenance"]["source"] for row in rows}) == 1

@@ -761,7 +761,10 @@ def install():
     cp.get_default_memory_pool = lambda: types.SimpleNamespace(
         total_bytes=lambda: 0, used_bytes=lambda: 0, free_all_blocks=lambda: None
     )
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: GPUS[0], eventQuery=_event_query)
+    properties = {"name": b"gpusim stand-in", "totalGlobalMem": 16 << 30}  # what the scripts read
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: GPUS[0], eventQuery=_event_query, getDeviceProperties=lambda index: properties
+    )
 
     def device(i=0):
         return types.SimpleNamespace(
