@@ -264,7 +264,7 @@ def main():
         x, y = data.global_batch(split, index, cfg.batch_size, cfg.block_size, seed=cfg.seed)
         return xp.asarray(rank_slice(x, rank, world)), xp.asarray(rank_slice(y, rank, world))
 
-    weights = {}  # 1 / grad_accum as a 0-d device array, by the loss's dtype
+    counts = {}  # grad_accum as a 0-d device array, by the loss's dtype
 
     def passes(*pairs):
         """The step's forwards and backwards, over its grad_accum micro-batches (x0, y0, x1, y1, ...);
@@ -275,9 +275,8 @@ def main():
             if cfg.accum_sync == "no_sync":  # reduce only the last one
                 sharded.set_requires_gradient_sync(j == k - 1)
             loss = model(pairs[2 * j], pairs[2 * j + 1])
-            if k > 1:  # by a device number made in the first (eager) call: a graph copies nothing in
-                share = weights.setdefault(loss.dtype, mpifsdp.Tensor(xp.full((), 1 / k, dtype=loss.dtype)))
-                loss = loss * share
+            if k > 1:  # / k, by a device number made in the first (eager) call: a graph copies nothing in
+                loss = loss / counts.setdefault(loss.dtype, mpifsdp.Tensor(xp.full((), k, dtype=loss.dtype)))
             (scaler.scale(loss) if scaler else loss).backward()
             losses.append(loss)
         return tuple(losses)
