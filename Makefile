@@ -2,7 +2,7 @@
 # Cluster users: `make install MPI=site` (a venv of its own, .venv-site) leaves out the MPI wheels and
 # builds mpi4py from source against the site MPI, whose mpicc must be first on PATH (`module load
 # openmpi`, say): pip's --force-reinstall, or it keeps the mpi4py wheel it has. CI runs this route
-# against Debian's Open MPI under Slurm (tests/cluster/test_slurm.py).
+# against Debian's Open MPI under Slurm (tests/features/test_slurm.py).
 # `make test MPI=openmpi`: the same suite under the openmpi wheel, in a venv of its own (.venv-openmpi);
 # Open MPI needs --oversubscribe for more ranks than cores, and --allow-run-as-root as root.
 PYTHON ?= python3

@@ -206,17 +206,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def provenance() -> dict:
     """What a measured figure stands on, for every JSON line a device check prints: the commit and
     whether the tree differed from it (None where there is no git: the lent device gets a copy
-    without .git, so MPIFSDP_COMMIT may say it), the digest of the source that ran (mpifsdp/ and
-    bench/: it names the code where the commit cannot), and the libraries' versions. Figures kept
-    without these could not be tied to the code they measured (issue 50)."""
+    without .git, so MPIFSDP_COMMIT=<sha> given to make gpu-check says it), the digest of the source
+    that ran (mpifsdp/ and bench/: it names the code where the commit cannot), and the libraries'
+    versions. Figures kept without these could not be tied to the code they measured (issue 50)."""
     import mpi4py
     import mpi4py.MPI
+
+    from mpifsdp.comm.launcher import library
 
     def git(*args):
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    ours = git("rev-parse", "--show-toplevel") == os.path.realpath(ROOT)  # not a repository above a copy
+    commit = git("rev-parse", "HEAD") if ours else None
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     digest = hashlib.blake2b(digest_size=8)
     for folder in ("mpifsdp", "bench"):
@@ -233,5 +236,5 @@ def provenance() -> dict:
         "source": digest.hexdigest(),
         "numpy": np.__version__,
         "mpi4py": mpi4py.__version__,
-        "mpi": " ".join(mpi4py.MPI.Get_library_version().splitlines()[0].split()),
+        "mpi": library(mpi4py.MPI),
     }

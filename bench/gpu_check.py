@@ -37,6 +37,7 @@ import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
 from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
+from mpifsdp.comm.launcher import library  # noqa: E402
 from mpifsdp.comm.transport import mpi_cuda_support  # noqa: E402
 from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
@@ -59,8 +60,9 @@ F64_BOUND = 1e-10  # float64 CPU vs GPU losses, relative: only summation order d
 
 def emit(row: dict):
     """One JSON line of a check, with what it stands on (common.provenance: commit, source digest,
-    libraries) and, on a GPU, which one and its dense peak (PEAK_TFLOPS: the MFU's denominator)."""
-    where = {"gpu": _GPU[0], "peak_tflops": PEAK_TFLOPS} if _GPU else {}
+    libraries) and, on a GPU, which one and the dense peaks its MFU divides by (PEAK_TFLOPS: an
+    H200's)."""
+    where = {"gpu": _GPU[0], "mfu_peak_tflops": PEAK_TFLOPS} if _GPU else {}  # the MFU's denominators
     print(json.dumps({**row, **where, "provenance": provenance()}), flush=True)
 
 
@@ -91,8 +93,8 @@ def preflight(args):
     """What the GPU run stands on, before anything is measured: fails when CuPy cannot run a kernel."""
     from mpi4py import MPI
 
-    info = {"check": "preflight", "mpi": MPI.Get_library_version().splitlines()[0],
-            "mpi_cuda_aware": mpi_cuda_support()}  # fmt: skip
+    info = {"check": "preflight", "mpi": library(MPI),
+            "mpi_cuda_aware": (aware := mpi_cuda_support())[0], "mpi_cuda_aware_by": aware[1]}  # fmt: skip
     if args.device != "cpu":
         cp = mpifsdp.array_module(args.device)
         a = cp.arange(1 << 20, dtype=cp.float32)

@@ -137,6 +137,8 @@ def graphs_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.dropout > 0:
         wrong.append(f"--graphs with --dropout {cfg.dropout} (a graph would replay the same dropout masks)")
+    if cfg.param_dtype not in ("float16", "bfloat16"):
+        wrong.append("--graphs without --param_dtype float16 or bfloat16 (float32 attention is not captured)")
     if cfg.accum_sync == "no_sync" and cfg.grad_accum > 1:
         wrong.append("--graphs with --accum_sync no_sync (a graph replays every micro-batch's reduction)")
     return wrong
@@ -276,7 +278,9 @@ def main():
                 sharded.set_requires_gradient_sync(j == k - 1)
             loss = model(pairs[2 * j], pairs[2 * j + 1])
             if k > 1:  # / k, by a device number made in the first (eager) call: a graph copies nothing in
-                loss = loss / counts.setdefault(loss.dtype, mpifsdp.Tensor(xp.full((), k, dtype=loss.dtype)))
+                if loss.dtype not in counts:
+                    counts[loss.dtype] = mpifsdp.Tensor(xp.full((), k, dtype=loss.dtype))
+                loss = loss / counts[loss.dtype]
             (scaler.scale(loss) if scaler else loss).backward()
             losses.append(loss)
         return tuple(losses)
@@ -409,6 +413,9 @@ def main():
                     "sequences_per_step": cfg.grad_accum * cfg.batch_size,
                     "tokens_per_s": round(tokens_per_step * (cfg.max_steps - first_step) / elapsed, 1),
                     "peak_rss_mib": mib(peak_rss),
+                    # the fast way's own evidence: the scale a float16 run ended at, a graph's memory
+                    **({"loss_scale": scaler.scale_value} if scaler else {}),
+                    **({"graph_replays": run.replays} if cfg.graphs else {}),
                 }
             )
         )

@@ -17,6 +17,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 from . import cuda, ops  # noqa: E402, F401  (cuda: the GPU implementations, registered)
 from .autodiff import AbsentDataError, Param, Tensor, no_grad  # noqa: E402
 from .base.backend import array_module, to_device, to_numpy  # noqa: E402
+from .base.kernels import SlowPathError  # noqa: E402
 from .base.threads import set_threads  # noqa: E402
 from .checkpoint import CheckpointError  # noqa: E402
 from .comm import CollectiveError, Comm  # noqa: E402
@@ -81,4 +82,5 @@ __all__ = [
     "CollectiveTimeout",
     "NonFiniteError",
     "ScheduleError",
+    "SlowPathError",
 ]

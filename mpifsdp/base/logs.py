@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-_rank = 0
+_world_size = 0  # the job's, once label() has seen the world
 _labelled = False
 
 
@@ -20,8 +20,8 @@ class JobWide(str):
 def label(rank: int, size: int):
     """Prefix mpifsdp's records with "[rank k] " where several ranks print, and leave job-wide warnings
     to rank 0. Once per process, for the job's world; other loggers' records are left as they are."""
-    global _rank, _labelled
-    _rank = rank
+    global _world_size, _labelled
+    _world_size = size
     if _labelled or size < 2:
         return
     _labelled = True
@@ -37,8 +37,21 @@ def label(rank: int, size: int):
     logging.setLogRecordFactory(labelled)
 
 
-def job_warning(log: logging.Logger, message: str, *args):
-    """A warning whose condition every rank agrees on (a collective decided it): rank 0 says it, once
-    for the job; the other ranks say nothing."""
-    if _rank == 0:
-        log.warning(JobWide(message), *args)
+def job_warning(group, log: logging.Logger, message: str, *args):
+    """A warning whose condition the ranks of `group` agree on (a collective decided it): its rank 0
+    says it, once for them all, and the others say nothing. `group`: a Comm, an mpi4py communicator,
+    or None (this process alone). Said for the whole job (the world), it carries no rank label; for a
+    group of it, rank 0's label."""
+    if group is None:
+        rank, size = 0, 1
+    elif hasattr(group, "Get_rank"):
+        rank, size = group.Get_rank(), group.Get_size()
+    else:
+        rank, size = group.rank, group.size
+    if speaks(rank):
+        log.warning(JobWide(message) if size == _world_size else message, *args)
+
+
+def speaks(rank: int) -> bool:
+    """Whether this rank of a group says the group's warning: its rank 0 alone."""
+    return rank == 0

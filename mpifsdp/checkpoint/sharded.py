@@ -246,7 +246,9 @@ def _load_from(directory: Path, sharded, model, optimizer) -> dict:
         optimizer.restore(manifest["optimizer"] or {"step": 0})
         if manifest["optimizer"] is None:
             name = type(optimizer).__name__
-            job_warning(log, "%s holds no optimizer state: %s starts from step 0", directory, name)
+            job_warning(
+                sharded.comm, log, "%s holds no optimizer state: %s starts from step 0", directory, name
+            )
     return manifest["extra"]
 
 
@@ -450,7 +452,7 @@ def load_latest(
             except SettingsDiffer:  # the model is the wrong one: an older checkpoint must not hide it
                 raise
             except CheckpointError as exc:
-                job_warning(log, "skipping checkpoint %s: %s", path, exc)  # raised on every rank alike
+                job_warning(comm, log, "skipping checkpoint %s: %s", path, exc)  # raised on every rank alike
                 failures.append(f"{Path(path).name}: {exc}")
     if failures:
         raise CheckpointError(f"no checkpoint under {root} could be loaded:\n  " + "\n  ".join(failures))

@@ -90,7 +90,9 @@ class Comm:
         self.node_rank, self.node_size, self.node_id = self._node_ranks()
         self.threads = set_threads(threads, self.node_size)
         self.device = rank_device(device, bind_gpu, self.node_rank)
-        self.transport = choose_transport(self.mpi, parse_device(self.device)[0], transport, self.node_size)
+        self.transport = choose_transport(
+            self.mpi, parse_device(self.device)[0], transport, self.node_size, wait=self.schedule.wait
+        )
         self._host_transport = MPITransport(self.mpi)  # host memory's (_carrier)
 
     def __repr__(self):
@@ -140,6 +142,7 @@ class Comm:
             abort_on_timeout=self.schedule.abort_on_timeout,
             device=self.device,
             bind_gpu=False,
+            transport=self.transport.name,  # the user's choice, or the one this Comm's ranks agreed on
         )
 
     # -- the schedule: every collective is announced, and checked ----------------------------------

@@ -174,9 +174,11 @@ class NCCLTransport:
         return backend.StreamRequest(self.stream, self.comm.check_async_error)
 
 
-def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1):
+def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int = 1, wait=None):
     """The transport for `device`: the user's explicit choice, else NCCL with one rank per GPU, else MPI
-    on device buffers where the MPI says it is CUDA-aware, else host staging (transport_name)."""
+    on device buffers where the MPI says it is CUDA-aware, else host staging (transport_name). What
+    the choice rests on is exchanged first (`wait`: the request's wait, under the watchdog), so every
+    rank chooses alike, or every rank raises, naming what differs."""
     if device == "cpu":
         if transport not in (None, "mpi"):
             raise ValueError(f"transport {transport!r} needs a GPU device; on the CPU only 'mpi' applies")
@@ -185,13 +187,23 @@ def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int
     if transport not in (None, *choices):
         raise ValueError(f"unknown transport {transport!r}: choose one of {sorted(choices)}")
     aware, how = mpi_cuda_support()
-    from mpi4py import MPI  # every rank must choose alike: the least any rank's MPI says (no < unknown < yes)
-
-    aware = {0: False, 1: None, 2: True}[mpi.allreduce({False: 0, None: 1, True: 2}[aware], op=MPI.MIN)]
-    ranks_per_gpu = backend.ranks_sharing_gpu(ranks_on_node)
-    name, warning = transport_name(transport, ranks_per_gpu, backend.nccl_available(), aware, how)
-    if warning:  # said once for the job: the choice is the same on every rank
-        job_warning(log, warning)
+    codes = {False: 0, None: 1, True: 2}  # the least any rank's MPI says wins: no < cannot say < yes
+    mine = np.array(
+        [codes[aware], backend.nccl_available(), backend.ranks_sharing_gpu(ranks_on_node)], np.int64
+    )
+    every = np.empty((mpi.Get_size(), 3), np.int64)
+    request = mpi.Iallgather(mine, every)
+    wait(request) if wait else request.Wait()
+    for column, what in ((1, "NCCL available"), (2, "ranks sharing a GPU")):
+        if len(set(every[:, column].tolist())) > 1:
+            raise RuntimeError(
+                f"the ranks differ in {what} ({dict(enumerate(every[:, column].tolist()))}): a transport "
+                "for all of them cannot be chosen; pass Comm(transport=...) or make the nodes alike"
+            )
+    aware = {0: False, 1: None, 2: True}[int(every[:, 0].min())]
+    name, warning = transport_name(transport, int(every[0, 2]), bool(every[0, 1]), aware, how)
+    if warning:  # said once for this communicator: every rank chose alike
+        job_warning(mpi, log, warning)
     log.info("collectives on %s use %s", device, name)
     return choices[name](mpi)
 

@@ -62,6 +62,7 @@ class GraphedPasses:
         self._checks: list = []  # the input checks the captured forward deferred
         self._collectives: list = []  # per communicator, the device collectives in the graph
         self._kept: tuple = ()  # what the graph addresses that nothing else keeps: its pool, its stream, ...
+        self.replays = 0  # the calls served from the graph (the capture's own check not counted)
 
     def __call__(self, *batch):
         if self._static is None:
@@ -138,6 +139,7 @@ class GraphedPasses:
         for comm, collectives in zip(sharded.levels(), self._collectives):
             comm.replayed(collectives)
         self._launch()
+        self.replays += 1
         _defer_again(self._checks)
         return self._outputs
 

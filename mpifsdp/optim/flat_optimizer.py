@@ -195,7 +195,7 @@ class FlatOptimizer:
                     f"gradients (on at least one rank). {name}(nonfinite='skip') drops such steps instead."
                 )
             self.skipped_steps += 1
-            job_warning(log, "skipped step %d: gradient norm %s", self.step_count + 1, norm)  # norm: agreed
+            job_warning(self.comm, log, "skipped step %d: gradient norm %s", self.step_count + 1, norm)
             return False
         grads = [group.flat_grad() for group in self.groups]
         if all(g is None for g in grads):

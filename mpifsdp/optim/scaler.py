@@ -115,7 +115,8 @@ class LossScaler:
             self.skips_in_a_row += 1
             self.good_steps = 0
             self.scale_value = max(self.min_scale, self.scale_value / 2)
-            job_warning(log, "loss scale overflow: skipped the step, scale now %g", self.scale_value)
+            group = getattr(optimizer, "comm", None)  # the norm's ranks: all skip this step
+            job_warning(group, log, "loss scale overflow: skipped the step, scale now %g", self.scale_value)
             return False
         self.skips_in_a_row = 0
         factor = 1.0 / self.scale_value if folded else 1.0

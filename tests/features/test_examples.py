@@ -343,20 +343,24 @@ def test_train_gpt_trains_the_fast_gpu_way_on_the_standin_gpus(comm, tmp_path):
              "--transport", "nccl"]  # fmt: skip
     gpus = ["-m", "gpusim", "--gpus", 2, ROOT / "examples" / "train_gpt.py", *small]
 
-    def losses(*flags) -> list[float]:
+    def losses(*flags) -> tuple[list[float], dict]:
+        """The run's loss at every step, and its closing JSON line."""
         metrics = tmp_path / f"m{len(list(tmp_path.iterdir()))}.jsonl"
-        run_example(comm, 2, *gpus, *flags, "--metrics", metrics)
-        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+        out = run_example(comm, 2, *gpus, *flags, "--metrics", metrics)
+        steps = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+        return steps, json.loads(out.strip().splitlines()[-1])
 
     for flags in (["--param_dtype", "float16"], ["--param_dtype", "bfloat16", "--recompute", "true",
                                                   "--grad_accum", 2]):  # fmt: skip
-        eager = losses(*flags)
+        eager, said = losses(*flags)
         assert len(eager) == 6 and all(math.isfinite(v) for v in eager), eager
-        assert losses(*flags, "--graphs", "true") == eager, flags
+        assert ("loss_scale" in said) == (flags[1] == "float16") and "graph_replays" not in said, said
+        graphed, said = losses(*flags, "--graphs", "true")
+        assert graphed == eager and said["graph_replays"] == 4, (flags, said)  # 6 steps: eager, capture, 4
     script = ROOT / "examples" / "train_gpt.py"
     out = run_example(comm, 1, script, "--graphs", "true", "--dropout", 0.1, returncode=2)
     assert "--graphs with --device cpu (CUDA graphs need --device cuda)" in out
-    assert "--graphs with --dropout 0.1" in out
+    assert "--graphs with --dropout 0.1" in out and "--graphs without --param_dtype" in out
 
 
 def test_every_train_gpt_flag_says_what_it_does():

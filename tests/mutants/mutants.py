@@ -102,13 +102,7 @@ def _cuda_awareness_not_asked():
 def _job_warnings_on_every_rank():
     from mpifsdp.base import logs
 
-    labels = logs.label
-
-    def label(rank, size):
-        labels(rank, size)
-        logs._rank = 0  # every rank takes itself for the one that speaks for the job
-
-    _replace(logs, "label", label)
+    _replace(logs, "speaks", lambda rank: True)  # every rank takes itself for the one that speaks
 
 
 def _slurm_job_not_recorded():
