@@ -253,8 +253,8 @@ def _layer_norm_vjp(g, saved, x, w, b=None, eps=1e-5, into=None, pending=None, s
             gx = gx if add is None else Summed(gx)
             gx = SumsWritten(gx) if wrote_sums else gx
             return (gx, params[0]) if b is None else (gx, *params)
-    with whole_arrays():
-        return reference._layer_norm_vjp(g, saved, x, w, b, eps)
+    with whole_arrays():  # the reference keeps the statistics in x's dtype
+        return reference._layer_norm_vjp(g, tuple(s.astype(x.dtype, copy=False) for s in saved), x, w, b, eps)
 
 
 def _layer_norm_kernel_vjp(g2, x2, w, b, mean, rstd, gx2, into, add, sums):
@@ -280,7 +280,7 @@ def _layer_norm(x, w, b=None, eps=1e-5):
     xp = array_module_of(x)
     n, C = _rows(x).shape
     out = xp.empty_like(x)
-    mean, rstd = (xp.empty((n, 1), dtype=x.dtype) for _ in range(2))
+    mean, rstd = (xp.empty((n, 1), accumulator(x.dtype.type)) for _ in range(2))  # float32 for 16-bit x
     if x.flags.c_contiguous and layer_norm.forward(_rows(x), w, b, eps, _rows(out), mean, rstd):
         return out, (mean, rstd)
     with whole_arrays():
@@ -359,7 +359,7 @@ def _kernel_layer_norm_linear(x, ln_w, ln_b, w, b, eps, transpose_w, seed):
     n, C = x2.shape
     folded = b is not None and not transpose_w and gemm.writes(x.dtype, x.dtype)
     padded = xp.empty((n, folded_row_length(C) if folded else C), x.dtype)
-    mean, rstd = (xp.empty((n, 1), x.dtype) for _ in range(2))
+    mean, rstd = (xp.empty((n, 1), accumulator(x.dtype.type)) for _ in range(2))  # float32 for 16-bit x
     seeded, seed_bias = (None if seed is None else seed.target(x)) or (None, None)
     rows_seeded = None if seeded is None else _rows(seeded)
     out = xp.empty((n, w.shape[1]), x.dtype) if folded else None

@@ -1,7 +1,7 @@
 /* LayerNorm forward (a warp a row) and backward (column sums in two levels): launched by
-   cuda/layer_norm.py. */
+   cuda/layer_norm.py. Each row's mean and 1/std are kept in ACC (float for float16 and bfloat16). */
 template <int V>
-__device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const ELEM* next_bias,
+__device__ void finish_row(ELEM* o, ACC* mean, ACC* rstd, ELEM* biased, const ELEM* next_bias,
                            const ACC m, const ACC rs, const int C, const int N, const int flags,
                            const size_t r) {
     /* row r's statistics, its ones column (FWD_ONES_COLUMN) and its row of the next GEMM's bias
@@ -9,8 +9,8 @@ __device__ void finish_row(ELEM* o, ELEM* mean, ELEM* rstd, ELEM* biased, const 
     typedef Pack<V> P;
     const int lane = threadIdx.x & 31;
     if (lane == 0) {
-        mean[r] = (ELEM)m;
-        rstd[r] = (ELEM)rs;
+        mean[r] = m;  /* the statistics in ACC: float for 16-bit rows, as PyTorch and llm.c keep them */
+        rstd[r] = rs;
         if (flags & FWD_ONES_COLUMN) o[C] = (ELEM)1;
     }
     if (flags & FWD_NEXT_BIAS) {
@@ -54,8 +54,8 @@ __device__ __forceinline__ void write_normalized(const Pack<V>& p, const int j, 
     }
 }
 template <int V>
-__device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
-                            ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
+__device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ACC* mean,
+                            ACC* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
                             const ELEM* next_bias, const int C, const int ld, const int N, const ACC eps,
                             const int flags, const size_t r) {
     /* row r by this warp, V columns a lane at a time (Pack<V>) */
@@ -75,8 +75,8 @@ __device__ void forward_row(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* o
     finish_row<V>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
 }
 #define ROW_PACKS 8
-__device__ void forward_row_held(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ELEM* mean,
-                                 ELEM* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
+__device__ void forward_row_held(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out, ACC* mean,
+                                 ACC* rstd, ELEM* seed, const ELEM* seed_bias, ELEM* biased,
                                  const ELEM* next_bias, const int C, const int ld, const int N,
                                  const ACC eps, const int flags, const size_t r) {
     /* forward_row<PACK> for rows of at most 32 * PACK * ROW_PACKS: the row read once, every
@@ -110,7 +110,7 @@ __device__ void forward_row_held(const ELEM* x, const ELEM* w, const ELEM* b, EL
     finish_row<PACK>(o, mean, rstd, biased, next_bias, m, rs, C, N, flags, r);
 }
 extern "C" __global__ void layer_norm_forward(const ELEM* x, const ELEM* w, const ELEM* b, ELEM* out,
-                                              ELEM* mean, ELEM* rstd, ELEM* seed, const ELEM* seed_bias,
+                                              ACC* mean, ACC* rstd, ELEM* seed, const ELEM* seed_bias,
                                               ELEM* biased, const ELEM* next_bias, const int C,
                                               const int ld, const int N, const ACC eps, const int flags,
                                               const int n) {
@@ -140,8 +140,8 @@ template <int V> struct BackwardRows {
     /* ROWS_AHEAD rows' packs of one thread's columns, and their statistics */
     Pack<V> g[ROWS_AHEAD], x[ROWS_AHEAD], add[ROWS_AHEAD];
     ACC m[ROWS_AHEAD], rs[ROWS_AHEAD];
-    __device__ void load(const ELEM* g_, const ELEM* x_, const ELEM* add_, const ELEM* mean,
-                         const ELEM* rstd, const int r, const int rows, const int C, const int j,
+    __device__ void load(const ELEM* g_, const ELEM* x_, const ELEM* add_, const ACC* mean,
+                         const ACC* rstd, const int r, const int rows, const int C, const int j,
                          const int flags) {
         #pragma unroll
         for (int u = 0; u < ROWS_AHEAD; ++u) {
@@ -158,8 +158,8 @@ template <int V> struct BackwardRows {
 };
 template <int V>
 __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restrict__ x,
-                               const ELEM* __restrict__ w, const ELEM* __restrict__ mean,
-                               const ELEM* __restrict__ rstd, ELEM* __restrict__ gx,
+                               const ELEM* __restrict__ w, const ACC* __restrict__ mean,
+                               const ACC* __restrict__ rstd, ELEM* __restrict__ gx,
                                const ELEM* __restrict__ add, ACC* __restrict__ mine, const size_t plane,
                                const int first, const int last, const int C, const int flags) {
     /* blockDim.x * V == C: a thread takes one pack of V columns of every row, ROWS_AHEAD rows at a
@@ -222,8 +222,8 @@ __device__ void backward_packs(const ELEM* __restrict__ g, const ELEM* __restric
         if (flags & BWD_SUMS) mine[2 * plane + j + k] = ss[k];
     }
 }
-__device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, const ELEM* mean,
-                                 const ELEM* rstd, ELEM* gx, const ELEM* add, ACC* mine,
+__device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, const ACC* mean,
+                                 const ACC* rstd, ELEM* gx, const ELEM* add, ACC* mine,
                                  const size_t plane, const int first, const int last, const int C,
                                  const int flags) {
     /* any C: threads step through a row's columns, their partial sums in shared memory (2 C ACC, 3 C
@@ -267,7 +267,7 @@ __device__ void backward_columns(const ELEM* g, const ELEM* x, const ELEM* w, co
     }
 }
 extern "C" __global__ void layer_norm_backward(const ELEM* g, const ELEM* x, const ELEM* w,
-                                               const ELEM* mean, const ELEM* rstd, ELEM* gx,
+                                               const ACC* mean, const ACC* rstd, ELEM* gx,
                                                const ELEM* add, ACC* partial, ACC* dw, ACC* db,
                                                ACC* ds, unsigned int* done, const int n, const int C,
                                                const int rows_per_block, const int flags) {

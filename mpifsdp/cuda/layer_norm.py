@@ -122,13 +122,15 @@ FAMILY = gk.family(
 # -- launching -------------------------------------------------------------------------------------
 
 
-def _kernels(*arrays):
-    """The compiled kernels for these arrays, or None where they cannot run: not one float dtype,
-    not contiguous, or no NVRTC (the caller then runs its array-module passes)."""
+def _kernels(*arrays, stats=()):
+    """The compiled kernels for these arrays and the rows' statistics, or None where they cannot run:
+    not one float dtype (the statistics in its accumulator's: float32 for 16-bit rows), not
+    contiguous (the caller then runs its array-module passes)."""
     dtype = arrays[0].dtype.type
     usable = dtype in gk.ELEMENT_TYPES and all(
         a.dtype == arrays[0].dtype and a.flags.c_contiguous for a in arrays if a is not None
     )
+    usable = usable and all(s.dtype == gk.accumulator(dtype) and s.flags.c_contiguous for s in stats)
     if not usable:
         return None
     return FAMILY.compiled(array_module_of(arrays[0]), dtype)
@@ -184,7 +186,7 @@ def forward(
     out of a GEMM with that column: cuda/fused.py `_folded_grads`). seed (n, C): written x2 +
     seed_bias on the way (cuda/fused.py Seed);
     biased (n, N): every row written next_bias (the next linear's GEMM then adds its product)."""
-    kernels = _kernels(x2, w, b, out, mean, rstd, seed, seed_bias, biased, next_bias)
+    kernels = _kernels(x2, w, b, out, seed, seed_bias, biased, next_bias, stats=(mean, rstd))
     if kernels is None or out.shape[1] < x2.shape[1] + ones_column:
         return False
     gk.checked_once(("layer_norm_forward", x2.dtype.type), lambda: _probe(array_module_of(x2), x2.dtype))
@@ -229,7 +231,7 @@ def backward(g2, x2, w, mean, rstd, gx2, gw, gb, add2=None, ds=None) -> bool | N
     they fit (in packs, always; else in shared memory). Returns None (nothing written) where the
     kernels cannot run, else whether ds was written."""
     C, dtype = x2.shape[1], x2.dtype.type
-    kernels = _kernels(g2, x2, w, mean, rstd, gx2, add2)
+    kernels = _kernels(g2, x2, w, gx2, add2, stats=(mean, rstd))
     fits = [_column_sums_fit(a, C, dtype) for a in (gw, gb) if a is not None]
     packed = _in_packs(C, x2.dtype, g2, x2, w, gx2, add2)
     if kernels is None or not all(fits) or not packed and _shared_bytes(C, dtype, False) > gk.SHARED_BYTES:
@@ -272,8 +274,8 @@ def _probe_rows(xp, dtype, backward: bool, C: int, N: int):
         for k, shape in (("x", (n, C)), ("g", (n, C)), ("w", C), ("b", C), ("a", (n, C)), ("s", C))
     }
     x, g, w, b, add, seed_bias = (xp.asarray(host[k]) for k in "xgwbas")
-    out, mean, rstd = xp.empty_like(x), xp.empty((n, 1), dtype), xp.empty((n, 1), dtype)
-    kernels = _kernels(x, w, b, out, mean, rstd)
+    out, mean, rstd = xp.empty_like(x), *(xp.empty((n, 1), gk.accumulator(dtype)) for _ in range(2))
+    kernels = _kernels(x, w, b, out, stats=(mean, rstd))
     padded, seed, biased = xp.empty((n, C + 8), dtype), xp.empty_like(x), xp.empty((n, N), dtype)
     _forward(kernels, x, w, b, padded, mean, rstd, 1e-5, True, seed, seed_bias, biased, b[:N])
     got = {"padded": to_numpy(padded)[:, : C + 1], "seed": seed, "biased": biased}

@@ -69,7 +69,8 @@ def gpt_activation_bytes(
     """Bytes the tape keeps after a GPT forward on `batch` sequences of config.block_size: per block 10 B·T·C
     values (no LayerNorm output on the CPU: layer_norm_linear recomputes it; a GPU keeps both, 12:
     cuda/fused.py, the first padded with a ones column where the qkv bias's gradient comes out of its
-    weight's GEMM: folded_row_length there) and 4 per token (LayerNorm statistics), and past the
+    weight's GEMM: folded_row_length there) and 4 per token (LayerNorm statistics: in float32 at least
+    on a GPU, cuda/layer_norm.cu), and past the
     attention block (256 positions on the CPU, 1024 on a GPU: ops/causal_attention.py,
     cuda/attention.py) the attention's output and one log-sum-exp per head and token (the blocked path
     keeps them); outside them the final LayerNorm's input (and on a GPU its output), the logits, and per
@@ -86,11 +87,12 @@ def gpt_activation_bytes(
     norm_outputs = 2 * B * T * C if gpu else 0  # one a layer_norm_linear
     if gpu and config.bias:  # the qkv bias gradient from its weight GEMM: the LayerNorm output padded
         norm_outputs += B * T * (gpu_fused.folded_row_length(C) - C)
-    block = 10 * B * T * C + norm_outputs + 4 * B * T + (B * T * C + B * H * T if T > whole else 0)
-    per_block = B * T * C if recompute else block
-    outside = B * T * C + (B * T * C if gpu else 0) + B * T * config.vocab_size + 3 * B * T
+    stat = max(itemsize, 4) if gpu else itemsize  # a GPU keeps LayerNorm's statistics in float32 at least
+    block = 10 * B * T * C + norm_outputs + (B * T * C + B * H * T if T > whole else 0)
+    per_block = B * T * C * itemsize if recompute else block * itemsize + 4 * B * T * stat
+    outside = B * T * C + (B * T * C if gpu else 0) + B * T * config.vocab_size + B * T
     indices = 8 * (2 * B * T + T + 1) if gpu else B * T  # the targets' copy ends with their count
-    return itemsize * (config.n_layer * per_block + outside) + indices
+    return config.n_layer * per_block + itemsize * outside + 2 * B * T * stat + indices
 
 
 def gpt_loss_gradient_bytes(config, batch: int, itemsize: int) -> int:
