@@ -101,7 +101,6 @@ def preflight(args):
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         info.update(
             cupy=cp.__version__,
-            gpu=props["name"].decode(),
             cuda_runtime=cp.cuda.runtime.runtimeGetVersion(),
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),

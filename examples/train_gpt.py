@@ -413,7 +413,7 @@ def main():
                     "sequences_per_step": cfg.grad_accum * cfg.batch_size,
                     "tokens_per_s": round(tokens_per_step * (cfg.max_steps - first_step) / elapsed, 1),
                     "peak_rss_mib": mib(peak_rss),
-                    # the fast way's own evidence: the scale a float16 run ended at, a graph's memory
+                    # the fast way's own evidence: the scale a float16 run ended at, the graph's replays
                     **({"loss_scale": scaler.scale_value} if scaler else {}),
                     **({"graph_replays": run.replays} if cfg.graphs else {}),
                 }

@@ -257,6 +257,12 @@ def train_with_metrics(comm, tmp_path, steps: int, **write_values) -> tuple[str,
     return path, returned
 
 
+def step_losses(metrics: Path) -> list[float]:
+    """The training loss of every step in a StepMetrics file (its other lines: evaluations)."""
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
 class Slurm:
     """The one-node Slurm on this machine (tools/slurm/one_node.sh; .ci/run starts one), driven as a user
     drives a cluster's: sbatch, scontrol, squeue. `Slurm.here()` skips the calling test where there is

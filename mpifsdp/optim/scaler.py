@@ -51,21 +51,21 @@ class LossScaler:
         self.skips_in_a_row = 0
         self.last_grad_norm = math.nan  # the last step's global norm, unscaled (what clipping saw)
 
+    STATE = ("scale_value", "good_steps", "skipped_steps", "skips_in_a_row")  # what state_dict() holds
+
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as an uninterrupted one would: the scale and its counts
         (plain numbers: a checkpoint's `extra`)."""
-        return {k: getattr(self, k) for k in ("scale_value", "good_steps", "skipped_steps", "skips_in_a_row")}
+        return {key: getattr(self, key) for key in self.STATE}
 
     def load_state_dict(self, state: dict):
         """Take a state_dict(); a missing or unknown key is refused by name."""
-        want = set(self.state_dict())
-        if set(state) != want:
+        if set(state) != set(self.STATE):
             raise ValueError(
-                f"LossScaler.load_state_dict: expected the keys {sorted(want)}, got {sorted(state)}"
+                f"LossScaler.load_state_dict: expected the keys {sorted(self.STATE)}, got {sorted(state)}"
             )
-        for key in ("good_steps", "skipped_steps", "skips_in_a_row"):
-            setattr(self, key, int(state[key]))
-        self.scale_value = float(state["scale_value"])
+        for key in self.STATE:  # each as the type it has (the scale's setter refreshes its device copies)
+            setattr(self, key, type(getattr(self, key))(state[key]))
 
     def scale(self, loss):
         """loss * the scale, a 0-d array of the loss's type on its device (as a Python number would

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from support import ROOT, mpiexec, run_job, run_launched
+from support import ROOT, mpiexec, run_job, run_launched, step_losses
 
 
 def run_example(comm, ranks, *args, timeout=300, returncode=0, progress=None):
@@ -347,8 +347,7 @@ def test_train_gpt_trains_the_fast_gpu_way_on_the_standin_gpus(comm, tmp_path):
         """The run's loss at every step, and its closing JSON line."""
         metrics = tmp_path / f"m{len(list(tmp_path.iterdir()))}.jsonl"
         out = run_example(comm, 2, *gpus, *flags, "--metrics", metrics)
-        steps = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
-        return steps, json.loads(out.strip().splitlines()[-1])
+        return step_losses(metrics), json.loads(out.strip().splitlines()[-1])
 
     for flags in (["--param_dtype", "float16"], ["--param_dtype", "bfloat16", "--recompute", "true",
                                                   "--grad_accum", 2]):  # fmt: skip

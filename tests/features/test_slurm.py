@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support import MACHINE_LACKS, ROOT, Slurm
+from support import MACHINE_LACKS, ROOT, Slurm, step_losses
 
 SCRIPT = ROOT / "examples" / "slurm" / "cpu.sbatch"
 SMALL = {"N_LAYER": 1, "N_EMBD": 16, "N_HEAD": 2, "BLOCK_SIZE": 16, "BATCH_SIZE": 4}
@@ -40,12 +40,6 @@ def route(mpi: str):
     return {"SRUN_MPI": mpi, "PYTHON": python}
 
 
-def losses(out) -> list[float]:
-    """The training loss of every step in a run's metrics (its other lines: evaluations)."""
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [line["loss"] for line in lines if "loss" in line]
-
-
 def run_to_the_end(slurm, tmp_path, name, steps, mpi="pmi2", options=()):
     """cpu.sbatch for `steps` steps into tmp_path/name; (its job's fields, its log)."""
     out = tmp_path / name
@@ -66,7 +60,7 @@ def test_cpu_sbatch_trains_under_srun_with_mpich_over_pmi2_and_open_mpi_over_pmi
         _, log = run_to_the_end(slurm, tmp_path, mpi, 20, mpi)
         assert f"2 rank(s) on cpu over {library}" in log, log[-3000:]  # which MPI the job ran on
         assert json.loads(log.strip().splitlines()[-1])["world_size"] == 2
-        seen[mpi] = losses(tmp_path / mpi)
+        seen[mpi] = step_losses(tmp_path / mpi / "metrics.jsonl")
         assert len(seen[mpi]) == 20
     assert seen["pmi2"] == seen["pmix"]
 
@@ -103,7 +97,7 @@ def test_a_requeued_job_resumes_and_ends_with_the_loss_of_an_uninterrupted_run(c
     stopped = int(log.split("stopped after step ")[1].split()[0])
     assert 20 <= stopped < steps, log[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{stopped:08d}'} at step {stopped}" in log, log[-3000:]
-    assert losses(out) == losses(tmp_path / "whole")
+    assert step_losses(out / "metrics.jsonl") == step_losses(tmp_path / "whole" / "metrics.jsonl")
 
 
 def test_a_job_array_gives_each_task_a_run_of_its_own(comm, tmp_path):
@@ -118,9 +112,11 @@ def test_a_job_array_gives_each_task_a_run_of_its_own(comm, tmp_path):
     for task in (0, 1):
         run = tmp_path / "out" / f"{array}_{task}"
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000005", "step-00000010"]
-        assert len(losses(run)) == 10
+        assert len(step_losses(run / "metrics.jsonl")) == 10
         assert "saved" in (tmp_path / f"array-{array}_{task}.log").read_text()
-    assert losses(tmp_path / "out" / f"{array}_0") == losses(tmp_path / "out" / f"{array}_1")  # one config
+    assert step_losses(tmp_path / "out" / f"{array}_0" / "metrics.jsonl") == step_losses(
+        tmp_path / "out" / f"{array}_1" / "metrics.jsonl"
+    )  # one config
 
 
 def test_srun_without_pmi_is_refused_on_every_task(comm, tmp_path):
