@@ -20,7 +20,7 @@ from .base.backend import array_module, to_device, to_numpy  # noqa: E402
 from .base.kernels import SlowPathError  # noqa: E402
 from .base.threads import set_threads  # noqa: E402
 from .checkpoint import CheckpointError  # noqa: E402
-from .comm import CollectiveError, Comm  # noqa: E402
+from .comm import CollectiveError, Comm, PhantomComm  # noqa: E402
 from .comm.schedule import CollectiveTimeout, ScheduleError  # noqa: E402
 from .comm.stopping import StopRequest  # noqa: E402
 from .fsdp import (  # noqa: E402
@@ -55,6 +55,7 @@ __all__ = [
     "to_numpy",
     # sharding
     "Comm",
+    "PhantomComm",
     "set_threads",
     "fully_shard",
     "MixedPrecision",

@@ -334,6 +334,15 @@ def new_stream():
     return _cupy().cuda.Stream(non_blocking=True)
 
 
+def collective_stream():
+    """A stream for collectives: non-blocking and at the device's highest priority, so that a gather or
+    a reduction queued behind compute starts as soon as its inputs are ready instead of waiting for
+    the compute kernels queued since (FSDP2 gives its collectives such streams)."""
+    cp = _cupy()
+    greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()[1]  # (least, greatest): lower is sooner
+    return cp.cuda.Stream(non_blocking=True, priority=greatest)
+
+
 def current_stream():
     return _cupy().cuda.get_current_stream()
 

@@ -54,6 +54,7 @@ class Comm:
         device: str = "cpu",
         transport: str | None = None,
         bind_gpu: bool = True,
+        one_rank_shortcuts: bool | None = None,
     ):
         """threads: passed to mpifsdp.set_threads with this node's rank count: "auto" (the node's
         cores shared by its ranks, unless OMP_NUM_THREADS or similar is set), an int, or None to leave
@@ -64,6 +65,9 @@ class Comm:
         device: "cpu" or "cuda" (this rank takes GPU local_rank mod GPUs); transport: how device
         arrays move, "nccl", "cuda-aware-mpi" or "host" (see transport.py; None chooses);
         bind_gpu=False keeps `device` as given (a sub-communicator of a Comm already bound: split).
+        one_rank_shortcuts: whether one rank on a GPU skips its gathers and reductions (its full
+        parameters are its cast shard; see `one_rank`); False (or MPIFSDP_ONE_RANK_SHORTCUTS=0) runs
+        them, as N ranks do: the transport's own collectives, captured in a CUDA graph too.
         MPIFSDP_RANKS_PER_NODE=K pretends that every K consecutive ranks form a node (tests of
         hybrid sharding on one machine)."""
         MPI = _mpi()
@@ -79,6 +83,9 @@ class Comm:
             if problem:
                 raise RuntimeError(problem)
         self.ledger = CommLedger()
+        if one_rank_shortcuts is None:
+            one_rank_shortcuts = os.environ.get("MPIFSDP_ONE_RANK_SHORTCUTS", "1").strip() != "0"
+        self.one_rank_shortcuts = bool(one_rank_shortcuts)
         self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
         self._captured: list | None = None  # device collectives noted while a CUDA graph captures
         self.schedule = Schedule(
@@ -97,6 +104,17 @@ class Comm:
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size})"
+
+    @property
+    def one_rank(self) -> bool:
+        """Whether a collective of this Comm may be skipped as a copy of what this rank holds: one
+        rank, and its shortcuts on (a Unit on a GPU then sends its cast shard as its full parameters
+        and keeps its full gradient as its shard: shard/unit.py)."""
+        return self.size == 1 and self.one_rank_shortcuts
+
+    def made_shard(self, unit: str, layout, arrays: dict, shard):
+        """A unit made this rank's `shard` of `arrays` (the full values every rank passed): nothing
+        to do here; a Comm that stands in for other ranks keeps theirs (comm/phantom.py)."""
 
     def _clone(self, base):
         """A communicator of our own (MPI's Idup, waited under the watchdog: a Comm() that some ranks
@@ -142,6 +160,7 @@ class Comm:
             abort_on_timeout=self.schedule.abort_on_timeout,
             device=self.device,
             bind_gpu=False,
+            one_rank_shortcuts=self.one_rank_shortcuts,
             transport=self.transport.name,  # the user's choice, or the one this Comm's ranks agreed on
         )
 

@@ -99,6 +99,7 @@ class Unit:
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
             self._shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+        comm.made_shard(name, self.layout, arrays, self._shard)  # a phantom keeps its peers' (phantom.py)
         self.trainable = trainable
         self._grad = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
         self._grad_zeroed_lazily = False  # zero_grad's fill, left to the first reader (see grad_shard)
@@ -233,7 +234,7 @@ class Unit:
         """Whether the gather of `send` is `send` itself: one rank on a GPU, sending its pooled
         param_dtype cast (no collective is launched; the CPU keeps its one-rank gather, its ledger
         and schedule as at any N)."""
-        return self.comm.size == 1 and self.casts.one_rank_skips and send is not self._shard
+        return self.comm.one_rank and self.casts.one_rank_skips and send is not self._shard
 
     def _cast_for_gather(self):
         """(what a gather sends: the shard, or its pooled param_dtype cast; whether that cast is
@@ -364,7 +365,7 @@ class Unit:
         a shard holding no gradient, all of one dtype. Its reduction is then nothing (one rank's
         reduce-scatter copies, bench/HISTORY.md) and no buffer is taken; the CPU keeps its one-rank
         collectives, ledger and schedule as at any N (shard/cast.py one_rank_skips)."""
-        one = self.comm.size == 1 and self.replicas is None and self.casts.one_rank_skips
+        one = self.comm.one_rank and self.replicas is None and self.casts.one_rank_skips
         dtypes = {np.dtype(self.full_grad_dtype), np.dtype(self.reduce_dtype), self._grad.dtype}
         return one and not self.has_grad and len(dtypes) == 1
 

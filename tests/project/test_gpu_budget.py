@@ -137,6 +137,18 @@ def test_the_gpu_paths_gradients_and_scaled_steps_are_the_cpus(comm):
     assert _last_json_line(STANDIN, GPUSIM / "standin_checks.py")["ok"]
 
 
+def test_a_phantom_rank_of_n_on_the_gpu_branches_is_one_ranks_first_step_and_the_plans_memory(comm):
+    """tools/gpusim/standin_phantom.py: mpifsdp.PhantomComm on the GPU branches (stand-in) as rank k of
+    2, 4 and 8: its first step equals one rank's bit for bit (float64), its ledgers (shards, gathered
+    peaks, gathered and reduce-scattered elements) are plan(gpu=True)'s for rank k of N, the device
+    memory alive at its peak is within 1.15 times the plan's total; and one rank with its shortcuts
+    off runs its gathers and reduce-scatters through the transport to the same bits."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    result = _last_json_line(STANDIN, GPUSIM / "standin_phantom.py")
+    assert result["ok"], result
+
+
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
 def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_hold(comm, cudnn):
     """tools/gpusim/standin_graphs.py: a sharded GPT's forward and backward captured in a CUDA graph and
@@ -145,9 +157,11 @@ def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_ho
     host or device batches, eager evaluations in between, several sharding configurations, with
     cuDNN's attention: every loss and parameter of the eager steps, bit for bit. A bad
     device batch is named at the verdict; a host value that changes per call fails the capture's
-    self-check; a forgotten zero_grad, dropout, MPI transports and deterministic mode are refused
-    by name; the host issues a few launches a step, not hundreds. Without cuDNN, attention's batched
-    GEMMs go through CuPy's matmul, which CuPy cannot capture: refused by name at the capture."""
+    self-check; a phantom rank of 4 (its copies on its own stream) and one rank with its shortcuts
+    off (NCCL's own gathers) replay too; a forgotten zero_grad, dropout, MPI transports and
+    deterministic mode are refused by name; the host issues a few launches a step, not hundreds.
+    Without cuDNN, attention's batched GEMMs go through CuPy's matmul, which CuPy cannot capture:
+    refused by name at the capture."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     accept = {"MPIFSDP_ALLOW_SLOW": "1"} if cudnn else {}  # no cuDNN: its slow path, accepted

@@ -763,7 +763,10 @@ def install():
     )
     properties = {"name": b"gpusim stand-in", "totalGlobalMem": 16 << 30}  # what the scripts read
     runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: GPUS[0], eventQuery=_event_query, getDeviceProperties=lambda index: properties
+        getDeviceCount=lambda: GPUS[0],
+        eventQuery=_event_query,
+        getDeviceProperties=lambda index: properties,
+        deviceGetStreamPriorityRange=lambda: (0, -5),  # an H100's and an H200's
     )
 
     def device(i=0):

@@ -46,8 +46,13 @@ SMALL = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 STEPS = 5
 
 
-def _build(config=SMALL, transport="nccl", model_class=GPT, **shard):
-    comm = mpifsdp.Comm(device="cuda", transport=transport, threads=None)
+def _build(config=SMALL, transport="nccl", model_class=GPT, phantom=None, shortcuts=None, **shard):
+    """phantom=(N, k): rank k of N stood in for (PhantomComm); shortcuts=False: one rank's
+    gathers and reductions run (Comm's one_rank_shortcuts)."""
+    if phantom is not None:
+        comm = mpifsdp.PhantomComm(*phantom, device="cuda", threads=None)
+    else:
+        comm = mpifsdp.Comm(device="cuda", transport=transport, threads=None, one_rank_shortcuts=shortcuts)
     model = model_class(config, seed=0, device=comm.device)
     shard = {"param_dtype": np.float16, "reduce_dtype": np.float32, **shard}
     mpifsdp.fully_shard(model, comm, units=model.blocks, **shard)
@@ -184,6 +189,10 @@ CONFIGURATIONS = {
     # one rank reduces a float32 gradient with no collective (it is the gradient shard): a float16
     # reduction keeps reduce-scatters in the graph for the ledger to count
     "float16_reduce": dict(reduce_dtype=np.float16),
+    # N's gathers and reduce-scatters, as a phantom rank's copies on its own stream, in the graph
+    "phantom_rank_1_of_4": dict(phantom=(4, 1)),
+    # one rank's own gathers and reductions (no shortcuts): NCCL's collectives in the graph again
+    "one_rank_without_shortcuts": dict(shortcuts=False),
     "untied_without_biases": dict(
         config=GPTConfig(**{**SMALL.__dict__, "tie_weights": False, "bias": False})
     ),
