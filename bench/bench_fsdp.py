@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from common import (  # noqa: E402
-    LocalComm,
     add_config_arguments,
     blas_kernel,
     config_arguments,
@@ -54,7 +53,11 @@ def worker(args):
     from mpifsdp.models import GPT
 
     cfg = config_from(args)
-    comm = LocalComm() if args.local_comm else mpifsdp.Comm()
+    world = MPI.COMM_WORLD  # the ranks' timing and memory, whatever the Comm
+    if args.local_comm:  # the step without communication: each rank alone at N's shapes, copies of its own
+        comm = mpifsdp.PhantomComm(world.Get_size(), world.Get_rank())
+    else:
+        comm = mpifsdp.Comm()
     baseline = current_rss_mib()  # the interpreter, numpy, mpi4py: before any model
     N = comm.size
     if args.unsharded:
@@ -70,16 +73,16 @@ def worker(args):
     opt = mpifsdp.AdamW(model, lr=3e-4, weight_decay=0.1)  # torch's defaults otherwise, as the peer's
 
     def timed(fn) -> float:
-        comm.mpi.Barrier()
+        world.Barrier()
         t0 = time.perf_counter()
         fn()
-        return comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        return world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     # Warm-up: buffers, caches and the optimizer state (from the first step on). With --gemm, the
     # peak RSS is read before the GEMM reference's operands exist, so it is the training step's.
     for _ in range(2 if args.gemm else 1):
         train_step(model, opt, x, y)
-    rss = max(comm.allgather_object(peak_rss_mib())) if args.gemm else None
+    rss = max(world.allgather(peak_rss_mib())) if args.gemm else None
     gemm = None
     if args.gemm:  # the GEMMs of one rank's share of the batch, on every rank at once, as in the step
         shapes = step_gemm_shapes({**cfg, "batch_size": global_batch // (1 if args.unsharded else N)})
@@ -91,7 +94,7 @@ def worker(args):
         times.append(timed(lambda: train_step(model, opt, x, y)))
         if gemm:
             gemm_times.append(timed(gemm))
-    rss = rss or max(comm.allgather_object(peak_rss_mib()))
+    rss = rss or max(world.allgather(peak_rss_mib()))
     comm_bytes = comm.ledger.total("bytes")  # of the last timed step
     loss = model(x, y)  # one more forward, to weigh what the tape keeps
     activations = graph_nbytes(loss) / 2**20

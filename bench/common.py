@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 
-from mpifsdp import Comm
 from mpifsdp.base.accounting import current_rss_bytes, peak_rss_bytes
 from mpifsdp.models import GPTConfig
 
@@ -153,28 +152,6 @@ def train_step(model, opt, x, y):
     opt.step()
     opt.zero_grad()
     return loss
-
-
-class LocalComm(Comm):
-    """Collectives replaced by local copies of the same size: the step without communication.
-
-    The values differ from a real run (each rank sees its own shard N times), but the compute and the
-    memory traffic are the same, so real step time minus this one is the exposed communication.
-    """
-
-    def iall_gather(self, shard, full, *, unit="", phase="other"):
-        self._check_shards("all_gather", shard, full)
-        full.reshape(self.size, -1)[...] = shard
-        return None
-
-    def ireduce_scatter(self, full, shard, *, unit="", phase="other"):
-        self._check_shards("reduce_scatter", shard, full)
-        shard[...] = full.reshape(self.size, -1)[self.rank]
-        return None
-
-    def wait(self, request):
-        if request is not None:  # the local copies are done; the runtime's own checks are real MPI
-            super().wait(request)
 
 
 def current_rss_mib() -> float:

@@ -5,8 +5,9 @@ python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds,
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
-python bench/gpu_check.py speed --config peer|gpu350m [--dtype float16|bfloat16] [--prefetch 0] [--graph]
-    [--kernels]                             # then one step's GPU kernels by time (torch's CUPTI)
+python bench/gpu_check.py speed --config peer|gpu350m|gpu13b [--dtype float16|bfloat16] [--prefetch 0]
+    [--graph] [--kernels]                   # then one step's GPU kernels by time (torch's CUPTI)
+    [--phantom 8 --recompute]               # rank 0 of an 8-way job alone (mpifsdp.PhantomComm)
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 python bench/gpu_check.py columns           # the column-sum kernels at the step's shapes, by blocks
@@ -41,7 +42,8 @@ from mpifsdp.comm.launcher import library  # noqa: E402
 from mpifsdp.comm.transport import mpi_cuda_support  # noqa: E402
 from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
-from mpifsdp.models import GPT  # noqa: E402
+from mpifsdp.models import GPT, gpt_units  # noqa: E402
+from mpifsdp.planning import planner  # noqa: E402
 from mpifsdp.planning.planner import gpt_activation_bytes, gpt_loss_gradient_bytes  # noqa: E402
 
 SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
@@ -49,6 +51,8 @@ SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, b
 CONFIGS = {
     **CONFIGS,
     "gpu350m": dict(vocab_size=32768, n_embd=1024, n_layer=24, n_head=16, block_size=1024, batch_size=8),
+    # ~13 B parameters (206 GB of fp32 states: 26 GB a rank of 8): a model that needs sharding
+    "gpu13b": dict(vocab_size=32768, n_embd=5120, n_layer=40, n_head=40, block_size=2048, batch_size=4),
     "tiny": SMALL_GPT,  # a dry run of a check's code (the stand-in's float16 GEMMs are slow NumPy loops)
 }
 # H200 SXM: dense fp16/bf16 (the datasheet's 1,979 is "with sparsity"; an NVL is 835); fp32 without TF32
@@ -89,6 +93,47 @@ def _losses(device, dtype, global_batch, comm=None, reverse=False, transport_com
     return np.array(out)
 
 
+def _nccl_version(path: str) -> str | None:
+    """The version a libnccl file reports (ncclGetVersion: major * 10000 + minor * 100 + patch since
+    2.9), loaded on its own (RTLD_LOCAL: the copies do not clash); None where it does not load."""
+    import ctypes
+
+    try:
+        code = ctypes.c_int()
+        if ctypes.CDLL(path).ncclGetVersion(ctypes.byref(code)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    major, rest = divmod(code.value, 10000)
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+def every_libnccl() -> list[dict]:
+    """Every libnccl this machine has, and its version: the nvidia-nccl wheel's, torch's, CuPy's own,
+    the system's and CUDA's (which one a run loads decides whether ranks may share a GPU: 2.30 and
+    later, backend.nccl_shares_gpus)."""
+    import glob
+    import site
+
+    roots = [
+        *site.getsitepackages(),
+        site.getusersitepackages(),
+        *os.environ.get("LD_LIBRARY_PATH", "").split(":"),
+    ]
+    roots += [
+        "/usr/lib",
+        "/usr/lib64",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/local/lib",
+        "/usr/local/cuda/lib64",
+    ]
+    paths = set()
+    for root in filter(None, roots):
+        for depth in ("", "*/", "*/*/", "*/*/*/"):  # site-packages/nvidia/nccl/lib, torch/lib
+            paths.update(os.path.realpath(p) for p in glob.glob(f"{root}/{depth}libnccl.so*"))
+    return [{"path": p, "version": _nccl_version(p)} for p in sorted(paths)]
+
+
 def preflight(args):
     """What the GPU run stands on, before anything is measured: fails when CuPy cannot run a kernel."""
     from mpi4py import MPI
@@ -105,9 +150,13 @@ def preflight(args):
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
             nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
+            nccl_loaded=mpifsdp.base.backend.mapped_paths(open("/proc/self/maps"), "libnccl.so"),
             cudnn=gpu_attention.version(),
             bfloat16=bfloat16() is not None,  # ml_dtypes, which CuPy's bfloat16 is
         )
+    info["libnccl"] = every_libnccl()
+    # CuPy's NCCL lets ranks share this GPU (2.30 and later): make gpu-check runs 2 ranks over it
+    info["nccl_multi_rank_gpu"] = (info.get("nccl") or 0) >= mpifsdp.base.backend.NCCL_SHARES_GPUS
     emit(info)
     if info.get("kernel_ok") is False:
         sys.exit(1)
@@ -143,15 +192,42 @@ def parity(args):
         sys.exit(1)
 
 
+def _speed_model(args, cfg):
+    """(comm, model, param dtype) of a speed check. --phantom N: rank 0 of an N-way job, alone
+    (PhantomComm: N's shards, gathers and reductions, the peers stand-ins), the model built deferred,
+    each unit made once and sharded as the real job's ranks do (a 13B fits one GPU only so)."""
+    if args.phantom:
+        comm = mpifsdp.PhantomComm(args.phantom, 0, device=args.device)
+        with mpifsdp.deferred_init():
+            model = GPT(gpt_config(cfg), seed=0, device=comm.device)
+    else:
+        comm = mpifsdp.Comm(device=args.device, transport=args.transport)
+        model = GPT(gpt_config(cfg), seed=0, device=comm.device)
+    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32,
+                        prefetch=args.prefetch, recompute=args.recompute)  # fmt: skip
+    return comm, model, dtype
+
+
+def _planned_pool(args, cfg, comm, dtype) -> dict:
+    """The memory the planner gives one rank of this run (its shards, gathered units, the tape's
+    activations and the loss's gradient) in MiB, to hold the device's pool against."""
+    itemsize = np.dtype(dtype or np.float32).itemsize
+    config, batch = gpt_config(cfg), cfg["batch_size"]
+    device = "cpu" if args.device == "cpu" else "cuda"
+    beside = {
+        "activation_bytes": gpt_activation_bytes(config, batch, itemsize, args.recompute, device=device),
+        "loss_gradient_bytes": gpt_loss_gradient_bytes(config, batch, itemsize),
+    }
+    want = planner.plan(gpt_units(config)[0], comm.size, itemsize=4, compute_itemsize=itemsize,
+                        gpu=device != "cpu", prefetch=args.prefetch, **beside)  # fmt: skip
+    return {"plan_total_mib": round(want["memory_bytes"]["total"] / 2**20, 1)}
+
+
 def speed(args):
     cfg = CONFIGS[args.config]
-    comm = mpifsdp.Comm(device=args.device, transport=args.transport)
+    comm, model, dtype = _speed_model(args, cfg)
     xp = mpifsdp.array_module(comm.device)
-    model = GPT(gpt_config(cfg), seed=0, device=comm.device)
-    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
-    mpifsdp.fully_shard(
-        model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32, prefetch=args.prefetch
-    )
     opt = mpifsdp.AdamW(model, lr=1e-4)
     scaler = mpifsdp.LossScaler() if args.dtype == "float16" else None  # bfloat16 has float32's range
     # the batch on the host, as a loader gives it: its checks read nothing back from the device
@@ -190,15 +266,18 @@ def speed(args):
 
     times, loss = _timed(lambda: step(passes), args.steps, 1, synchronize, comm)
     step_s = float(np.median(times))
-    tokens = cfg["batch_size"] * cfg["block_size"] * comm.size
+    ranks_here = 1 if args.phantom else comm.size  # a phantom's peers compute nothing
+    tokens = cfg["batch_size"] * cfg["block_size"] * ranks_here
     # all ranks' tokens over the GPUs they share (make gpu-check: one node, ranks mod GPUs)
-    gpus = min(comm.size, xp.cuda.runtime.getDeviceCount()) if xp is not np else 1
+    gpus = min(ranks_here, xp.cuda.runtime.getDeviceCount()) if xp is not np else 1
     tflops = model.flops_per_token(cfg["block_size"]) * tokens / step_s / 1e12 / gpus
     sharded = sharded_model(model)
     plan = sharded.plan()
     formula = plan["persistent"] + 2 * plan["largest_unit"] + plan["root_unit"]
     itemsize = np.dtype(dtype or np.float32).itemsize
-    activations = gpt_activation_bytes(gpt_config(cfg), cfg["batch_size"], itemsize, device=comm.device)
+    activations = gpt_activation_bytes(
+        gpt_config(cfg), cfg["batch_size"], itemsize, args.recompute, device=comm.device
+    )
     activations += gpt_loss_gradient_bytes(gpt_config(cfg), cfg["batch_size"], itemsize)
     whole = model.flops_per_token(cfg["block_size"])  # a causal mask needs half of attention's products
     causal = (whole - 6 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]) / whole
@@ -207,8 +286,10 @@ def speed(args):
         "config": args.config,
         "dtype": args.dtype,
         "ranks": comm.size,
+        "phantom": bool(args.phantom),  # rank 0 of `ranks`, alone: its peers stood in for
         "transport": comm.transport.name,
         "prefetch": args.prefetch,
+        "recompute": args.recompute,
         "params": plan["params"],
         "step_s": round(step_s, 4),
         "steps_s": [round(t, 4) for t in times],
@@ -222,7 +303,10 @@ def speed(args):
         "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),
         "formula_mib_without_activations": round(formula / 2**20, 1),
         "plan_mib_with_activations": round((formula + activations) / 2**20, 1),  # the pool's yardstick
+        **(planned := _planned_pool(args, cfg, comm, dtype)),
     }
+    if result["device_pool_mib"] is not None:
+        result["pool_over_plan"] = round(result["device_pool_mib"] / planned["plan_total_mib"], 3)
     if comm.rank == 0:  # before the graph is tried: a capture that fails loses no eager figure
         emit(result)
     if args.graph:  # the same model's steps, forward and backward replayed from one CUDA graph
@@ -332,7 +416,9 @@ def gemm(args):
 def attention(args):
     """Causal attention at the config's shape (gpu350m: B 8, 16 heads, T 1024, head 64), float16:
     forward and backward through cuDNN's fused SDPA and through the batched passes (MPIFSDP_FUSED=0's
-    path), milliseconds and TFLOP/s of the causal half of the T x T work (its first use ran the check)."""
+    path), milliseconds and TFLOP/s of the causal half of the T x T work (its first use ran the check).
+    Each figure: REPEATS calls queued between two syncs, median of 5 (one call and a sync timed the
+    host: 100-110 TFLOP/s forward, where the same kernels ran at ~229 inside a CUDA graph)."""
     from mpifsdp import Tensor, ops
 
     xp = mpifsdp.array_module(args.device)
@@ -353,8 +439,8 @@ def attention(args):
     row = {"check": "attention", "shape": [B, H, T, D], "cudnn_version": gpu_attention.version()}
     for path, fused in (("cudnn", "1"), ("batched", "0")):
         os.environ["MPIFSDP_FUSED"] = fused
-        fwd = median_time(lambda: (run(False), synchronize()), 5)
-        both = median_time(lambda: (run(True), synchronize()), 5)
+        fwd = median_time(lambda: ([run(False) for _ in range(REPEATS)], synchronize()), 5) / REPEATS
+        both = median_time(lambda: ([run(True) for _ in range(REPEATS)], synchronize()), 5) / REPEATS
         row[path] = {"forward_ms": round(fwd * 1e3, 3), "backward_ms": round((both - fwd) * 1e3, 3),
                      "forward_tflops": round(flops / fwd / 1e12, 1),
                      "backward_tflops": round(2.5 * flops / max(both - fwd, 1e-9) / 1e12, 1)}  # fmt: skip
@@ -511,6 +597,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="speed: one more step, timed per primitive")
     ap.add_argument("--graph", action="store_true", help="speed: then the same steps from one CUDA graph")
     ap.add_argument("--kernels", action="store_true", help="speed: one step's GPU kernels by time (CUPTI)")
+    ap.add_argument("--phantom", type=int, default=0, metavar="N", help="speed: rank 0 of N, alone")
+    ap.add_argument("--recompute", action="store_true", help="speed: every block's forward run again")
     args = ap.parse_args()
     if args.device != "cpu":  # every line names the GPU it was measured on
         cp = mpifsdp.array_module(args.device)

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import hashlib
 import importlib
+import os
 import sys
 
 import numpy as np
@@ -310,6 +311,17 @@ def nccl_available() -> bool:
         return bool(getattr(nccl(), "available", True))
     except ImportError:
         return False
+
+
+NCCL_SHARES_GPUS = 23000  # ncclGetVersion's code of 2.30, the first NCCL that lets ranks share a GPU
+
+
+def nccl_shares_gpus() -> bool:
+    """Whether NCCL may run several ranks on one GPU: asked for (NCCL_MULTI_RANK_GPU_ENABLE=1) of an
+    NCCL that can (2.30 and later; earlier ones hang or fail when two ranks share a device)."""
+    if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0").strip() != "1" or not nccl_available():
+        return False
+    return int(nccl().get_version()) >= NCCL_SHARES_GPUS
 
 
 def nccl_dtype(dtype):

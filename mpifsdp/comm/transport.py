@@ -8,8 +8,14 @@ returns a request with Test()/Wait(). Chosen explicitly (Comm(transport=...)) or
                     synchronized first (MPI does not see streams).
   "host"            CuPy arrays copied to host buffers, MPI on those, copied back on completion:
                     works with any MPI, and with several ranks sharing one GPU.
-  "nccl"            cupy.cuda.nccl on a dedicated stream, its unique id broadcast over MPI; one rank per
-                    GPU. Completion is a CUDA event, so waiting orders the compute stream after it.
+  "nccl"            cupy.cuda.nccl on a stream of its own at the device's highest priority (a gather
+                    queued behind compute starts as soon as its input is ready), its unique id
+                    broadcast over MPI; one rank per GPU (several with NCCL 2.30 or later and
+                    NCCL_MULTI_RANK_GPU_ENABLE=1: backend.nccl_shares_gpus). Completion is a CUDA
+                    event, so waiting orders the compute stream after it. Gathers and reductions
+                    share the one stream and communicator: NCCL runs a communicator's collectives in
+                    the order issued, and two communicators' kernels waiting on each other across
+                    ranks can deadlock.
 Only "mpi" and "host" (on NumPy arrays) are exercised by the CPU test suite; the device paths are checked
 by `make gpu-check` on a GPU machine.
 """
@@ -136,7 +142,7 @@ class NCCLTransport:
         self.nccl = nccl
         self.size = mpi.Get_size()
         self.comm = nccl.NcclCommunicator(self.size, uid, mpi.Get_rank())
-        self.stream = backend.new_stream()
+        self.stream = backend.collective_stream()
 
     def iall_gather(self, send, recv):
         backend.stream_wait_current(self.stream)  # the comm stream waits for what produced `send`
@@ -189,34 +195,46 @@ def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int
     aware, how = mpi_cuda_support()
     codes = {False: 0, None: 1, True: 2}  # the least any rank's MPI says wins: no < cannot say < yes
     mine = np.array(
-        [codes[aware], backend.nccl_available(), backend.ranks_sharing_gpu(ranks_on_node)], np.int64
+        [
+            codes[aware],
+            backend.nccl_available() + backend.nccl_shares_gpus(),
+            backend.ranks_sharing_gpu(ranks_on_node),
+        ],
+        np.int64,
     )
     every = np.empty((mpi.Get_size(), 3), np.int64)
     request = mpi.Iallgather(mine, every)
     wait(request) if wait else request.Wait()
-    for column, what in ((1, "NCCL available"), (2, "ranks sharing a GPU")):
+    for column, what in ((1, "NCCL available (2: several ranks a GPU)"), (2, "ranks sharing a GPU")):
         if len(set(every[:, column].tolist())) > 1:
             raise RuntimeError(
                 f"the ranks differ in {what} ({dict(enumerate(every[:, column].tolist()))}): a transport "
                 "for all of them cannot be chosen; pass Comm(transport=...) or make the nodes alike"
             )
     aware = {0: False, 1: None, 2: True}[int(every[:, 0].min())]
-    name, warning = transport_name(transport, int(every[0, 2]), bool(every[0, 1]), aware, how)
+    nccl, shares = bool(every[0, 1]), int(every[0, 1]) == 2
+    name, warning = transport_name(transport, int(every[0, 2]), nccl, aware, how, shares_gpus=shares)
     if warning:  # said once for this communicator: every rank chose alike
         job_warning(mpi, log, warning)
     log.info("collectives on %s use %s", device, name)
     return choices[name](mpi)
 
 
-def transport_name(transport, ranks_per_gpu: int, nccl: bool, aware: bool | None, how: str):
-    """(the transport's name, a warning or None): NCCL needs one rank per GPU; device buffers go to MPI
-    only where it is CUDA-aware (an MPI that says it is not would crash or send garbage: host staging
-    instead, said); an MPI that cannot say is taken at the user's word."""
-    if transport == "nccl" and ranks_per_gpu > 1:
-        raise ValueError(f"NCCL needs one rank per GPU, but {ranks_per_gpu} ranks share one: use 'host'")
+def transport_name(
+    transport, ranks_per_gpu: int, nccl: bool, aware: bool | None, how: str, shares_gpus: bool = False
+):
+    """(the transport's name, a warning or None): NCCL needs one rank per GPU unless it lets ranks share
+    one (shares_gpus: backend.nccl_shares_gpus); device buffers go to MPI only where it is CUDA-aware
+    (an MPI that says it is not would crash or send garbage: host staging instead, said); an MPI that
+    cannot say is taken at the user's word."""
+    if transport == "nccl" and ranks_per_gpu > 1 and not shares_gpus:
+        raise ValueError(
+            f"NCCL needs one rank per GPU, but {ranks_per_gpu} ranks share one: use 'host' (or NCCL 2.30 "
+            "or later with NCCL_MULTI_RANK_GPU_ENABLE=1 on every rank)"
+        )
     warning = None
     if transport is None:
-        if ranks_per_gpu == 1 and nccl:
+        if nccl and (ranks_per_gpu == 1 or shares_gpus):
             return "nccl", None
         transport = "cuda-aware-mpi" if aware else "host"
         if ranks_per_gpu > 1:

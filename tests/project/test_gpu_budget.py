@@ -5,12 +5,14 @@ they only go down: a change that adds a host sync or a launch per layer fails he
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from support import ROOT, mpiexec, run_job
+from support import ROOT, mpiexec, require, run_job
 
 GPUSIM = ROOT / "tools" / "gpusim"  # the stand-in GPU, installed in the venv (make install)
 STANDIN = GPUSIM / "__main__.py"  # `python -m gpusim`: runs a script with CuPy (and cuDNN) stood in for
@@ -224,17 +226,46 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
         ["columns"],
         ["speed", "--dtype", "bfloat16", "--steps", "1"],
         ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--transport", "nccl"],
+        ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--phantom", "8", "--recompute"],
+        ["preflight"],
     ],
     ids=" ".join,
 )
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
-    """make gpu-check's attention, roofline, columns and bfloat16 speed checks (eager, and replayed
-    from a CUDA graph) run to their JSON line with the stand-in (a crash would cost a lent device's minutes;
-    their figures mean something on a device only)."""
+    """make gpu-check's attention, roofline, columns, preflight and bfloat16 speed checks (eager,
+    replayed from a CUDA graph, and as rank 0 of 8 alone) run to their JSON line with the stand-in
+    (a crash would cost a lent device's minutes; their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     result = _last_json_line(STANDIN, BENCH / "gpu_check.py", *check, "--config", "tiny")
     assert result["check"] == check[0] + ("_graphed" if "--graph" in check else "")
+
+
+def test_the_preflight_finds_every_libnccl_and_its_version(comm, tmp_path):
+    """gpu_check.py's preflight lists each libnccl on the library path with the version it reports
+    (ncclGetVersion's code: 23001 is 2.30.1), so a device run says which NCCL may let ranks share a
+    GPU; a file that does not load is listed with no version. Two stand-ins built here by the C
+    compiler (asked first)."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    require(None if compiler else "no C compiler (cc, gcc) to build a stand-in libnccl")
+    lib = tmp_path / "nvidia" / "nccl" / "lib"
+    lib.mkdir(parents=True)
+    source = tmp_path / "nccl.c"
+    source.write_text("int ncclGetVersion(int *version) { *version = 23001; return 0; }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib / "libnccl.so.2"), str(source)], check=True)
+    (tmp_path / "libnccl.so.1").write_text("not a library")
+    script = (
+        "import sys, json; sys.path.insert(0, 'bench'); import gpu_check; "
+        "print(json.dumps(gpu_check.every_libnccl()))"
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = {Path(row["path"]).name: row["version"] for row in json.loads(done.stdout)
+             if row["path"].startswith(str(tmp_path))}  # fmt: skip
+    assert found == {"libnccl.so.2": "2.30.1", "libnccl.so.1": None}, found
 
 
 def test_the_device_script_runs_through_without_a_device(comm, tmp_path):

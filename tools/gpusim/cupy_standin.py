@@ -359,8 +359,8 @@ class _Event:
 class _Stream:
     """A stream: the current one inside `with`, capturing between begin_capture and end_capture."""
 
-    def __init__(self):
-        self.ptr = id(self)
+    def __init__(self, priority: int = 0):
+        self.ptr, self.priority = id(self), priority  # lower is sooner, as CUDA's
         self.launches = 0  # collectives queued on it (what a capture must see joined back)
         _STREAMS[self.ptr] = self
 
@@ -758,8 +758,8 @@ def install():
     cp.ElementwiseKernel, cp.RawModule = ElementwiseKernel, RawModule
     as_strided = functools.partial(np.lib.stride_tricks.as_strided, subok=True)  # a view: no launch
     cp.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
-    cp.get_default_memory_pool = lambda: types.SimpleNamespace(
-        total_bytes=lambda: 0, used_bytes=lambda: 0, free_all_blocks=lambda: None
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(  # a pool that held the most ever alive
+        total_bytes=lambda: ALIVE["peak"], used_bytes=lambda: ALIVE["bytes"], free_all_blocks=lambda: None
     )
     properties = {"name": b"gpusim stand-in", "totalGlobalMem": 16 << 30}  # what the scripts read
     runtime = types.SimpleNamespace(
@@ -767,6 +767,7 @@ def install():
         eventQuery=_event_query,
         getDeviceProperties=lambda index: properties,
         deviceGetStreamPriorityRange=lambda: (0, -5),  # an H100's and an H200's
+        runtimeGetVersion=lambda: 13000,
     )
 
     def device(i=0):
@@ -776,7 +777,7 @@ def install():
 
     cp.cuda = types.SimpleNamespace(
         get_current_stream=_current_stream,
-        Stream=lambda **_: _Stream(),
+        Stream=lambda priority=0, **_: _Stream(priority),
         MemoryPool=_MemoryPool,
         using_allocator=lambda allocator=None: contextlib.nullcontext(),
         runtime=runtime,

@@ -8,7 +8,8 @@ in one process (mpifsdp.PhantomComm), at N = 2, 4 and 8:
 - the most device memory alive at once in its third step within 1.15 times the plan's total (the
   pool against the plan at N's shapes, as the 13B rank 0 runs on a device);
 - the one-rank shortcuts switched off (Comm(one_rank_shortcuts=False)): one rank's gathers and
-  reduce-scatters run through the transport, as N ranks' do, and train to the same bits.
+  reduce-scatters run through the transport, as N ranks' do, and train to the same bits;
+- NCCL's and a phantom's collectives on a stream of their own at the device's highest priority.
 (A phantom's collectives captured in a CUDA graph: standin_graphs.py.) Prints one JSON line; exits 1
 if a check fails.
 
@@ -135,6 +136,17 @@ def shortcuts_off_runs_one_ranks_collectives() -> bool:
     return same and skipped == [0, 0] and ran == [3 * (2 * units - 1), 3 * units]
 
 
+def collectives_run_on_the_highest_priority_stream() -> bool:
+    """NCCL's and a phantom's collectives queue on a stream of their own at the device's highest
+    priority (the stand-in's range is an H100's: 0 to -5), not on the compute stream."""
+    streams = [
+        mpifsdp.Comm(device="cuda", transport="nccl", threads=None).transport.stream,
+        mpifsdp.PhantomComm(2, device="cuda", threads=None).transport.stream,
+    ]
+    compute = mpifsdp.array_module("cuda").cuda.get_current_stream()
+    return all(s.priority == -5 and s is not compute for s in streams)
+
+
 def main() -> int:
     result = {"check": "standin_phantom"}
     for size in SIZES:
@@ -142,9 +154,10 @@ def main() -> int:
         result[f"ledgers_of_rank_0_of_{size}_are_the_plans"] = ledgers_are_the_plans(size)
         ratio = the_devices_peak_over_the_plan(size)
         result[f"the_devices_peak_over_the_plan_at_{size}"] = {"ratio": ratio, "bound": PEAK_BOUND}
-    # within 1.15 times either way: a pool far under the plan means the plan counts what is not there
     result["shortcuts_off_runs_one_ranks_collectives"] = shortcuts_off_runs_one_ranks_collectives()
+    result["collectives_on_the_highest_priority_stream"] = collectives_run_on_the_highest_priority_stream()
     ok = all(v for v in result.values() if isinstance(v, bool))
+    # the pool within 1.15 times the plan either way: far under it, the plan counts what is not there
     ok = ok and all(
         1 / r["bound"] <= r["ratio"] <= r["bound"] for r in result.values() if isinstance(r, dict)
     )

@@ -174,8 +174,11 @@ def test_the_mpi_is_asked_whether_it_takes_device_buffers(comm, monkeypatch):
     assert name(None, 1, False, True, "q") == ("cuda-aware-mpi", None)
     assert name(None, 1, False, None, "q") == ("host", None)
     assert name(None, 2, True, True, "q")[0] == "cuda-aware-mpi"
-    with pytest.raises(ValueError, match="NCCL needs one rank per GPU"):
+    with pytest.raises(ValueError, match="NCCL needs one rank per GPU.*NCCL_MULTI_RANK_GPU_ENABLE=1"):
         name("nccl", 2, True, True, "q")
+    # an NCCL that lets ranks share a GPU (2.30 and later, asked for): chosen, and taken when named
+    assert name(None, 2, True, True, "q", shares_gpus=True) == ("nccl", None)
+    assert name("nccl", 2, True, None, "q", shares_gpus=True) == ("nccl", None)
 
 
 def test_no_module_but_comm_and_transport_calls_mpi_collectives():
