@@ -4,6 +4,8 @@ python bench/gpu_check.py preflight         # CuPy, the GPU, NCCL, the MPI libra
 python bench/gpu_check.py parity            # CPU-NumPy vs GPU-CuPy, same seeds, one process
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py parity --sharded   # 2 ranks on one GPU: host staging
 mpiexec -n 1 python -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
+mpiexec -n 4 python -m mpi4py bench/gpu_check.py parity --sharded --shard-size 2   # HSDP 2 x 2, host staging
+mpiexec -n 2 python -m mpi4py bench/gpu_check.py replay --transport nccl   # replayed == eager, bit for bit
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m|gpu13b [--dtype float16|bfloat16] [--prefetch 0]
     [--graph] [--kernels]                   # then one step's GPU kernels by time (torch's CUPTI)
@@ -73,12 +75,13 @@ def emit(row: dict):
 _GPU: list = []  # the GPU's name, once a check found one
 
 
-def _losses(device, dtype, global_batch, comm=None, reverse=False, transport_comm=None):
+def _losses(device, dtype, global_batch, comm=None, reverse=False, shard_size=None):
     """3 training steps of a small GPT on `device`; the global batch's loss per step. With comm: sharded,
-    each rank its slice, the loss the ranks' mean. reverse: the batch's rows reversed (the probe)."""
+    each rank its slice, the loss the ranks' mean (shard_size: hybrid sharding, groups of that many
+    ranks). reverse: the batch's rows reversed (the probe)."""
     model = GPT(gpt_config(SMALL_GPT), seed=0, dtype=dtype, device=device)
     if comm is not None:
-        mpifsdp.fully_shard(model, comm, units=model.blocks)
+        mpifsdp.fully_shard(model, comm, units=model.blocks, shard_size=shard_size)
     opt = mpifsdp.AdamW(model, lr=1e-2)
     xp = mpifsdp.array_module(device)
     out = []
@@ -173,7 +176,7 @@ def parity(args):
     results, ok = {}, True
     for dtype in (np.float64, np.float32):
         cpu = _losses("cpu", dtype, global_batch)
-        gpu = _losses(args.device, dtype, global_batch, comm)
+        gpu = _losses(args.device, dtype, global_batch, comm, shard_size=args.shard_size)
         err = float(np.max(np.abs(gpu - cpu) / np.abs(cpu)))
         if dtype == np.float64:
             limit = F64_BOUND
@@ -186,8 +189,50 @@ def parity(args):
         results[np.dtype(dtype).name] = {"cpu": cpu.tolist(), "gpu": gpu.tolist(), "max_rel_err": err,
                                          "bound": limit}  # fmt: skip
     if comm is None or comm.rank == 0:
-        where = {"ranks": comm.size if comm else 1, "transport": comm.transport.name if comm else None}
+        where = {"ranks": comm.size if comm else 1, "transport": comm.transport.name if comm else None,
+                 "shard_size": args.shard_size}  # fmt: skip
         emit({"check": "parity", "sharded": args.sharded, **where, "ok": ok, **results})
+    if not ok:
+        sys.exit(1)
+
+
+def _replayed_or_eager(comm, graphed: bool, dtype, steps: int = 4) -> tuple[list, list]:
+    """(losses, this rank's shards) after `steps` steps of a small GPT in `dtype` through a LossScaler
+    with clipping, forward and backward replayed from one CUDA graph or run eagerly."""
+    model = GPT(gpt_config(SMALL_GPT), seed=0, device=comm.device)
+    mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32)
+    opt, scaler = mpifsdp.AdamW(model, lr=1e-3), mpifsdp.LossScaler(init_scale=256.0)
+
+    def passes(x, y):
+        loss = model(x, y)
+        scaler.scale(loss).backward()
+        return loss
+
+    run = mpifsdp.GraphedPasses(model, passes) if graphed else passes
+    losses = []
+    for step in range(steps):
+        x, y = random_batch(SMALL_GPT, SMALL_GPT["batch_size"] * comm.size, seed=step)
+        loss = run(rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size))
+        scaler.step(opt, max_norm=1.0)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [mpifsdp.to_numpy(u.shard) for u in sharded_model(model).units]
+
+
+def replay(args):
+    """Steps whose forward and backward are replayed from one CUDA graph against the same steps run
+    eagerly, over this job's transport (NCCL: its collectives inside the graph), float16 and bfloat16:
+    every loss and this rank's shards bit for bit, on every rank; exits 1 otherwise."""
+    comm = mpifsdp.Comm(device=args.device, transport=args.transport)
+    results, ok = {}, True
+    for dtype in (np.float16, bfloat16()):
+        (eager_losses, eager), (losses, shards) = (_replayed_or_eager(comm, g, dtype) for g in (False, True))
+        same = losses == eager_losses and all(np.array_equal(a, b) for a, b in zip(shards, eager))
+        same = all(comm.allgather_object(same))
+        results[np.dtype(dtype).name] = {"losses": losses, "eager_losses": eager_losses, "equal": same}
+        ok &= same
+    if comm.rank == 0:
+        emit({"check": "replay", "ranks": comm.size, "transport": comm.transport.name, "ok": ok, **results})
     if not ok:
         sys.exit(1)
 
@@ -585,10 +630,11 @@ def _torch_gemm_tflops(device, dtype, M, K, N):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    names = ["preflight", "parity", "speed", "gemm", "attention", "roofline", "columns"]
+    names = ["preflight", "parity", "replay", "speed", "gemm", "attention", "roofline", "columns"]
     ap.add_argument("check", choices=names)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the check without a GPU")
     ap.add_argument("--sharded", action="store_true")
+    ap.add_argument("--shard-size", type=int, default=None, help="parity: hybrid sharding's group size")
     ap.add_argument("--transport", choices=["nccl", "cuda-aware-mpi", "host"], default=None)
     ap.add_argument("--config", choices=CONFIGS, default="peer")
     ap.add_argument("--dtype", default="float32", choices=sorted(PEAK_TFLOPS))
@@ -604,6 +650,7 @@ def main():
         cp = mpifsdp.array_module(args.device)
         _GPU.append(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode())
     checks = {"preflight": preflight, "parity": parity, "speed": speed, "gemm": gemm, "attention": attention}
+    checks["replay"] = replay
     checks.update(roofline=roofline, columns=columns)
     checks[args.check](args)
 

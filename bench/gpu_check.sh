@@ -49,25 +49,52 @@ CHECK="$PY bench/gpu_check.py"
 MPICHECK="$MPIEXEC -n"
 # the dry run has no transport to choose and a smaller model to time
 if [ "$DEVICE" = cpu ]; then HOST=(); SPEED=(--config tiny --steps 1); else HOST=(--transport host); SPEED=(--config peer --steps 5); fi
+# Ordered by what each step teaches, the budget cutting the last ones first:
+# 1. the environment: the GPU, CuPy, CUDA, cuDNN, the MPI and every libnccl on the machine (preflight)
 [ "$DEVICE" != cpu ] && run 20 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm,memory.total,driver_version --format=csv
 run 60 $CHECK preflight --device "$DEVICE"
-# first what a lent device is for (the budget may cut the last steps): the ~350M model in float16 from
-# one CUDA graph (tokens/s, TFLOP/s, MFU against the dense peak, the pool against the plan, each
-# kernel's time by CUPTI; every fused kernel's first-use check runs here), every device-parametrized
-# test, parity, then bfloat16, cuDNN's attention against the batched passes and the GEMM roofline
+# 2. the ~370M model at this commit in float16 from one CUDA graph (tokens/s, TFLOP/s, MFU in both
+#    conventions, the pool against the plan, each kernel's time by CUPTI; every fused kernel's
+#    first-use check runs here)
 [ "$DEVICE" != cpu ] && run 100 $CHECK speed --config gpu350m --dtype float16 --steps 3 --profile --graph --transport nccl --kernels
-# the column-sum kernels at that model's shapes, by thread blocks (what their block counts cost)
-[ "$DEVICE" != cpu ] && run 45 $CHECK columns --config gpu350m
-# every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
-run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/
+# 3. the micro-benchmarks the step stands on, calls queued between two syncs: each GEMM of the step
+#    and its variants, the copy bandwidth, cuDNN's attention against the batched passes
+if [ "$DEVICE" != cpu ]; then
+  run 45 $CHECK roofline --config gpu350m
+  run 60 $CHECK attention --config gpu350m
+fi
+# 4. a model that needs sharding: rank 0 of an 8-way ~13B job alone (PhantomComm: N's shards, gathers
+#    and reduce-scatters on the collective stream), bfloat16, recomputed blocks, from one CUDA graph;
+#    its pool against the plan
+if [ "$DEVICE" != cpu ]; then
+  run 200 $CHECK speed --config gpu13b --dtype bfloat16 --phantom 8 --recompute --steps 2 --graph
+else
+  run 60 $CHECK speed --device cpu --config tiny --phantom 8 --recompute --steps 1
+fi
+# 5. multi-rank truth on one GPU: one process against the CPU, 2 and 4 ranks and HSDP 2 x 2 over host
+#    staging, one rank's own NCCL collectives eager and replayed, and 2 ranks over NCCL where its
+#    version lets ranks share the GPU (2.30 and later), eager and replayed
 run 45 $CHECK parity --device "$DEVICE"
 run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py parity --device "$DEVICE" --sharded "${HOST[@]}"
+run 60 $MPICHECK 4 $PY -m mpi4py bench/gpu_check.py parity --device "$DEVICE" --sharded "${HOST[@]}"
+run 60 $MPICHECK 4 $PY -m mpi4py bench/gpu_check.py parity --device "$DEVICE" --sharded --shard-size 2 "${HOST[@]}"
 if [ "$DEVICE" != cpu ]; then
   run 45 $MPICHECK 1 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
-  # bfloat16: eager, then the same model's steps with forward and backward from one CUDA graph (NCCL)
+  run 45 env MPIFSDP_ONE_RANK_SHORTCUTS=0 $CHECK replay --transport nccl
+  if grep -q '"nccl_multi_rank_gpu": true' "$LOG"; then
+    export NCCL_MULTI_RANK_GPU_ENABLE=1
+    run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py parity --sharded --transport nccl
+    run 60 $MPICHECK 2 $PY -m mpi4py bench/gpu_check.py replay --transport nccl
+    unset NCCL_MULTI_RANK_GPU_ENABLE
+  fi
+fi
+# 6. every test parametrized by device (each primitive's forward and VJP, layers, GPT) on CuPy
+run 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/
+# 7. what a lent device has taught before: bfloat16 eager and replayed, the column-sum kernels by
+#    thread blocks, CUDA-aware MPI, two ranks' overlap over host staging
+if [ "$DEVICE" != cpu ]; then
   run 120 $CHECK speed --config gpu350m --dtype bfloat16 --steps 3 --graph --transport nccl
-  run 60 $CHECK attention --config gpu350m
-  run 45 $CHECK roofline --config gpu350m
+  run 45 $CHECK columns --config gpu350m
   # CUDA-aware MPI: must pass where the library says it is CUDA-aware; where it says it is not,
   # mpifsdp stages through the host instead (the host parity above); where it cannot say, a probe
   # whose failure is reported, not counted (an MPI that is not CUDA-aware may crash on device pointers)

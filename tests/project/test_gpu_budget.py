@@ -228,12 +228,14 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
         ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--transport", "nccl"],
         ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--phantom", "8", "--recompute"],
         ["preflight"],
+        ["replay", "--transport", "nccl"],
     ],
     ids=" ".join,
 )
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
-    """make gpu-check's attention, roofline, columns, preflight and bfloat16 speed checks (eager,
-    replayed from a CUDA graph, and as rank 0 of 8 alone) run to their JSON line with the stand-in
+    """make gpu-check's attention, roofline, columns, preflight, replay (graphed steps against eager
+    ones, bit for bit) and bfloat16 speed checks (eager, replayed from a CUDA graph, and as rank 0
+    of 8 alone) run to their JSON line with the stand-in
     (a crash would cost a lent device's minutes; their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
