@@ -9,6 +9,7 @@ import json
 import numpy as np
 
 from ..base.checks import yes_or_no
+from ..planning.calibration import LINKS, Calibration, mfu
 from ..planning.planner import (
     Link,
     block_flops,
@@ -40,9 +41,18 @@ def add_arguments(parser):
     parser.add_argument("--compute-bytes", type=int, default=0, help="per gathered element (2: bfloat16)")
     parser.add_argument("--prefetch", type=int, default=1)
     parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
-    parser.add_argument("--intra", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S inside a node")
-    parser.add_argument("--inter", default="10e-6,25e9", help="ALPHA_S,BYTES_PER_S between nodes")
+    links = ", ".join(LINKS)
+    parser.add_argument(
+        "--intra", default="10e-6,25e9", help=f"ALPHA_S,BYTES_PER_S inside a node, or {links}"
+    )
+    parser.add_argument(
+        "--inter", default="10e-6,25e9", help=f"ALPHA_S,BYTES_PER_S between nodes, or {links}"
+    )
     parser.add_argument("--flops", type=float, default=0.0, help="FLOP/s per rank")
+    parser.add_argument(
+        "--calibrate", default="", help="make gpu-check's log: the FLOP/s its last speed line measured"
+    )
+    parser.add_argument("--overlap", type=float, default=1.0, help="share of compute collectives hide under")
     parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
     parser.add_argument("--probe", action="store_true", help="measure links and FLOP/s on this job first")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
@@ -59,6 +69,11 @@ def table(result: dict) -> str:
     if not result["setup"]["flops"]:  # no compute rate: the step is its communication alone
         lines[-5] = f"time             {'compute':22s}      unknown (give --flops FLOP_PER_S, or --probe)"
         lines[-1] = f"time             {'step':22s} >= {t['step']:9.4f} s (communication alone)"
+    if "mfu" in result:  # --calibrate: a predicted MFU in both conventions, and what it rests on
+        lines.append(
+            f"mfu (predicted)  PaLM {result['mfu']['palm']:.1%}, causal {result['mfu']['causal']:.1%}"
+        )
+        lines.append(f"calibrated by    {result['setup']['calibration']}")
     if "fits" in result:  # --memory: say whether it fits, not only in --json
         verdict = "fits" if result["fits"] else "DOES NOT FIT"
         lines.append(f"memory per rank  {verdict} in --memory ({mem['total'] / 2**20:.1f} MiB needed)")
@@ -69,24 +84,17 @@ def run_cli(args) -> int:
     config = _gpt_config(args.gpt)
     intra, inter = _link("--intra", args.intra), _link("--inter", args.inter)
     _check_flags(args)
-    world, per_node, flops, measured, rank = args.world, args.ranks_per_node, args.flops, {}, 0
-    if args.probe or not (world and per_node):
-        from ..comm.communicator import Comm
-
-        comm = Comm()
-        world, per_node, rank = world or comm.size, per_node or comm.node_size, comm.rank
-        if args.probe:
-            measured = _probe(comm, config, args.batch)
-            flops = measured["flops"]
-            if "all_gather" in measured:  # one machine here: both levels are its links
-                intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
+    calibration = _calibration(args)
+    world, per_node, rank, measured = _this_job(args, config)
+    flops = calibration.flops if calibration else measured.get("flops", args.flops)
+    if "all_gather" in measured:  # one machine here: both levels are its links
+        intra = inter = Link(measured["all_gather"]["alpha"], measured["all_gather"]["bandwidth"])
     shard_size = per_node if args.shard_size == "node" else int(args.shard_size or 0) or None
     from mpifsdp.models import gpt_units
 
     units, model = gpt_units(config)
     itemsize = np.dtype(args.dtype).itemsize
-    tokens = args.grad_accum * args.batch * config.block_size
-    wire = args.compute_bytes or itemsize
+    tokens, wire = args.grad_accum * args.batch * config.block_size, args.compute_bytes or itemsize
     result = plan(
         units,
         world,
@@ -102,15 +110,39 @@ def run_cli(args) -> int:
         flops=flops,
         intra=intra,
         inter=inter,
+        overlap=args.overlap,
         **_beside_the_units(config, args, wire),
         flops_per_step=flops_per_step(model, config.block_size, tokens, args.recompute),
     )
     result["setup"]["gpt"] = dataclasses.asdict(config)
+    if calibration:
+        _predicted_mfu(result, calibration, config, model, tokens)
     result.update({"probe": measured} if measured else {})
     result.update({"fits": result["memory_bytes"]["total"] <= args.memory} if args.memory else {})
     if rank == 0:
         print(json.dumps(result) if args.json else table(result))
     return 0
+
+
+def _this_job(args, config) -> tuple[int, int, int, dict]:
+    """(ranks, ranks per node, this rank, what --probe measured): as given, else this MPI job's (a
+    Comm is made only where something is not given, or --probe asks)."""
+    world, per_node = args.world, args.ranks_per_node
+    if world and per_node and not args.probe:
+        return world, per_node, 0, {}
+    from ..comm.communicator import Comm
+
+    comm = Comm()
+    measured = _probe(comm, config, args.batch) if args.probe else {}
+    return world or comm.size, per_node or comm.node_size, comm.rank, measured
+
+
+def _predicted_mfu(result: dict, calibration, config, model, tokens: int):
+    """The step's model FLOPs over the calibrated peak, in both conventions, and what it rests on."""
+    attention = 12 * config.n_layer * config.n_embd * config.block_size * tokens
+    model_flops = flops_per_step(model, config.block_size, tokens)
+    result["mfu"] = mfu(model_flops, attention, result["time_s"]["step"], calibration.peak)
+    result["setup"]["calibration"] = calibration.source
 
 
 def _beside_the_units(config, args, wire: int) -> dict:
@@ -177,10 +209,26 @@ def _parse(name: str, kind, text: str):
         raise ValueError(f"--gpt {name}={text}: {name} takes {_KINDS.get(kind, kind)}") from None
 
 
+def _calibration(args) -> Calibration | None:
+    """The measured rate --calibrate names (with --overlap), or None; checked before --probe."""
+    if not 0 <= args.overlap <= 1:
+        raise ValueError(f"--overlap {args.overlap}: the share of compute collectives hide under, 0 to 1")
+    if not args.calibrate:
+        return None
+    if args.flops or args.probe:
+        raise ValueError("--calibrate gives the FLOP rate: give it without --flops and --probe")
+    with open(args.calibrate) as log:
+        return Calibration.from_lines(log, overlap=args.overlap)
+
+
 def _link(flag: str, spec: str) -> Link:
-    """A Link from ALPHA_S,BYTES_PER_S."""
+    """A Link from ALPHA_S,BYTES_PER_S, or one of NCCL's published figures by name (LINKS)."""
+    if spec in LINKS:
+        return LINKS[spec]
     try:
         alpha, bandwidth = (float(part) for part in spec.split(","))
     except ValueError:
-        raise ValueError(f"{flag} {spec}: give ALPHA_S,BYTES_PER_S, e.g. 10e-6,25e9") from None
+        raise ValueError(
+            f"{flag} {spec}: give ALPHA_S,BYTES_PER_S, e.g. 10e-6,25e9, or one of {list(LINKS)}"
+        ) from None
     return Link(alpha, bandwidth)

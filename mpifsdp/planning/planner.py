@@ -121,6 +121,7 @@ def plan(
     flops: float = 0.0,
     intra: Link = Link(),
     inter: Link = Link(),
+    overlap: float = 1.0,
 ) -> dict:
     """Per-rank memory (bytes), elements and bytes per optimizer step by level and collective, and
     the predicted step time, for `units` sharded over `world_size` ranks (see the module docstring).
@@ -138,21 +139,10 @@ def plan(
     flops_per_step: this rank's training FLOPs per step (all micro-batches); flops: its FLOP/s.
     activation_bytes: what the tape keeps (gpt_activation_bytes); loss_gradient_bytes: what backward
     holds beside it at its start (gpt_loss_gradient_bytes).
+    overlap: the share of the compute time collectives can hide under (1: all of it, as the schedule
+    allows; a measured share from planning/calibration.py).
     """
-    refuse_below(
-        "plan",
-        world_size=(world_size, 1),
-        shard_size=(shard_size or 1, 1),
-        ranks_per_node=(ranks_per_node or 1, 1),
-        itemsize=(itemsize, 1),
-        compute_itemsize=(compute_itemsize or 1, 1),
-        prefetch=(prefetch, 0),
-        grad_accum=(grad_accum, 1),
-        activation_bytes=(activation_bytes, 0),
-        loss_gradient_bytes=(loss_gradient_bytes, 0),
-        flops_per_step=(flops_per_step, 0),
-        flops=(flops, 0),
-    )
+    _refuse(locals())
     S = shard_size or world_size
     if world_size % S:
         raise ValueError(f"shard_size {S} must divide world_size {world_size}")
@@ -175,6 +165,7 @@ def plan(
         "grad_accum": grad_accum,
         "no_sync": no_sync,
         "flops": flops,
+        "overlap": overlap,
         "group_link": dataclasses.asdict(group_link),
         "replica_link": dataclasses.asdict(replica_link),
     }
@@ -182,8 +173,22 @@ def plan(
         "setup": setup,
         "memory_bytes": sizes.memory(itemsize, prefetch, activation_bytes, loss_gradient_bytes),
         "traffic": sizes.traffic(),
-        "time_s": sizes.seconds(group_link, replica_link, flops_per_step / flops if flops else 0.0),
+        "time_s": sizes.seconds(group_link, replica_link, flops_per_step / flops if flops else 0.0, overlap),
     }
+
+
+def _refuse(given: dict):
+    """plan()'s arguments it cannot plan for, named (before anything is computed)."""
+    at_least = dict(world_size=1, shard_size=1, ranks_per_node=1, itemsize=1, compute_itemsize=1, prefetch=0)
+    at_least.update(grad_accum=1, activation_bytes=0, loss_gradient_bytes=0, flops_per_step=0, flops=0)
+    optional = ("shard_size", "ranks_per_node", "compute_itemsize")  # None: the default
+    refuse_below(
+        "plan", **{k: ((given[k] or 1) if k in optional else given[k], v) for k, v in at_least.items()}
+    )
+    if not 0 <= given["overlap"] <= 1:  # NaN fails too
+        raise ValueError(
+            f"plan: invalid overlap={given['overlap']!r} (the share of compute collectives hide under, 0-1)"
+        )
 
 
 class _Sizes:
@@ -250,7 +255,7 @@ class _Sizes:
             },
         }
 
-    def seconds(self, group_link: Link, replica_link: Link, compute: float) -> dict:
+    def seconds(self, group_link: Link, replica_link: Link, compute: float, overlap: float = 1.0) -> dict:
         S, R, wire = self.S, self.R, self.wire
 
         def gather_s(p):  # one all_gather or reduce_scatter of a unit padded to p, inside the group
@@ -264,13 +269,14 @@ class _Sizes:
         comm_group += self.reductions * sum(gather_s(p) for p in trained)
         comm_across = self.reductions * sum(all_reduce_s(p) for p in trained)
         # Overlap: each unit's gathers, reduce-scatter and all-reduce across groups run while other units
-        # compute, except the first unit's gather of each micro-batch and the last reduction of a step.
+        # compute (the `overlap` share of it), except the first unit's gather of each micro-batch and
+        # the last reduction of a step.
         largest = max(self.padded, default=0)
         fixed = self.grad_accum * gather_s(largest) + self.reductions * (
             gather_s(largest) + all_reduce_s(largest)
         )
         total = comm_group + comm_across
-        exposed = min(fixed, total) + max(0.0, total - fixed - compute)
+        exposed = min(fixed, total) + max(0.0, total - fixed - overlap * compute)
         return {
             "compute": compute,
             "comm_in_group": comm_group,
