@@ -90,6 +90,11 @@ def require_sharded_units(target) -> ShardedUnits:
             "checkpoints hold a sharded model (call fully_shard(model, Comm()) first; N = 1 works too) "
             f"or a list of Units, not a {type(target).__name__}"
         )
+    if found.comm.stands_in:  # its peers' files would be missing: a checkpoint no job could load
+        raise CheckpointError(
+            f"{found.comm!r} runs one rank of its job alone, its peers stood in for: there are no peers' "
+            "shards to write or ranks to read with; checkpoint a job of real ranks (Comm())"
+        )
     return found
 
 

@@ -43,6 +43,8 @@ class Comm:
     """Collectives on flat, contiguous arrays (all_gather, reduce_scatter, all_reduce, broadcast),
     on small Python objects (broadcast_object, allgather_object), barrier, and collective checks."""
 
+    stands_in = False  # whether its peers are stand-ins (comm/phantom.py): nothing to checkpoint
+
     def __init__(
         self,
         mpi_comm=None,

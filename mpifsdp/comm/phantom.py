@@ -101,7 +101,10 @@ class PhantomTransport:
 class PhantomComm(Comm):
     """Rank `rank` of a `size`-way job, run alone: a Comm with N's shapes whose peers are stand-ins
     (module docstring). Everything else is Comm's: the schedule, its checks, the ledger, the
-    watchdog; the ledger counts the bytes rank `rank` of the real job would send."""
+    watchdog; the ledger counts the bytes rank `rank` of the real job would send. Checkpoints are
+    refused (the peers' shards are not there), and so is an object only another rank computed."""
+
+    stands_in = True
 
     def __init__(self, size: int, rank: int = 0, *, peers: str = "mine", device: str = "cpu", **kwargs):
         """size: N, the job stood in for; rank: the one this process runs; peers: "mine" or "initial"
@@ -147,6 +150,15 @@ class PhantomComm(Comm):
             return super().iall_gather(shard, full, unit=unit, phase=phase)
         finally:
             self.transport.peers = None
+
+    def broadcast_object(self, obj=None, root: int = 0, *, phase: str = "other"):
+        """`obj` where this rank is `root`; what another rank alone computed cannot be stood in for."""
+        if root != self.rank:
+            raise ValueError(
+                f"{self!r}: broadcast_object from rank {root}, which is a stand-in: only what every rank "
+                "computes alike can be stood in for (run this rank as the root, or a job of real ranks)"
+            )
+        return super().broadcast_object(obj, root, phase=phase)
 
     def split(self, color: int, key: int | None = None):
         raise ValueError(

@@ -103,3 +103,21 @@ def test_a_phantom_names_what_it_cannot_stand_in_for(kwargs, named):
 def test_a_phantom_refuses_hybrid_sharding_by_name():
     with pytest.raises(ValueError, match="cannot split"):
         fully_shard(GPT(CFG, seed=0), PhantomComm(4, threads=None), shard_size=2)
+
+
+def test_a_phantom_refuses_checkpoints_and_what_another_rank_alone_computed(tmp_path):
+    """A checkpoint of rank k alone would lack its peers' files (and rank 0's manifest): refused by
+    name before anything is written; so is an object only the root computed, broadcast to a phantom
+    rank that is not the root (it would read nothing)."""
+    from mpifsdp import CheckpointError, checkpoint
+
+    comm = PhantomComm(4, 1, threads=None)
+    model = GPT(CFG, seed=3, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks)
+    for action in (checkpoint.save, checkpoint.load):
+        with pytest.raises(CheckpointError, match="runs one rank of its job alone"):
+            action(tmp_path / "ckpt", model)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="broadcast_object from rank 0, which is a stand-in"):
+        comm.broadcast_object("rank 0's", root=0)
+    assert comm.broadcast_object({"mine": 1}, root=1) == {"mine": 1}
