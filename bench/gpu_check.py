@@ -269,6 +269,25 @@ def _planned_pool(args, cfg, comm, dtype) -> dict:
     return {"plan_total_mib": round(want["memory_bytes"]["total"] / 2**20, 1)}
 
 
+def _exposed(comm, one_step, step_s: float) -> dict:
+    """One more step with every collective's wait timed (Comm.time_waits: on a GPU the compute
+    stream's stall at each wait, by its events; on the CPU the host blocked): the exposed
+    communication a step, its share of the median step, and by unit (the overlap each one gets)."""
+    comm.ledger.reset()
+    comm.time_waits = True
+    try:
+        one_step()
+    finally:
+        comm.time_waits = False
+    by_unit = comm.ledger.exposed_by_unit()
+    exposed = sum(by_unit.values())
+    return {
+        "exposed_comm_s": round(exposed, 5),
+        "exposed_comm_fraction": round(exposed / step_s, 4),
+        "exposed_comm_s_by_unit": {unit or "(other)": round(s, 5) for unit, s in by_unit.items()},
+    }
+
+
 def speed(args):
     cfg = CONFIGS[args.config]
     comm, model, dtype = _speed_model(args, cfg)
@@ -352,6 +371,7 @@ def speed(args):
     }
     if result["device_pool_mib"] is not None:
         result["pool_over_plan"] = round(result["device_pool_mib"] / planned["plan_total_mib"], 3)
+    result.update(_exposed(comm, lambda: step(passes), step_s))
     if comm.rank == 0:  # before the graph is tried: a capture that fails loses no eager figure
         emit(result)
     if args.graph:  # the same model's steps, forward and backward replayed from one CUDA graph

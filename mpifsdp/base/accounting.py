@@ -91,13 +91,16 @@ class MemoryLedger:
 class CommLedger:
     """Calls, elements and bytes per (unit, phase, op); elements are what one rank moves (ring volume).
     `wait_s`: seconds this rank spent blocked waiting for collectives (the communication compute did
-    not hide, plus the time other ranks made it wait)."""
+    not hide, plus the time other ranks made it wait). `waits`: the exposed seconds by (unit, phase):
+    the host blocked in a unit's collective, or on a GPU (Comm.time_waits) the compute stream
+    stalled waiting for it, timed by the device's events: the overlap each unit gets."""
 
     def __init__(self):
         self.calls = defaultdict(int)
         self.elements = defaultdict(int)
         self.bytes = defaultdict(int)
         self.wait_s = 0.0
+        self.waits = defaultdict(float)
 
     def record(self, unit: str, phase: str, op: str, elements: int, itemsize: int):
         key = (unit, phase, op)
@@ -110,6 +113,7 @@ class CommLedger:
         self.elements.clear()
         self.bytes.clear()
         self.wait_s = 0.0
+        self.waits.clear()
 
     def total(self, what: str = "bytes", **match) -> int:
         """Sum of calls/elements/bytes over keys matching unit=, phase=, op= where given."""
@@ -133,7 +137,15 @@ class CommLedger:
             "bytes_by_op": dict(by_op),
             "bytes_by_unit": dict(by_unit),
             "wait_s": self.wait_s,
+            "exposed_s_by_unit": self.exposed_by_unit(),
         }
+
+    def exposed_by_unit(self) -> dict:
+        """{unit: exposed seconds} over phases (`waits`), the units in the order first waited on."""
+        by_unit = defaultdict(float)
+        for (unit, _), seconds in self.waits.items():
+            by_unit[unit] += seconds
+        return dict(by_unit)
 
 
 class SyncLedger:

@@ -364,6 +364,16 @@ def free_cached_blocks():
     _cupy().get_default_memory_pool().free_all_blocks()
 
 
+def record_event():
+    """An event recorded on the current stream now (timing on): where the stream has got to."""
+    return _cupy().cuda.get_current_stream().record()
+
+
+def elapsed_s(start, end) -> float:
+    """Seconds between two completed events of one stream (no sync: both must be done)."""
+    return _cupy().cuda.get_elapsed_time(start, end) / 1e3
+
+
 def stream_wait_current(stream):
     """Make `stream` wait for all work queued so far on the current stream."""
     stream.wait_event(current_stream().record())

@@ -89,6 +89,9 @@ class Comm:
             one_rank_shortcuts = os.environ.get("MPIFSDP_ONE_RANK_SHORTCUTS", "1").strip() != "0"
         self.one_rank_shortcuts = bool(one_rank_shortcuts)
         self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
+        self._started: dict = {}  # id(request) -> (unit, phase): whose wait it is (ledger.waits)
+        self._stalls: list = []  # ((unit, phase), before, after): the compute stream's timed waits
+        self.time_waits = False  # on a GPU: time how long the compute stream waits for each collective
         self._captured: list | None = None  # device collectives noted while a CUDA graph captures
         self.schedule = Schedule(
             self.rank, base.Abort, debug, timeout, abort_on_timeout, mpi_error=MPI.Exception
@@ -242,7 +245,14 @@ class Comm:
         self._announce(unit, phase, op, full.size, full.dtype, hot=phase in ("forward", "backward"))
         request = launch()
         self._count(unit, phase, op, full.size, full.dtype, (self.size - 1) * shard.size, shard.itemsize)
+        self._note_start(request, unit, phase)
         return request
+
+    def _note_start(self, request, unit: str, phase: str):
+        """Whose request this is, for the exposed time its wait counts (ledger.waits)."""
+        if len(self._started) > 4096:  # requests completed without a wait (a failed step's): forgotten
+            self._started.clear()
+        self._started[id(request)] = (unit, phase)
 
     def _count(self, unit: str, phase: str, op: str, count: int, dtype, elements: int, itemsize: int):
         """A collective started: counted in the ledger (and noted, while a graph captures)."""
@@ -287,14 +297,22 @@ class Comm:
         """Complete a request from iall_gather / ireduce_scatter / iall_reduce, under the watchdog;
         the time blocked here is counted (ledger.wait_s). A GPU stream's request (NCCL) is ordered
         on the device instead: the compute stream waits for it, the host does not (it goes on
-        queueing the next units' kernels), and `settle` checks that it completed."""
+        queueing the next units' kernels), and `settle` checks that it completed. With time_waits set,
+        two events on the compute stream time how long it stalled there (counted once done)."""
+        where = self._started.pop(id(request), ("", "other"))
         if hasattr(request, "order_after"):
+            timed = self.time_waits and self._captured is None  # no timing events inside a graph
+            before = backend.record_event() if timed else None
             request.order_after()
+            if timed:
+                self._stalls.append((where, before, backend.record_event()))
             self._in_flight = (request, self.schedule.current)  # one stream: the newest completes last
             return
         start = time.perf_counter()
         self.schedule.wait(request)
-        self.ledger.wait_s += time.perf_counter() - start
+        blocked = time.perf_counter() - start
+        self.ledger.wait_s += blocked
+        self.ledger.waits[where] += blocked
 
     def settle(self, purpose: str = "the collectives of a step"):
         """Wait (under the watchdog) until the device collectives already waited for have completed:
@@ -306,6 +324,18 @@ class Comm:
         start = time.perf_counter()
         self.schedule.wait(request, current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
+        self._count_stalls()
+
+    def _count_stalls(self):
+        """The compute stream's timed waits whose events are done, into ledger.waits (the rest at a
+        later settle or read: the host never waits for them)."""
+        pending = []
+        for where, before, after in self._stalls:
+            if backend.event_done(after):
+                self.ledger.waits[where] += backend.elapsed_s(before, after)
+            else:
+                pending.append((where, before, after))
+        self._stalls = pending
 
     def read(self, arrays: list, purpose: str) -> list:
         """Small arrays' values on the host. On a GPU one host sync (counted in HOST_SYNCS) under the
@@ -320,6 +350,7 @@ class Comm:
         start = time.perf_counter()
         self.schedule.wait(copies[-1], current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
+        self._count_stalls()
         return [copy.host for copy in copies]
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
@@ -348,6 +379,7 @@ class Comm:
         request = launch()
         elements = 2 * (self.size - 1) * array.size // self.size
         self._count(unit, phase, "all_reduce", array.size, array.dtype, elements, array.itemsize)
+        self._note_start(request, unit, phase)
         return request
 
     def all_reduce(self, array, *, unit: str = "", phase: str = "other"):

@@ -349,7 +349,7 @@ class _Event:
         self.stream = stream
         self.after = stream.launches if stream is not None else 0  # its stream's work before it
         self.captured = _CAPTURE[0] is not None  # a node of a graph, not an event a host can query
-        self.ptr = id(self)
+        self.ptr, self.at = id(self), time.perf_counter()  # the stand-in's "device" runs as the host does
         _EVENTS[self.ptr] = self
 
     def synchronize(self):
@@ -777,6 +777,7 @@ def install():
 
     cp.cuda = types.SimpleNamespace(
         get_current_stream=_current_stream,
+        get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,  # milliseconds, as CuPy's
         Stream=lambda priority=0, **_: _Stream(priority),
         MemoryPool=_MemoryPool,
         using_allocator=lambda allocator=None: contextlib.nullcontext(),

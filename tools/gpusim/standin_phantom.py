@@ -9,7 +9,9 @@ in one process (mpifsdp.PhantomComm), at N = 2, 4 and 8:
   pool against the plan at N's shapes, as the 13B rank 0 runs on a device);
 - the one-rank shortcuts switched off (Comm(one_rank_shortcuts=False)): one rank's gathers and
   reduce-scatters run through the transport, as N ranks' do, and train to the same bits;
-- NCCL's and a phantom's collectives on a stream of their own at the device's highest priority.
+- NCCL's and a phantom's collectives on a stream of their own at the device's highest priority;
+- with Comm.time_waits, each unit's waits timed by the compute stream's events (the exposed
+  communication by unit, as gpu_check.py speed prints it).
 (A phantom's collectives captured in a CUDA graph: standin_graphs.py.) Prints one JSON line; exits 1
 if a check fails.
 
@@ -147,6 +149,30 @@ def collectives_run_on_the_highest_priority_stream() -> bool:
     return all(s.priority == -5 and s is not compute for s in streams)
 
 
+def exposure_is_timed_for_every_unit() -> bool:
+    """Comm.time_waits on a phantom rank of 4: each unit's gathers and reduce-scatter waits are timed
+    by the compute stream's events into ledger.waits, counted once done (by the step's read); off,
+    nothing is timed."""
+    comm = mpifsdp.PhantomComm(4, 0, device="cuda", threads=None)
+    comm.time_waits = True
+    _, _, sharded = _steps(comm, 1, dtype=np.float32, param_dtype=np.float16, reduce_dtype=np.float32)
+    timed = comm.ledger.exposed_by_unit()
+    comm.time_waits = False
+    comm.ledger.reset()
+    model = GPT(SMALL, seed=0, device="cuda")
+    untimed = mpifsdp.PhantomComm(4, 0, device="cuda", threads=None)
+    mpifsdp.fully_shard(model, untimed, units=model.blocks)
+    model(*_tokens(SMALL, 2, 0)).backward()
+    untimed.settle()
+    names = {u.name for u in sharded.units}
+    return (
+        names <= set(timed)
+        and all(s >= 0 for s in timed.values())
+        and not comm._stalls
+        and not any(untimed.ledger.waits.values())
+    )
+
+
 def main() -> int:
     result = {"check": "standin_phantom"}
     for size in SIZES:
@@ -156,6 +182,7 @@ def main() -> int:
         result[f"the_devices_peak_over_the_plan_at_{size}"] = {"ratio": ratio, "bound": PEAK_BOUND}
     result["shortcuts_off_runs_one_ranks_collectives"] = shortcuts_off_runs_one_ranks_collectives()
     result["collectives_on_the_highest_priority_stream"] = collectives_run_on_the_highest_priority_stream()
+    result["exposure_is_timed_for_every_unit"] = exposure_is_timed_for_every_unit()
     ok = all(v for v in result.values() if isinstance(v, bool))
     # the pool within 1.15 times the plan either way: far under it, the plan counts what is not there
     ok = ok and all(

@@ -121,3 +121,24 @@ def test_a_phantom_refuses_checkpoints_and_what_another_rank_alone_computed(tmp_
     with pytest.raises(ValueError, match="broadcast_object from rank 0, which is a stand-in"):
         comm.broadcast_object("rank 0's", root=0)
     assert comm.broadcast_object({"mine": 1}, root=1) == {"mine": 1}
+
+
+def test_each_units_exposed_wait_is_counted_by_unit(comm):
+    """The ledger's waits by (unit, phase): every unit's gathers and reduce-scatter are waited on and
+    counted under its name (the host blocked, on the CPU), and they sum to at most the step's wait_s
+    (which also holds the optimizer's exchanges). On a GPU the compute stream's stalls are timed
+    instead (Comm.time_waits: tools/gpusim/standin_phantom.py)."""
+    model = GPT(CFG, seed=3, dtype=np.float64)
+    fully_shard(model, comm, units=model.blocks)
+    opt = AdamW(model, lr=LR)
+    sharded = sharded_model(model)
+    sharded.comm.ledger.reset()
+    rng = np.random.default_rng(comm.rank)
+    model(rng.integers(0, 37, (2, 8)), rng.integers(0, 37, (2, 8))).backward()
+    opt.step()
+    ledger = sharded.comm.ledger
+    by_unit = ledger.exposed_by_unit()
+    assert {u.name for u in sharded.units} <= set(by_unit), by_unit
+    assert {phase for (_, phase) in ledger.waits} >= {"forward", "backward"}
+    assert all(s >= 0 for s in by_unit.values()) and sum(by_unit.values()) <= ledger.wait_s + 1e-9
+    assert ledger.report()["exposed_s_by_unit"] == by_unit
