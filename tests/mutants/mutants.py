@@ -99,6 +99,18 @@ def _cuda_awareness_not_asked():
     _replace(transport, "mpi_cuda_support", lambda: (None, "not asked"))
 
 
+def _phantom_checkpoints_taken():
+    from mpifsdp.comm import phantom
+
+    _replace(phantom.PhantomComm, "stands_in", False)  # a phantom taken for a job of real ranks
+
+
+def _nccl_version_not_asked():
+    from mpifsdp.base import backend
+
+    _replace(backend, "NCCL_SHARES_GPUS", 0)  # any NCCL taken to let ranks share a GPU when asked
+
+
 def _job_warnings_on_every_rank():
     from mpifsdp.base import logs
 
@@ -745,6 +757,19 @@ MUTANTS = {
         _cuda_awareness_not_asked,
         "the MPI is asked whether it takes device buffers before it gets any (comm/transport.py)",
         ["tests/unit/comm/test_comm.py::test_the_mpi_is_asked_whether_it_takes_device_buffers"],
+    ),
+    "phantom_checkpoints_refused": Mutant(
+        _phantom_checkpoints_taken,
+        "a checkpoint of one phantom rank (its peers' files missing) is refused (checkpoint/sharded.py)",
+        [
+            "tests/unit/comm/test_phantom.py::"
+            "test_a_phantom_refuses_checkpoints_and_what_another_rank_alone_computed"
+        ],
+    ),
+    "nccl_shares_gpus_by_version": Mutant(
+        _nccl_version_not_asked,
+        "ranks share a GPU over NCCL only where its version allows it, when asked (base/backend.py)",
+        ["tests/unit/comm/test_comm.py::test_ranks_share_a_gpu_over_nccl_only_where_its_version_allows"],
     ),
     "job_warnings_once": Mutant(
         _job_warnings_on_every_rank,

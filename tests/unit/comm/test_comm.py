@@ -181,6 +181,24 @@ def test_the_mpi_is_asked_whether_it_takes_device_buffers(comm, monkeypatch):
     assert name("nccl", 2, True, None, "q", shares_gpus=True) == ("nccl", None)
 
 
+def test_ranks_share_a_gpu_over_nccl_only_where_its_version_allows(monkeypatch):
+    """NCCL_MULTI_RANK_GPU_ENABLE=1 lets ranks share a GPU over NCCL only from 2.30 (ncclGetVersion's
+    23000): an older NCCL hangs or fails there; unasked, never (backend.nccl_shares_gpus)."""
+    import types
+
+    from mpifsdp.base import backend
+
+    version = {"code": 22809}
+    fake = types.SimpleNamespace(available=True, get_version=lambda: version["code"])
+    monkeypatch.setattr(backend, "nccl", lambda: fake)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert not backend.nccl_shares_gpus()  # 2.28.9
+    version["code"] = 23000
+    assert backend.nccl_shares_gpus()
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "0")
+    assert not backend.nccl_shares_gpus()
+
+
 def test_no_module_but_comm_and_transport_calls_mpi_collectives():
     """docs/design.md, invariant 5: every collective goes through Comm (announced, watched, counted)."""
     from pathlib import Path
