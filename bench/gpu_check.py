@@ -46,6 +46,7 @@ from mpifsdp.cuda import sdpa as gpu_attention  # noqa: E402
 from mpifsdp.data import rank_slice  # noqa: E402
 from mpifsdp.models import GPT, gpt_units  # noqa: E402
 from mpifsdp.planning import planner  # noqa: E402
+from mpifsdp.planning.calibration import attention_flops, mfu  # noqa: E402
 from mpifsdp.planning.planner import gpt_activation_bytes, gpt_loss_gradient_bytes  # noqa: E402
 
 SMALL_GPT = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, block_size=16, batch_size=4)
@@ -111,6 +112,12 @@ def _nccl_version(path: str) -> str | None:
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
+def _loaded(library: str) -> list:
+    """The files of `library` this process has loaded (CuPy's NCCL, once imported)."""
+    with open("/proc/self/maps") as maps:
+        return mpifsdp.base.backend.mapped_paths(maps, library)
+
+
 def every_libnccl() -> list[dict]:
     """Every libnccl this machine has, and its version: the nvidia-nccl wheel's, torch's, CuPy's own,
     the system's and CUDA's (which one a run loads decides whether ranks may share a GPU: 2.30 and
@@ -153,7 +160,7 @@ def preflight(args):
             memory_gib=round(props["totalGlobalMem"] / 2**30, 1),
             kernel_ok=bool(float((a * 2).sum()) == float(np.arange(1 << 20, dtype=np.float64).sum() * 2)),
             nccl=mpifsdp.base.backend.nccl().get_version() if mpifsdp.base.backend.nccl_available() else None,
-            nccl_loaded=mpifsdp.base.backend.mapped_paths(open("/proc/self/maps"), "libnccl.so"),
+            nccl_loaded=_loaded("libnccl.so"),
             cudnn=gpu_attention.version(),
             bfloat16=bfloat16() is not None,  # ml_dtypes, which CuPy's bfloat16 is
         )
@@ -225,7 +232,7 @@ def replay(args):
     every loss and this rank's shards bit for bit, on every rank; exits 1 otherwise."""
     comm = mpifsdp.Comm(device=args.device, transport=args.transport)
     results, ok = {}, True
-    for dtype in (np.float16, bfloat16()):
+    for dtype in [np.float16, *([bfloat16()] if bfloat16() is not None else [])]:
         (eager_losses, eager), (losses, shards) = (_replayed_or_eager(comm, g, dtype) for g in (False, True))
         same = losses == eager_losses and all(np.array_equal(a, b) for a, b in zip(shards, eager))
         same = all(comm.allgather_object(same))
@@ -273,12 +280,14 @@ def _exposed(comm, one_step, step_s: float) -> dict:
     """One more step with every collective's wait timed (Comm.time_waits: on a GPU the compute
     stream's stall at each wait, by its events; on the CPU the host blocked): the exposed
     communication a step, its share of the median step, and by unit (the overlap each one gets)."""
+    comm.count_stalls()  # (the device is synchronized: every earlier timed wait is done)
     comm.ledger.reset()
     comm.time_waits = True
     try:
-        one_step()
+        one_step()  # it synchronizes at its end: each timed wait's events are done
     finally:
         comm.time_waits = False
+    comm.count_stalls()
     by_unit = comm.ledger.exposed_by_unit()
     exposed = sum(by_unit.values())
     return {
@@ -343,8 +352,9 @@ def speed(args):
         gpt_config(cfg), cfg["batch_size"], itemsize, args.recompute, device=comm.device
     )
     activations += gpt_loss_gradient_bytes(gpt_config(cfg), cfg["batch_size"], itemsize)
-    whole = model.flops_per_token(cfg["block_size"])  # a causal mask needs half of attention's products
-    causal = (whole - 6 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]) / whole
+    per_gpu = tokens / gpus  # PaLM's MFU counts attention's products whole, llm.c's their causal half
+    model_flops = model.flops_per_token(cfg["block_size"]) * per_gpu
+    util = mfu(model_flops, attention_flops(gpt_config(cfg), per_gpu), step_s, PEAK_TFLOPS[args.dtype] * 1e12)
     result = {
         "check": "speed",
         "config": args.config,
@@ -360,8 +370,8 @@ def speed(args):
         "last_loss": float(loss.item()),
         "tokens_per_s": round(tokens / step_s, 1),
         "tflops": round(tflops, 2),
-        "mfu": round(tflops / PEAK_TFLOPS[args.dtype], 4),  # PaLM's: attention's products counted whole
-        "mfu_causal": round(tflops * causal / PEAK_TFLOPS[args.dtype], 4),  # llm.c's: their causal half
+        "mfu": round(util["palm"], 4),
+        "mfu_causal": round(util["causal"], 4),
         "steady_step_s": round(steady_s(passes), 4),
         # CuPy's pool keeps what it once held: its size is the step's high-water mark
         "device_pool_mib": None if xp is np else round(xp.get_default_memory_pool().total_bytes() / 2**20, 1),

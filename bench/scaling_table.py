@@ -3,7 +3,8 @@ nodes of 8 GPUs with 80 GB each, FSDP vs HSDP (groups of one node), 8 to 1,024 G
     python bench/scaling_table.py
     python bench/scaling_table.py --calibrated [--calibrate GPU_CHECK_LOG] [--json]
 --calibrated: the second table, the compute rate a device measured (planning/calibration.py: the
-H200's, or the last speed line of a make gpu-check log), NCCL's published link figures, GPT-2 1.5B,
+H200's, or the last speed line of a make gpu-check log, of --calibrate-config gpu13b for the 13B
+rank 0's), NCCL's published link figures, GPT-2 1.5B,
 the 13B and the 70B at 8, 64 and 512 GPUs, FSDP and HSDP, step time, tokens/s and MFU in both
 conventions, the comm-bound cases marked; --json: one JSON line a row instead.
 Assumptions (stated in the output): bfloat16 gathers and gradients, fp32 shards and AdamW state
@@ -17,7 +18,7 @@ import argparse
 import json
 
 from mpifsdp.models import GPTConfig, gpt_units
-from mpifsdp.planning.calibration import H200_370M, LINKS, Calibration, mfu
+from mpifsdp.planning.calibration import H200_370M, LINKS, Calibration, attention_flops, mfu
 from mpifsdp.planning.planner import Link, flops_per_step, gpt_activation_bytes, plan
 
 MODELS = {
@@ -90,7 +91,7 @@ def calibrated(name, config, world, shard, calibration, batch) -> dict:
     recompute = predicted(False)["memory_bytes"]["total"] > 0.9 * H200_MEMORY
     r = predicted(recompute)
     t = r["time_s"]
-    attention = 12 * config.n_layer * config.n_embd * config.block_size * tokens
+    attention = attention_flops(config, tokens)
     util = mfu(flops_per_step(model, config.block_size, tokens), attention, t["step"], calibration.peak)
     return {
         "bench": "scaling",
@@ -145,13 +146,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calibrated", action="store_true", help="the table calibrated by a device's figures")
     ap.add_argument("--calibrate", help="make gpu-check's log: its last speed line's rate")
+    ap.add_argument(
+        "--calibrate-config", default=None, help="--calibrate: the last speed line of this config"
+    )
     ap.add_argument("--json", action="store_true", help="--calibrated: one JSON line a row")
     args = ap.parse_args()
     if args.calibrated:
         calibration = H200_370M
         if args.calibrate:
             with open(args.calibrate) as log:
-                calibration = Calibration.from_lines(log)
+                calibration = Calibration.from_lines(log, config=args.calibrate_config)
         calibrated_table(calibration, args.json)
         return
     print(

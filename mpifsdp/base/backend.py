@@ -318,7 +318,8 @@ NCCL_SHARES_GPUS = 23000  # ncclGetVersion's code of 2.30, the first NCCL that l
 
 def nccl_shares_gpus() -> bool:
     """Whether NCCL may run several ranks on one GPU: asked for (NCCL_MULTI_RANK_GPU_ENABLE=1) of an
-    NCCL that can (2.30 and later; earlier ones hang or fail when two ranks share a device)."""
+    NCCL that can (2.30 and later; earlier ones hang or fail when two ranks share a device). The
+    variable and the version are as issue 50 gives them, not yet checked on a device here."""
     if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "0").strip() != "1" or not nccl_available():
         return False
     return int(nccl().get_version()) >= NCCL_SHARES_GPUS

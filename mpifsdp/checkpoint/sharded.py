@@ -68,7 +68,19 @@ class ShardedUnits:
 
 
 def sharded_units(target) -> ShardedUnits | None:
-    """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else."""
+    """The units of a fully_shard-ed model or of a list of Units (one Comm); None for anything else.
+    Refused on a Comm that stands in for its peers (comm/phantom.py): a checkpoint of one rank alone
+    would lack the others' files, and a loaded one would leave the peers' slices stale."""
+    found = _units_of(target)
+    if found is not None and found.comm.stands_in:
+        raise CheckpointError(
+            f"{found.comm!r} runs one rank of its job alone, its peers stood in for: there are no peers' "
+            "shards to write or ranks to read with; checkpoint a job of real ranks (Comm())"
+        )
+    return found
+
+
+def _units_of(target) -> ShardedUnits | None:
     model = sharded_model(target)
     if model is not None:
         first_group = model.replicas is None or model.replicas.rank == 0
@@ -89,11 +101,6 @@ def require_sharded_units(target) -> ShardedUnits:
         raise CheckpointError(
             "checkpoints hold a sharded model (call fully_shard(model, Comm()) first; N = 1 works too) "
             f"or a list of Units, not a {type(target).__name__}"
-        )
-    if found.comm.stands_in:  # its peers' files would be missing: a checkpoint no job could load
-        raise CheckpointError(
-            f"{found.comm!r} runs one rank of its job alone, its peers stood in for: there are no peers' "
-            "shards to write or ranks to read with; checkpoint a job of real ranks (Comm())"
         )
     return found
 

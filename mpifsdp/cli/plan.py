@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from ..base.checks import yes_or_no
-from ..planning.calibration import LINKS, Calibration, mfu
+from ..planning.calibration import LINKS, Calibration, attention_flops, mfu
 from ..planning.planner import (
     Link,
     block_flops,
@@ -51,6 +51,9 @@ def add_arguments(parser):
     parser.add_argument("--flops", type=float, default=0.0, help="FLOP/s per rank")
     parser.add_argument(
         "--calibrate", default="", help="make gpu-check's log: the FLOP/s its last speed line measured"
+    )
+    parser.add_argument(
+        "--calibrate-config", default=None, help="--calibrate: the last speed line of this config"
     )
     parser.add_argument("--overlap", type=float, default=1.0, help="share of compute collectives hide under")
     parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
@@ -139,9 +142,10 @@ def _this_job(args, config) -> tuple[int, int, int, dict]:
 
 def _predicted_mfu(result: dict, calibration, config, model, tokens: int):
     """The step's model FLOPs over the calibrated peak, in both conventions, and what it rests on."""
-    attention = 12 * config.n_layer * config.n_embd * config.block_size * tokens
     model_flops = flops_per_step(model, config.block_size, tokens)
-    result["mfu"] = mfu(model_flops, attention, result["time_s"]["step"], calibration.peak)
+    result["mfu"] = mfu(
+        model_flops, attention_flops(config, tokens), result["time_s"]["step"], calibration.peak
+    )
     result["setup"]["calibration"] = calibration.source
 
 
@@ -218,7 +222,7 @@ def _calibration(args) -> Calibration | None:
     if args.flops or args.probe:
         raise ValueError("--calibrate gives the FLOP rate: give it without --flops and --probe")
     with open(args.calibrate) as log:
-        return Calibration.from_lines(log, overlap=args.overlap)
+        return Calibration.from_lines(log, overlap=args.overlap, config=args.calibrate_config)
 
 
 def _link(flag: str, spec: str) -> Link:

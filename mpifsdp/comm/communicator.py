@@ -23,6 +23,7 @@ import numpy as np
 from ..base import backend, logs
 from ..base.accounting import HOST_SYNCS, CommLedger
 from ..base.backend import array_module_of, bytes_digest, parse_device, rank_device
+from ..base.checks import env_flag
 from ..base.threads import set_threads
 from . import launcher, presence
 from .schedule import Schedule, ScheduleError, describe, digest
@@ -86,7 +87,7 @@ class Comm:
                 raise RuntimeError(problem)
         self.ledger = CommLedger()
         if one_rank_shortcuts is None:
-            one_rank_shortcuts = os.environ.get("MPIFSDP_ONE_RANK_SHORTCUTS", "1").strip() != "0"
+            one_rank_shortcuts = env_flag("MPIFSDP_ONE_RANK_SHORTCUTS", True)
         self.one_rank_shortcuts = bool(one_rank_shortcuts)
         self._in_flight = None  # the newest device collective waited for on the GPU only (wait, settle)
         self._started: dict = {}  # id(request) -> (unit, phase): whose wait it is (ledger.waits)
@@ -117,9 +118,9 @@ class Comm:
         and keeps its full gradient as its shard: shard/unit.py)."""
         return self.size == 1 and self.one_rank_shortcuts
 
-    def made_shard(self, unit: str, layout, arrays: dict, shard):
-        """A unit made this rank's `shard` of `arrays` (the full values every rank passed): nothing
-        to do here; a Comm that stands in for other ranks keeps theirs (comm/phantom.py)."""
+    def made_shard(self, unit, arrays: dict):
+        """`unit` made this rank's shard of `arrays` (the full values every rank passed): nothing to do
+        here; a Comm that stands in for other ranks keeps theirs (comm/phantom.py)."""
 
     def _clone(self, base):
         """A communicator of our own (MPI's Idup, waited under the watchdog: a Comm() that some ranks
@@ -324,11 +325,12 @@ class Comm:
         start = time.perf_counter()
         self.schedule.wait(request, current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
-        self._count_stalls()
+        self.count_stalls()
 
-    def _count_stalls(self):
+    def count_stalls(self):
         """The compute stream's timed waits whose events are done, into ledger.waits (the rest at a
-        later settle or read: the host never waits for them)."""
+        later settle or read, or a call after the device is synchronized: the host never waits for
+        them)."""
         pending = []
         for where, before, after in self._stalls:
             if backend.event_done(after):
@@ -350,7 +352,7 @@ class Comm:
         start = time.perf_counter()
         self.schedule.wait(copies[-1], current=fingerprint)
         self.ledger.wait_s += time.perf_counter() - start
-        self._count_stalls()
+        self.count_stalls()
         return [copy.host for copy in copies]
 
     def all_gather(self, shard, full, *, unit: str = "", phase: str = "other"):

@@ -15,15 +15,19 @@ returns this rank's N times. Two kinds of stand-in shard:
   peers="mine"     each peer's slot holds a copy of this rank's shard: no memory of its own, values
                    that train as no real model would (timing and memory only);
   peers="initial"  the peers' true initial slices, kept when each unit makes its shard ((N - 1) / N of
-                   the model in the shards' dtype): the first step's loss, gradient and update of this
-                   rank's slice equal those of an N-rank (or one-rank) job fed the same batch on every
-                   rank. From the second step the peers' slices are stale (they never step).
+                   the model in the shards' dtype, in the memory ledger as "phantom_peers"): the first
+                   step's loss, gradient and update of this rank's slice equal those of an N-rank (or
+                   one-rank) job fed the same batch on every rank, without clipping, bit for bit where
+                   N is a power of two (N g / N is g; at N = 3 within an ulp a gradient). From the
+                   second step the peers' slices are stale (they never step).
 The global gradient norm is N times this rank's share (its peers' shares are not computed), so
 clipping is a stand-in too.
 
 On a GPU the copies run on a stream of their own, ordered by events (device_ordered, as NCCL's), so a
 CUDA graph captures them like NCCL's collectives; on the CPU they run at once. Hybrid sharding (split)
-is refused: a phantom cannot know its peers' colours.
+is refused: a phantom cannot know its peers' colours; so are checkpoints, a gather of any vector but the
+parameters (Unit.gather, full_state_dict: the peers' slices would be stand-ins returned as values)
+and a broadcast of an object only another rank computed.
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ class PhantomTransport:
         return self._queued(lambda: backend.array_module_of(array).multiply(array, self.size, out=array))
 
     def ibroadcast(self, array, root: int):
-        """Every peer holds what this rank holds: nothing moves."""
+        """Every peer holds what this rank holds: nothing moves (the arrays broadcast are values every
+        rank computes alike, as a unit's initial values under sync_values; an object only the root
+        computes is refused: PhantomComm.broadcast_object)."""
         return Done()
 
     def request_after_current(self):
@@ -120,6 +126,7 @@ class PhantomComm(Comm):
         kwargs["transport"] = None if backend.parse_device(device)[0] == backend.CPU else "host"
         super().__init__(_mpi().COMM_SELF, device=device, **kwargs)
         self.rank, self.size, self.peers = rank, size, peers
+        self.schedule.rank = rank  # reports name the rank this process stands for
         on_device = backend.parse_device(self.device)[0] != backend.CPU
         self.transport = PhantomTransport(rank, size, device_ordered=on_device)
         self._host_transport = PhantomTransport(rank, size, device_ordered=False)
@@ -128,23 +135,30 @@ class PhantomComm(Comm):
     def __repr__(self):
         return f"PhantomComm(rank={self.rank}, size={self.size}, peers={self.peers!r})"
 
-    def made_shard(self, unit: str, layout, arrays: dict, shard):
-        """peers="initial": keep every peer's slice of the unit's initial values, in the shard's
-        dtype and memory (a unit made twice under one name keeps the later)."""
+    def made_shard(self, unit, arrays: dict):
+        """peers="initial": keep every peer's slice of the unit's initial values, in its shard's dtype
+        and memory, counted in its memory ledger ("phantom_peers": memory the real job's rank would
+        not hold). A unit name made twice is refused: a gather would mix two models' values."""
         if self.peers != "initial":
             return
+        if unit.name in self._stand_ins:
+            raise ValueError(
+                f"{self!r}: a unit named {unit.name!r} was made on it already; with peers='initial' "
+                "one model a PhantomComm (make another PhantomComm for another model)"
+            )
+        shard = unit.shard
         xp = backend.array_module_of(shard)
-        stand_ins = []
-        for r in range(self.size):
-            peer = None
-            if r != self.rank:
-                peer = xp.zeros_like(shard)
-                for tensor, t0, t1, s0 in layout.pieces_in_shard(r):
-                    peer[s0 : s0 + t1 - t0] = xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
-            stand_ins.append(peer)
-        self._stand_ins[unit] = stand_ins
+        stand_ins = [None] * self.size
+        for r in (r for r in range(self.size) if r != self.rank):
+            stand_ins[r] = xp.zeros_like(shard)
+            for tensor, t0, t1, s0 in unit.layout.pieces_in_shard(r):
+                stand_ins[r][s0 : s0 + t1 - t0] = xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+            unit.ledger.alloc("phantom_peers", shard.nbytes)
+        self._stand_ins[unit.name] = stand_ins
 
     def iall_gather(self, shard, full, *, unit: str = "", phase: str = "other"):
+        """A unit's parameters gathered (the only vectors a Unit gathers on a phantom: Unit.gather
+        refuses): its peers' initial slices in their slots, or this rank's shard (peers="mine")."""
         self.transport.peers = self._stand_ins.get(unit)  # the unit's stand-ins, for this gather
         try:
             return super().iall_gather(shard, full, unit=unit, phase=phase)

@@ -205,7 +205,10 @@ def choose_transport(mpi, device: str, transport: str | None, ranks_on_node: int
     every = np.empty((mpi.Get_size(), 3), np.int64)
     request = mpi.Iallgather(mine, every)
     wait(request) if wait else request.Wait()
-    for column, what in ((1, "NCCL available (2: several ranks a GPU)"), (2, "ranks sharing a GPU")):
+    nccl_words = (
+        "NCCL (0: none, 1: one rank a GPU, 2: several, NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL >= 2.30)"
+    )
+    for column, what in ((1, nccl_words), (2, "ranks sharing a GPU")):
         if len(set(every[:, column].tolist())) > 1:
             raise RuntimeError(
                 f"the ranks differ in {what} ({dict(enumerate(every[:, column].tolist()))}): a transport "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .planner import Link
+from .planner import RECOMPUTE, Link
 
 # Per GPU, as NCCL's bus bandwidth (a ring moves (S - 1) / S of a collective's bytes per rank at this
 # rate): all_gather on 8 H100 SXM over NVLink 4 reaches ~360 GB/s (nccl-tests), one 400 Gb/s
@@ -45,21 +45,26 @@ class Calibration:
     @classmethod
     def from_lines(cls, lines, overlap: float = 1.0, config: str | None = None) -> Calibration:
         """From make gpu-check's JSON lines (its log, other lines skipped): the last `speed` line (of
-        `config` if given) and, where a `speed_graphed` line follows it, the graphed step's rate."""
-        speed, graphed = None, None
+        `config` if given: gpu13b, rank 0 of the 8-way job, is the one that stands for big models)
+        and, where a `speed_graphed` line follows that one, the graphed step's rate."""
+        speed, graphed, chosen = None, None, False
         for line in lines:
             row = _json_row(line)
-            if row.get("check") == "speed" and config in (None, row.get("config")):
-                speed, graphed = row, None
-            elif row.get("check") == "speed_graphed" and speed is not None:
+            if row.get("check") == "speed":
+                chosen = config in (None, row.get("config"))
+                speed, graphed = (row, None) if chosen else (speed, graphed)
+            elif row.get("check") == "speed_graphed" and chosen:
                 graphed = row
         if speed is None or not speed.get("mfu_peak_tflops"):
             raise ValueError(
                 "no device speed line to calibrate from (gpu_check.py speed's JSON line, with the GPU's "
                 f"peak{f', config {config!r}' if config else ''}): give make gpu-check's log"
             )
+        missing = [key for key in ("config", "dtype", "mfu") if key not in speed]
+        if missing or "mfu" not in (graphed or speed):
+            raise ValueError(f"the speed line to calibrate from lacks {missing or ['mfu']}: {speed}")
         peak = float(speed["mfu_peak_tflops"][speed["dtype"]]) * 1e12
-        mfu = float((graphed or speed)["mfu"]) * (4 / 3 if speed.get("recompute") else 1.0)
+        mfu = float((graphed or speed)["mfu"]) * (RECOMPUTE if speed.get("recompute") else 1.0)
         where = (speed.get("provenance") or {}).get("commit") or "unknown commit"
         run = "from one CUDA graph" if graphed else "eager"
         source = (
@@ -92,6 +97,12 @@ H200_370M = Calibration(
 )
 
 
+def attention_flops(config, tokens: int) -> float:
+    """The FLOPs of attention's two T x T products in a training step of `tokens` tokens (forward
+    and backward, counted whole: 12·L·C·T a token), the share the causal convention halves."""
+    return 12 * config.n_layer * config.n_embd * config.block_size * tokens
+
+
 def mfu(model_flops_per_step: float, attention_flops_per_step: float, step_s: float, peak: float) -> dict:
     """A step's model FLOPs utilisation in both conventions: PaLM's (attention's products counted
     whole, what flops_per_token gives) and the causal one llm.c uses (half of them: a causal mask
@@ -102,4 +113,4 @@ def mfu(model_flops_per_step: float, attention_flops_per_step: float, step_s: fl
     return {"palm": whole, "causal": whole - attention_flops_per_step / 2 / (step_s * peak)}
 
 
-__all__ = ["Calibration", "H200_370M", "LINKS", "mfu"]
+__all__ = ["Calibration", "H200_370M", "LINKS", "attention_flops", "mfu"]

@@ -367,7 +367,10 @@ def block_flops(config, batch: int, repeats: int = 2) -> float:
     return work * repeats / (time.perf_counter() - start)
 
 
+RECOMPUTE = 4 / 3  # a training step's FLOPs with every block's forward run again: one forward (1/3) more
+
+
 def flops_per_step(model, block_size: int, tokens: int, recompute: bool = False) -> float:
     """Training FLOPs of `tokens` tokens (GPT.flops_per_token); recomputing adds one forward (1/3)."""
     per_token = model.flops_per_token(block_size)
-    return per_token * tokens * (4 / 3 if recompute else 1)
+    return per_token * tokens * (RECOMPUTE if recompute else 1)

@@ -99,7 +99,7 @@ class Unit:
         arrays = dict(named_arrays)
         for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
             self._shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
-        comm.made_shard(name, self.layout, arrays, self._shard)  # a phantom keeps its peers' (phantom.py)
+        comm.made_shard(self, arrays)  # a phantom keeps its peers' slices (comm/phantom.py)
         self.trainable = trainable
         self._grad = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
         self._grad_zeroed_lazily = False  # zero_grad's fill, left to the first reader (see grad_shard)
@@ -667,6 +667,11 @@ class Unit:
     # -- consolidation (tests, export) ------------------------------------------------------------
     def gather(self, shard_like) -> dict:
         """Full name -> array of any shard-shaped vector (parameters, grads, moments): a new buffer."""
+        if self.comm.stands_in:  # the other ranks' slices would be stand-ins, returned as values
+            raise ValueError(
+                f"unit {self.name!r}: {self.comm!r} stands in for its peers, so a gathered vector would hold "
+                "stand-ins in their slices: read this rank's own (unit.shard, its slice of the layout)"
+            )
         full = self.xp.empty(self.layout.padded_numel, dtype=shard_like.dtype)
         self.comm.all_gather(shard_like, full, unit=self.name, phase="other")
         return self.layout.views(full)

@@ -131,3 +131,38 @@ def test_a_device_collective_that_never_completes_is_named_at_the_steps_read(mon
         CollectiveTimeout, match=r"waited 0.3 s in backward reduce-scatter of unit 'blocks.3' \(8 x float32"
     ):
         comm.read([np.zeros(1)], "the step's verdict")
+
+
+def test_timed_waits_count_each_units_stall_once_its_events_are_done(monkeypatch):
+    """Comm.time_waits: each device wait is bracketed by two events on the compute stream; a stall is
+    counted under its unit and phase once its second event is done (a settle, a read, or a call after
+    the device synchronized: count_stalls), never before, and never twice; off, nothing is recorded."""
+    from mpifsdp.base import backend
+
+    clock, done = iter(range(100)), set()
+
+    class Event:
+        def __init__(self):
+            self.at = next(clock)
+
+    monkeypatch.setattr(backend, "record_event", Event)
+    monkeypatch.setattr(backend, "event_done", lambda event: event.at in done)
+    monkeypatch.setattr(backend, "elapsed_s", lambda start, end: float(end.at - start.at))
+    comm = _alone()
+    comm.time_waits = True
+    for unit in ("blocks.0", "blocks.1"):
+        request = DeviceRequest()
+        comm._note_start(request, unit, "backward")
+        comm.wait(request)
+    comm.count_stalls()
+    assert not comm.ledger.waits and len(comm._stalls) == 2  # the compute stream has not got there yet
+    done.update({1})  # blocks.0's second event
+    comm.count_stalls()
+    assert dict(comm.ledger.waits) == {("blocks.0", "backward"): 1.0} and len(comm._stalls) == 1
+    done.update({3})
+    comm.count_stalls()
+    comm.count_stalls()
+    assert comm.ledger.exposed_by_unit() == {"blocks.0": 1.0, "blocks.1": 1.0} and not comm._stalls
+    comm.time_waits = False
+    comm.wait(DeviceRequest())
+    assert not comm._stalls

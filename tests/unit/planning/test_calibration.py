@@ -35,8 +35,16 @@ def test_a_calibration_reads_the_last_speed_line_and_its_graphed_rate_with_its_s
     eager = Calibration.from_lines(_log({**SPEED, "recompute": False, "phantom": False, "ranks": 1}))
     assert eager.flops == pytest.approx(0.33 * 989.4e12) and "eager, 1 ranks, at" in eager.source
     other = {**SPEED, "config": "gpu350m", "mfu": 0.4, "recompute": False}
-    assert Calibration.from_lines(_log(SPEED, other), config="gpu13b").flops == graphed.flops * 0.33 / 0.36
+    assert Calibration.from_lines(_log(SPEED, other), config="gpu13b").flops == pytest.approx(
+        0.33 * 4 / 3 * 989.4e12
+    )
     assert Calibration.from_lines(_log(SPEED, other)).flops == pytest.approx(0.4 * 989.4e12)
+    # a config's graphed line, not the next config's: the 13B's 0.36, though the 370M's 0.5 comes later
+    lines = _log(
+        SPEED, {"check": "speed_graphed", "mfu": 0.36}, other, {"check": "speed_graphed", "mfu": 0.5}
+    )
+    assert Calibration.from_lines(lines, config="gpu13b").flops == pytest.approx(graphed.flops)
+    assert Calibration.from_lines(lines).flops == pytest.approx(0.5 * 989.4e12)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +54,7 @@ def test_a_calibration_reads_the_last_speed_line_and_its_graphed_rate_with_its_s
         ([{**SPEED, "mfu_peak_tflops": None}], "no device speed line"),  # the CPU dry run's line
         ([{**SPEED, "mfu": 1.2}], "above the peak"),
         ([{**SPEED, "mfu": 0.0}], "flops 0.0 > 0"),
+        ([{k: v for k, v in SPEED.items() if k != "dtype"}], r"lacks \['dtype'\]"),
     ],
 )
 def test_a_calibration_refuses_what_it_cannot_rest_on(rows, named):
