@@ -9,7 +9,7 @@ mpiexec -n 2 python -m mpi4py bench/gpu_check.py replay --transport nccl   # rep
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m|gpu13b [--dtype float16|bfloat16] [--prefetch 0]
     [--graph] [--kernels]                   # then one step's GPU kernels by time (torch's CUPTI)
-    [--phantom 8 --recompute]               # rank 0 of an 8-way job alone (mpifsdp.PhantomComm)
+    [--phantom 8 --recompute auto]          # rank 0 of an 8-way job alone (mpifsdp.PhantomComm)
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
 python bench/gpu_check.py columns           # the column-sum kernels at the step's shapes, by blocks
@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import types
 
 import numpy as np
 from common import (  # noqa: E402
@@ -297,8 +298,25 @@ def _exposed(comm, one_step, step_s: float) -> dict:
     }
 
 
+def _recompute(args, cfg) -> bool:
+    """--recompute as a bool: auto recomputes only where the plan without it, at 1.15 times (the pool
+    against the plan), would not fit the device's memory (recomputing costs a forward a step)."""
+    if args.recompute != "auto":
+        return args.recompute == "yes"
+    if args.device == "cpu":
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        cp = mpifsdp.array_module(args.device)
+        memory = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["totalGlobalMem"]
+    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
+    ranks = types.SimpleNamespace(size=args.phantom or 1)
+    without = _planned_pool(argparse.Namespace(**{**vars(args), "recompute": False}), cfg, ranks, dtype)
+    return 1.15 * without["plan_total_mib"] * 2**20 > memory
+
+
 def speed(args):
     cfg = CONFIGS[args.config]
+    args.recompute = _recompute(args, cfg)
     comm, model, dtype = _speed_model(args, cfg)
     xp = mpifsdp.array_module(comm.device)
     opt = mpifsdp.AdamW(model, lr=1e-4)
@@ -674,7 +692,9 @@ def main():
     ap.add_argument("--graph", action="store_true", help="speed: then the same steps from one CUDA graph")
     ap.add_argument("--kernels", action="store_true", help="speed: one step's GPU kernels by time (CUPTI)")
     ap.add_argument("--phantom", type=int, default=0, metavar="N", help="speed: rank 0 of N, alone")
-    ap.add_argument("--recompute", action="store_true", help="speed: every block's forward run again")
+    ap.add_argument("--recompute", choices=["no", "yes", "auto"], default="no",
+                    help="speed: every block's forward run again (auto: only where the plan without it "
+                    "would not fit the device, its pool at 1.15 times the plan)")  # fmt: skip
     args = ap.parse_args()
     if args.device != "cpu":  # every line names the GPU it was measured on
         cp = mpifsdp.array_module(args.device)

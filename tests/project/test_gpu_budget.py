@@ -226,7 +226,7 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
         ["columns"],
         ["speed", "--dtype", "bfloat16", "--steps", "1"],
         ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--transport", "nccl"],
-        ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--phantom", "8", "--recompute"],
+        ["speed", "--dtype", "bfloat16", "--steps", "1", "--graph", "--phantom", "8", "--recompute", "yes"],
         ["preflight"],
         ["replay", "--transport", "nccl"],
     ],
