@@ -23,6 +23,9 @@ returns this rank's N times. Two kinds of stand-in shard:
 The global gradient norm is N times this rank's share (its peers' shares are not computed), so
 clipping is a stand-in too.
 
+What rank 0 alone does in a job (StepMetrics' file, a report's printing) happens only where k is 0;
+an exchange of the ranks' reports (mpifsdp.report) lists this rank's N times.
+
 On a GPU the copies run on a stream of their own, ordered by events (device_ordered, as NCCL's), so a
 CUDA graph captures them like NCCL's collectives; on the CPU they run at once. Hybrid sharding (split)
 is refused: a phantom cannot know its peers' colours; so are checkpoints, a gather of any vector but the
