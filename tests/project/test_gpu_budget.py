@@ -205,6 +205,23 @@ def test_the_gpu_paths_training_over_nccl_at_two_ranks_is_the_cpus(comm):
     assert report["ok"] and report["ranks"] == 2 and report["transport"] == "nccl", report
 
 
+def test_two_ranks_share_one_gpu_over_nccl_only_where_its_version_lets_them(comm):
+    """bench/gpu_check.py parity on 2 ranks and one stand-in GPU, NCCL_MULTI_RANK_GPU_ENABLE=1: over
+    an NCCL reporting 2.30 the ranks choose NCCL and train to the CPU's losses; over 2.28 transport
+    'nccl' is refused on every rank, naming the version and the variable (no hang)."""
+    if comm.size > 1:
+        pytest.skip("starts its own 2-rank jobs: the plain-pytest pass covers it")
+    asked = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    parity = [BENCH / "gpu_check.py", "parity", "--sharded", "--transport", "nccl"]
+    result, _ = run_job(STANDIN, 2, "--gpus", "1", "--nccl-version", "23000", *parity, env=asked)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["ranks"] == 2 and report["transport"] == "nccl", report
+    old, _ = run_job(STANDIN, 2, "--gpus", "1", "--nccl-version", "22800", *parity, env=asked)
+    said = old.stdout + old.stderr
+    assert old.returncode != 0 and "NCCL needs one rank per GPU" in said and "2.30" in said, said[-2000:]
+
+
 @pytest.mark.parametrize("cudnn", [[], ["--no-cudnn"]], ids=["cudnn", "no-cudnn"])
 def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
     """tools/gpusim/standin_attention.py: float16 attention_qkv forward and backward on the GPU branch against

@@ -8,7 +8,8 @@ checks what the GPU path computes (the wiring of every kernel) before a device s
 --no-cudnn leaves cudnn out (as on a GPU without it): attention then runs as batched passes.
 STANDIN_KERNELS=source runs the raw kernels' CUDA source (kernel_emulator.py) instead of their
 twins; a source g++ cannot build then fails the run.
---gpus N gives the stand-in's node N GPUs (one a rank: NCCL across ranks, through MPI):
+--gpus N gives the stand-in's node N GPUs (one a rank: NCCL across ranks, through MPI); then
+--nccl-version CODE the version its NCCL reports (23000: 2.30, which lets ranks share a GPU):
 
     mpiexec -n 2 python -m mpi4py -m gpusim --gpus 2 bench/gpu_check.py parity --sharded --transport nccl
 """
@@ -34,6 +35,8 @@ def main(args: list[str]):
     args = args[no_cudnn:]
     if args[:1] == ["--gpus"]:
         cupy_standin.GPUS[0], args = int(args[1]), args[2:]
+    if args[:1] == ["--nccl-version"]:  # ncclGetVersion's code: 23000 is 2.30, which lets ranks share a GPU
+        cupy_standin.NCCL_VERSION[0], args = int(args[1]), args[2:]
     install(with_cudnn=not no_cudnn)
     script, *rest = args
     sys.argv = [script, *rest]

@@ -139,6 +139,7 @@ def _keep_roots(result):
                 weakref.finalize(root, _alive, -root.nbytes)
 
 
+NCCL_VERSION = [22800]  # ncclGetVersion's code the stand-in's NCCL reports (--nccl-version)
 ALIVE = {"bytes": 0, "peak": 0}  # device bytes alive now, and the most at once since the peak was reset
 
 
@@ -788,7 +789,7 @@ def install():
     for i, name in enumerate(_NCCL_TYPES):
         setattr(nccl, name, i)
     nccl.NCCL_SUM, nccl.available, nccl.NcclCommunicator = 0, True, _Nccl
-    nccl.get_unique_id, nccl.get_version = (lambda: os.urandom(128)), (lambda: 22800)
+    nccl.get_unique_id, nccl.get_version = (lambda: os.urandom(128)), (lambda: NCCL_VERSION[0])
     cupyx = types.ModuleType("cupyx")
 
     @on_device
