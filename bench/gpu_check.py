@@ -245,6 +245,11 @@ def replay(args):
         sys.exit(1)
 
 
+def _param_dtype(args):
+    """--dtype as fully_shard's param_dtype: None for float32 (the masters' own)."""
+    return None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
+
+
 def _speed_model(args, cfg):
     """(comm, model, param dtype) of a speed check. --phantom N: rank 0 of an N-way job, alone
     (PhantomComm: N's shards, gathers and reductions, the peers stand-ins), the model built deferred,
@@ -256,7 +261,7 @@ def _speed_model(args, cfg):
     else:
         comm = mpifsdp.Comm(device=args.device, transport=args.transport)
         model = GPT(gpt_config(cfg), seed=0, device=comm.device)
-    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
+    dtype = _param_dtype(args)
     mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32,
                         prefetch=args.prefetch, recompute=args.recompute)  # fmt: skip
     return comm, model, dtype
@@ -308,7 +313,7 @@ def _recompute(args, cfg) -> bool:
     else:
         cp = mpifsdp.array_module(args.device)
         memory = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["totalGlobalMem"]
-    dtype = None if args.dtype == "float32" else float_dtype("--dtype", args.dtype)
+    dtype = _param_dtype(args)
     ranks = types.SimpleNamespace(size=args.phantom or 1)
     without = _planned_pool(argparse.Namespace(**{**vars(args), "recompute": False}), cfg, ranks, dtype)
     return 1.15 * without["plan_total_mib"] * 2**20 > memory

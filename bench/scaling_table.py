@@ -35,14 +35,17 @@ NODE, MEMORY, FLOPS = 8, 80e9, 400e12
 INTRA, INTER = Link(5e-6, 150e9), Link(20e-6, 25e9)
 
 
-def predict(config, world, shard_size, flops=FLOPS, intra=INTRA, inter=INTER):
+def predict(config, world, shard_size, flops=FLOPS, intra=INTRA, inter=INTER, *, batch=1, recompute=True,
+            **more):  # fmt: skip
+    """plan() for `batch` sequences a GPU, bfloat16 gathers, fp32 states; `more`: plan's other
+    keywords (gpu, overlap)."""
     units, model = gpt_units(config)
-    tokens = config.block_size  # one sequence per GPU
+    tokens = batch * config.block_size
     return plan(
         units, world, shard_size=shard_size, ranks_per_node=NODE, itemsize=4, compute_itemsize=2,
-        flops=flops, flops_per_step=flops_per_step(model, config.block_size, tokens, recompute=True),
-        activation_bytes=gpt_activation_bytes(config, 1, 2, recompute=True, device="cuda"),
-        intra=intra, inter=inter,
+        flops=flops, flops_per_step=flops_per_step(model, config.block_size, tokens, recompute),
+        activation_bytes=gpt_activation_bytes(config, batch, 2, recompute, device="cuda"),
+        intra=intra, inter=inter, **more,
     )  # fmt: skip
 
 
@@ -76,16 +79,13 @@ def calibrated(name, config, world, shard, calibration, batch) -> dict:
     """One prediction with a device's measured rate and overlap and NCCL's link figures: per GPU
     memory, step, exposed share, tokens/s and MFU in both conventions. Blocks are recomputed only
     where the activations would not fit an H200 beside the rest (recomputing costs a forward)."""
-    units, model = gpt_units(config)
+    _, model = gpt_units(config)
     tokens = batch * config.block_size
 
     def predicted(recompute):
-        return plan(
-            units, world, shard_size=shard, ranks_per_node=NODE, itemsize=4, compute_itemsize=2, gpu=True,
-            flops=calibration.flops, overlap=calibration.overlap,
-            flops_per_step=flops_per_step(model, config.block_size, tokens, recompute),
-            activation_bytes=gpt_activation_bytes(config, batch, 2, recompute, device="cuda"),
-            intra=LINKS["nvlink-h100"], inter=LINKS["ib-400g"],
+        return predict(
+            config, world, shard, calibration.flops, LINKS["nvlink-h100"], LINKS["ib-400g"], batch=batch,
+            recompute=recompute, gpu=True, overlap=calibration.overlap,
         )  # fmt: skip
 
     recompute = predicted(False)["memory_bytes"]["total"] > 0.9 * H200_MEMORY

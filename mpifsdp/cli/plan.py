@@ -198,6 +198,10 @@ def _check_flags(args):
         raise ValueError(
             f"--compute-bytes {args.compute_bytes}: bytes per gathered element (2, 4; 0: --dtype's)"
         )
+    if not 0 <= args.overlap <= 1:
+        raise ValueError(f"--overlap {args.overlap}: the share of compute collectives hide under, 0 to 1")
+    if args.calibrate and (args.flops or args.probe):
+        raise ValueError("--calibrate gives the FLOP rate: give it without --flops and --probe")
     if args.grad_accum < 1 or args.prefetch < 0:
         raise ValueError(f"--grad-accum {args.grad_accum} (>= 1), --prefetch {args.prefetch} (>= 0)")
 
@@ -214,13 +218,9 @@ def _parse(name: str, kind, text: str):
 
 
 def _calibration(args) -> Calibration | None:
-    """The measured rate --calibrate names (with --overlap), or None; checked before --probe."""
-    if not 0 <= args.overlap <= 1:
-        raise ValueError(f"--overlap {args.overlap}: the share of compute collectives hide under, 0 to 1")
+    """The measured rate --calibrate names (with --overlap), or None."""
     if not args.calibrate:
         return None
-    if args.flops or args.probe:
-        raise ValueError("--calibrate gives the FLOP rate: give it without --flops and --probe")
     with open(args.calibrate) as log:
         return Calibration.from_lines(log, overlap=args.overlap, config=args.calibrate_config)
 

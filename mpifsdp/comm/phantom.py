@@ -126,11 +126,11 @@ class PhantomComm(Comm):
             raise ValueError(f"PhantomComm(peers={peers!r}): choose one of {PEERS}")
         if kwargs.get("transport") not in (None, "phantom"):
             raise ValueError("a PhantomComm's collectives are its own copies: give no transport")
-        kwargs["transport"] = None if backend.parse_device(device)[0] == backend.CPU else "host"
+        on_device = backend.parse_device(device)[0] != backend.CPU
+        kwargs["transport"] = "host" if on_device else None  # made at once, then replaced by its own
         super().__init__(_mpi().COMM_SELF, device=device, **kwargs)
         self.rank, self.size, self.peers = rank, size, peers
         self.schedule.rank = rank  # reports name the rank this process stands for
-        on_device = backend.parse_device(self.device)[0] != backend.CPU
         self.transport = PhantomTransport(rank, size, device_ordered=on_device)
         self._host_transport = PhantomTransport(rank, size, device_ordered=False)
         self._stand_ins: dict[str, list] = {}  # unit -> its peers' initial shards (peers="initial")
@@ -154,8 +154,7 @@ class PhantomComm(Comm):
         stand_ins = [None] * self.size
         for r in (r for r in range(self.size) if r != self.rank):
             stand_ins[r] = xp.zeros_like(shard)
-            for tensor, t0, t1, s0 in unit.layout.pieces_in_shard(r):
-                stand_ins[r][s0 : s0 + t1 - t0] = xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+            unit.layout.fill_shard(stand_ins[r], arrays, r, xp)
             unit.ledger.alloc("phantom_peers", shard.nbytes)
         self._stand_ins[unit.name] = stand_ins
 

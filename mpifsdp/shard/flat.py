@@ -101,6 +101,12 @@ class FlatLayout:
             if start < stop:
                 yield name, start - o, stop - o, start - lo
 
+    def fill_shard(self, shard, arrays: dict, rank: int, xp):
+        """Write rank's slice of the full `arrays` (name -> array) into `shard` (its padding untouched):
+        how a rank makes its shard, and how a phantom keeps its peers' (comm/phantom.py)."""
+        for name, t0, t1, s0 in self.pieces_in_shard(rank):
+            shard[s0 : s0 + t1 - t0] = xp.asarray(arrays[name]).reshape(-1)[t0:t1]
+
     def decay_segments(self, rank: int, decays=lambda name, shape: len(shape) >= 2) -> list[tuple[int, int]]:
         """Shard-local [start, stop) ranges of the tensors for which decays(name, shape) is true."""
         shapes = dict(zip(self.names, self.shapes))

@@ -97,8 +97,7 @@ class Unit:
         # them there (the padded gradient is zero, so AdamW moves nothing): docs/design.md, invariant 2.
         self._shard = self.xp.zeros(n, dtype=self.layout.dtype)
         arrays = dict(named_arrays)
-        for tensor, t0, t1, s0 in self.layout.pieces_in_shard(comm.rank):
-            self._shard[s0 : s0 + t1 - t0] = self.xp.asarray(arrays[tensor]).reshape(-1)[t0:t1]
+        self.layout.fill_shard(self._shard, arrays, comm.rank, self.xp)
         comm.made_shard(self, arrays)  # a phantom keeps its peers' slices (comm/phantom.py)
         self.trainable = trainable
         self._grad = self.xp.zeros(n, dtype=self.layout.dtype) if trainable else None
