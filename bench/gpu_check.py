@@ -8,7 +8,8 @@ mpiexec -n 4 python -m mpi4py bench/gpu_check.py parity --sharded --shard-size 2
 mpiexec -n 2 python -m mpi4py bench/gpu_check.py replay --transport nccl   # replayed == eager, bit for bit
 Each parity check exits 1 when an error passes its bound; make gpu-check fails if any step fails.
 python bench/gpu_check.py speed --config peer|gpu350m|gpu13b [--dtype float16|bfloat16] [--prefetch 0]
-    [--graph] [--kernels]                   # then one step's GPU kernels by time (torch's CUPTI)
+    [--graph] [--kernels]                   # --graph: from one CUDA graph, the passes, then the whole step;
+                                            # --kernels: one step's GPU kernels by time (torch's CUPTI)
     [--phantom 8 --recompute auto]          # rank 0 of an 8-way job alone (mpifsdp.PhantomComm)
 python bench/gpu_check.py attention         # cuDNN's fused attention against the batched passes, timed
 python bench/gpu_check.py roofline          # the step's GEMMs' TFLOP/s and the copy bandwidth
@@ -19,6 +20,7 @@ python bench/gpu_check.py columns           # the column-sum kernels at the step
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -40,6 +42,7 @@ from common import (  # noqa: E402
 import mpifsdp  # noqa: E402
 from mpifsdp import sharded_model  # noqa: E402
 from mpifsdp.autodiff.tape import profile  # noqa: E402
+from mpifsdp.base.accounting import HOST_SYNCS  # noqa: E402
 from mpifsdp.base.checks import bfloat16, float_dtype  # noqa: E402
 from mpifsdp.comm.launcher import library  # noqa: E402
 from mpifsdp.comm.transport import mpi_cuda_support  # noqa: E402
@@ -204,9 +207,10 @@ def parity(args):
         sys.exit(1)
 
 
-def _replayed_or_eager(comm, graphed: bool, dtype, steps: int = 4) -> tuple[list, list]:
+def _replayed_or_eager(comm, how: str, dtype, steps: int = 4) -> tuple[list, list]:
     """(losses, this rank's shards) after `steps` steps of a small GPT in `dtype` through a LossScaler
-    with clipping, forward and backward replayed from one CUDA graph or run eagerly."""
+    with clipping: how="eager", "passes" (forward and backward replayed from one CUDA graph) or
+    "whole" (the optimizer's step in the graph too)."""
     model = GPT(gpt_config(SMALL_GPT), seed=0, device=comm.device)
     mpifsdp.fully_shard(model, comm, units=model.blocks, param_dtype=dtype, reduce_dtype=np.float32)
     opt, scaler = mpifsdp.AdamW(model, lr=1e-3), mpifsdp.LossScaler(init_scale=256.0)
@@ -216,13 +220,15 @@ def _replayed_or_eager(comm, graphed: bool, dtype, steps: int = 4) -> tuple[list
         scaler.scale(loss).backward()
         return loss
 
-    run = mpifsdp.GraphedPasses(model, passes) if graphed else passes
+    whole = dict(optimizer=opt, scaler=scaler, max_norm=1.0) if how == "whole" else {}
+    run = passes if how == "eager" else mpifsdp.GraphedPasses(model, passes, **whole)
     losses = []
     for step in range(steps):
         x, y = random_batch(SMALL_GPT, SMALL_GPT["batch_size"] * comm.size, seed=step)
         loss = run(rank_slice(x, comm.rank, comm.size), rank_slice(y, comm.rank, comm.size))
-        scaler.step(opt, max_norm=1.0)
-        opt.zero_grad()
+        if how != "whole":
+            scaler.step(opt, max_norm=1.0)
+            opt.zero_grad()
         losses.append(loss.item())
     return losses, [mpifsdp.to_numpy(u.shard) for u in sharded_model(model).units]
 
@@ -230,15 +236,24 @@ def _replayed_or_eager(comm, graphed: bool, dtype, steps: int = 4) -> tuple[list
 def replay(args):
     """Steps whose forward and backward are replayed from one CUDA graph against the same steps run
     eagerly, over this job's transport (NCCL: its collectives inside the graph), float16 and bfloat16:
-    every loss and this rank's shards bit for bit, on every rank; exits 1 otherwise."""
+    every loss and this rank's shards bit for bit, on every rank; and with the whole step in the
+    graph, within a few float32 roundings (its bias corrections come from the device's pow, within
+    2 ulp of the host's in double, so a hyperparameter's float32 rounding may differ); exits 1
+    otherwise."""
     comm = mpifsdp.Comm(device=args.device, transport=args.transport)
     results, ok = {}, True
     for dtype in [np.float16, *([bfloat16()] if bfloat16() is not None else [])]:
-        (eager_losses, eager), (losses, shards) = (_replayed_or_eager(comm, g, dtype) for g in (False, True))
+        (eager_losses, eager), (losses, shards), (whole_losses, whole) = (
+            _replayed_or_eager(comm, how, dtype) for how in ("eager", "passes", "whole")
+        )
         same = losses == eager_losses and all(np.array_equal(a, b) for a, b in zip(shards, eager))
-        same = all(comm.allgather_object(same))
+        off = max(float(np.max(np.abs(a - b) / (np.max(np.abs(b)) or 1))) for a, b in zip(whole, eager))
+        close = off <= 1e-5 and np.allclose(whole_losses, eager_losses, rtol=1e-5, atol=0)
+        same, close = (all(comm.allgather_object(v)) for v in (same, close))
         results[np.dtype(dtype).name] = {"losses": losses, "eager_losses": eager_losses, "equal": same}
-        ok &= same
+        results[np.dtype(dtype).name] |= {"whole_step_losses": whole_losses, "whole_step_max_rel": off}
+        results[np.dtype(dtype).name] |= {"whole_step_close": close}
+        ok &= same and close
     if comm.rank == 0:
         emit({"check": "replay", "ranks": comm.size, "transport": comm.transport.name, "ok": ok, **results})
     if not ok:
@@ -335,8 +350,12 @@ def speed(args):
         (scaler.scale(loss) if scaler else loss).backward()
         return loss
 
-    def step(run, sync=True):
+    def step(run, sync=True, whole=False):
         loss = run(x, y)
+        if whole:  # the graph held the optimizer's step
+            if sync:
+                synchronize()
+            return loss
         if scaler:
             scaler.step(opt, max_norm=1.0)
         else:
@@ -424,10 +443,22 @@ def speed(args):
         }
         if comm.rank == 0:
             emit(graphed_result)
+        if args.kernels and comm.rank == 0:
+            emit({"check": "kernels", "run": "graphed", **_kernel_times(lambda: step(graphed))})
+        del graphed  # its pool (the passes' activations) given back before the whole step's is made
+        gc.collect()
+        if xp is not np:
+            xp.get_default_memory_pool().free_all_blocks()
+        clip = 1.0 if scaler or dtype is not None else None  # as step() clips
+        whole = mpifsdp.GraphedPasses(model, passes, optimizer=opt, scaler=scaler, max_norm=clip)
+        runs = (lambda: step(whole, whole=True), lambda: step(whole, sync=False, whole=True))
+        line = _whole_step_line(runs, args.steps, synchronize, comm, result, step_s)
+        if comm.rank == 0:
+            emit({**line, "graph_pool_mib": round(whole.pool_bytes() / 2**20, 1)})
+        if args.kernels and comm.rank == 0:
+            emit({"check": "kernels", "run": "whole_step", **_kernel_times(runs[0])})
     if args.kernels and comm.rank == 0:
-        runs = {"eager": passes, **({"graphed": graphed} if args.graph else {})}
-        for name, run in runs.items():
-            emit({"check": "kernels", "run": name, **_kernel_times(lambda run=run: step(run))})
+        emit({"check": "kernels", "run": "eager", **_kernel_times(lambda: step(passes))})
     if args.profile:
         with profile() as costs:
             step(passes)
@@ -435,6 +466,35 @@ def speed(args):
         seconds = {name: [round(c["forward_s"], 4), round(c["backward_s"], 4)] for name, c in top[:8]}
         if comm.rank == 0:
             emit({"check": "profile", "config": args.config, "fwd_bwd_s": seconds})
+
+
+def _whole_step_line(runs, steps: int, synchronize, comm, eager: dict, step_s: float) -> dict:
+    """The speed of steps whose optimizer's step is in the graph too (GraphedPasses(optimizer=)):
+    runs = (a step and its sync, a step alone). Each step synchronized, then `steps` back to back
+    with one sync at the end (what a training loop runs), MFU both ways from the eager line's, and
+    the host syncs a step (the verdict's one read, a step late)."""
+    times, _ = _timed(runs[0], steps, 2, synchronize, comm)
+    whole_s = float(np.median(times))
+    synchronize()
+    comm.barrier()
+    HOST_SYNCS.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runs[1]()
+    synchronize()
+    steady = (time.perf_counter() - t0) / steps
+    return {
+        "check": "speed_whole_step",
+        "step_s": round(whole_s, 4),
+        "steps_s": [round(t, 4) for t in times],
+        "speedup": round(step_s / whole_s, 3),
+        "mfu": round(eager["mfu"] * step_s / whole_s, 4),
+        "mfu_causal": round(eager["mfu_causal"] * step_s / whole_s, 4),
+        "steady_step_s": round(steady, 4),
+        "steady_mfu": round(eager["mfu"] * step_s / steady, 4),
+        "steady_mfu_causal": round(eager["mfu_causal"] * step_s / steady, 4),
+        "host_syncs_per_step": round(HOST_SYNCS.total() / steps, 2),
+    }
 
 
 def _kernel_times(step, top: int = 25) -> dict:

@@ -10,8 +10,9 @@ when a GPU is asked for.
   sdpa.py                  causal attention through cuDNN's fused SDPA
   adamw.py, norm.py        the optimizer's update and the gradient norm's sums of squares as kernels,
                            registered for optim/device.py
+  step.py                  the step's verdict as kernels and the whole step queued for a graph
 
 May import: optim (its device seam: optim/device.py), ops, autodiff, base.
 """
 
-from . import adamw, attention, fused, norm  # noqa: F401  (each registers its GPU implementations)
+from . import adamw, attention, fused, norm, step  # noqa: F401  (each registers its GPU implementations)

@@ -59,17 +59,19 @@ extern "C" __global__ void adamw_step(ELEM* p, ELEM* g, ELEM* m, ELEM* v, const 
 }
 extern "C" __global__ void adamw_groups(const long long* table, const int groups,
                                         const long long* segments, const ACC* hyper,
-                                        const int* tokens) {
+                                        const int* tokens, const int* skip) {
     /* Every group's AdamW step in one launch. table: the groups' p, g, m, v addresses, their
        lengths, their first blocks (groups + 1), their first decay segments (groups + 1), their
        casts' and flags' addresses (0: no cast), then the casts' dtype and the groups' (for the
        twin); segments: (start, stop) pairs; hyper: 9 values a group, adamw_step's; tokens: one a
-       group, what its flag is set to where its cast overflows.
+       group, what its flag is set to where its cast overflows; skip: nothing is done where skip[0]
+       is set (a whole-step graph's verdict: cuda/step.cu).
        Block b updates piece b - first[k] (PIECE elements) of group k, first[k] <= b < first[k + 1]. */
     const long long* n = table + 4 * groups;
     const long long* first = table + 5 * groups;
     const long long* first_segment = table + 6 * groups + 1;
     const long long* casts = table + 7 * groups + 2;
+    if (skip[0]) return;
     int k = 0;
     while (blockIdx.x >= first[k + 1]) ++k;
     ELEM* p = (ELEM*)table[k];

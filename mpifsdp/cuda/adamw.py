@@ -56,7 +56,9 @@ def _twin(grid, block, args, shared_mem=0):
 
 def _groups_twin(grid, block, args, shared_mem=0):
     """adamw_step's twin on each group the table names (host memory on a CPU), and the casts."""
-    table, groups, segments, hyper, tokens = args
+    table, groups, segments, hyper, tokens, skip = args
+    if int(np.asarray(skip).reshape(-1)[0]):
+        return
     t, k = np.asarray(table, dtype=np.int64), int(groups)
     dtype, cast_dtype = kernels.table_dtype(t[-1]), kernels.table_dtype(t[-2])
     casts, flags = t[7 * k + 2 : 8 * k + 2], t[8 * k + 2 : 9 * k + 2]
@@ -173,25 +175,38 @@ def _groups_table(xp, updates: list):
     groups = tuple((_addresses(u), u[0].size, tuple(u[5])) for u in updates)
     key = (groups, _table_dtypes(updates))
     if key not in _group_tables:
-        sizes = [u[0].size for u in updates]
-        first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
-        first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
-        columns = [[addresses[a] for addresses, *_ in groups] for a in range(6)]
-        dtypes = [kernels.TABLE_DTYPES.index(name) for name in key[1]]
-        host = np.concatenate([*columns[:4], sizes, first, first_segment, *columns[4:], dtypes])
-        pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
+        host, pairs, blocks = groups_table_host(updates)
         if len(_group_tables) > 64:  # buffers moved: forget old layouts
             _group_tables.clear()
-        _group_tables[key] = (xp.asarray(host.astype(np.int64)), xp.asarray(pairs), int(first[-1]))
+        _group_tables[key] = (xp.asarray(host), xp.asarray(pairs), blocks)
     return _group_tables[key]
 
 
-def _launch_groups(kernel, xp, updates: list):
-    table, segments, blocks = _groups_table(xp, updates)
+def groups_table_host(updates: list) -> tuple:
+    """(the table, the decay segments' pairs, the blocks) of adamw_groups for `updates`, on the host
+    (int64): the addresses, lengths and pieces the kernel reads."""
+    sizes = [u[0].size for u in updates]
+    first = np.concatenate([[0], np.cumsum([-(-n // PIECE) for n in sizes])])
+    first_segment = np.concatenate([[0], np.cumsum([len(u[5]) for u in updates])])
+    addresses = [_addresses(u) for u in updates]
+    columns = [[a[c] for a in addresses] for c in range(6)]
+    dtypes = [kernels.TABLE_DTYPES.index(name) for name in _table_dtypes(updates)]
+    host = np.concatenate([*columns[:4], sizes, first, first_segment, *columns[4:], dtypes])
+    pairs = np.array([pair for u in updates for pair in u[5]] or [(0, 0)], dtype=np.int64).reshape(-1)
+    return host.astype(np.int64), pairs, int(first[-1])
+
+
+def _launch_groups(kernel, xp, updates: list, tables=None, hyper=None, skip=None):
+    """adamw_groups on `updates`; tables: (table, segments, blocks) where not _groups_table's (a
+    whole-step graph's, written after its capture); hyper and skip: device arrays of the kernel's
+    own (the graph's verdict writes them), else this step's rows copied there and never skipped."""
+    table, segments, blocks = tables or _groups_table(xp, updates)
     acc = kernels.accumulator(updates[0][0].dtype.type)
-    hyper = xp.asarray(np.array([_hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
+    if hyper is None:
+        hyper = xp.asarray(np.array([_hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
     tokens = _tokens(xp, tuple(0 if u[6] is None else int(u[6][2]) for u in updates))
-    kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper, tokens))
+    skip = _tokens(xp, (0,)) if skip is None else skip
+    kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper, tokens, skip))
 
 
 def _tokens(xp, tokens: tuple):

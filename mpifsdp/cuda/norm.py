@@ -69,19 +69,25 @@ _tables: dict = {}  # (address, length, dtype) of each vector -> the table on th
 def _table(xp, vectors: list):
     key = tuple((kernels.device_address(v), v.size, v.dtype.str) for v in vectors)
     if key not in _tables:
-        pieces = np.array([-(-v.size // PIECE) for v in vectors], dtype=np.int64)
-        first = np.concatenate([[0], np.cumsum(pieces)])
-        columns = (
-            [kernels.device_address(v) for v in vectors],
-            [v.size for v in vectors],
-            first,
-            [kernels.TABLE_DTYPES.index(vectors[0].dtype.name)],
-        )
-        host = np.concatenate(columns)
+        host, pieces = table_host(vectors)
         if len(_tables) > 64:  # buffers moved (a pool reshuffled): forget old layouts
             _tables.clear()
-        _tables[key] = (xp.asarray(host.astype(np.int64)), int(first[-1]))
+        _tables[key] = (xp.asarray(host), pieces)
     return _tables[key]
+
+
+def table_host(vectors: list) -> tuple:
+    """(the table squares_by_piece reads, int64 on the host: addresses, lengths, first pieces, dtype;
+    the pieces)."""
+    pieces = np.array([-(-v.size // PIECE) for v in vectors], dtype=np.int64)
+    first = np.concatenate([[0], np.cumsum(pieces)])
+    columns = (
+        [kernels.device_address(v) for v in vectors],
+        [v.size for v in vectors],
+        first,
+        [kernels.TABLE_DTYPES.index(vectors[0].dtype.name)],
+    )
+    return np.concatenate(columns).astype(np.int64), int(first[-1])
 
 
 def sums_of_squares(vectors: list):
@@ -103,8 +109,10 @@ def sums_of_squares(vectors: list):
     return _launch(compiled, xp, vectors)
 
 
-def _launch(compiled, xp, vectors: list):
-    table, pieces = _table(xp, vectors)
+def _launch(compiled, xp, vectors: list, table=None):
+    """The sums of `vectors`; table: (table, pieces) where not _table's (a whole-step graph's,
+    written after its capture)."""
+    table, pieces = table or _table(xp, vectors)
     acc = kernels.accumulator(vectors[0].dtype.type)
     partial, sums = xp.empty(pieces, dtype=acc), xp.empty(len(vectors), dtype=acc)
     n = np.int32(len(vectors))

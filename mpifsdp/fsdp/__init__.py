@@ -4,7 +4,8 @@ the outermost scope of every step: input check, prefetch, end of backward. Graph
 (graphed.py) replays a step's forward and backward from one CUDA graph. fully_shard's grouped
 settings: MixedPrecision and Deterministic (policy.py).
 
-May import: nn, cuda (cuDNN's workspace, cuBLAS's streams: graphed.py), ops, autodiff, shard, comm, base.
+May import: nn, cuda (cuDNN's workspace, cuBLAS's streams: graphed.py), optim (a whole-step
+graph's DeviceStep: graphed.py), ops, autodiff, shard, comm, base.
 """
 
 from .build import full_state_dict, fully_shard, no_sync, report, sharded_model

@@ -21,10 +21,24 @@ gradient and gather state, the input checks read with the step's verdict (base/d
 collectives in the schedule and ledger (Comm.replayed), the request the optimizer's verdict waits for
 (Comm.await_current).
 
+Given the optimizer (`optimizer=`, with `scaler=` and `max_norm=` where the loop used them), the
+graph holds the whole step: after the passes, the gradient norm, its sum over the ranks, the step's
+verdict (skip, clip, the loss scale, the step counts), the loss scale's device copies and AdamW's
+update are kernels in it (optim/device_step.py DeviceStep, cuda/step.py). The first call then runs
+the step eagerly too; the capture's self-check compares the outputs and the norm (the update scales
+the gradients); each later call first reads the last step's verdict (one host sync: the optimizer's
+and the scaler's counts mirrored, a stop raised), writes the lr where it changed, and replays.
+
+    graphed = mpifsdp.GraphedPasses(model, passes, optimizer=opt, scaler=scaler, max_norm=1.0)
+    for x, y in batches:
+        loss = graphed(x, y)  # forward, backward and the step; no zero_grad
+    graphed.settle()  # the last step's verdict, before a checkpoint
+
 Refused by name: a model not on a GPU, collectives not over NCCL (MPI runs on the host: nothing a
 graph can hold), deterministic mode (its exact sums agree a scale over MPI), dropout > 0 (the mask's
 seed is the host's, frozen in a graph), no_sync. HSDP is captured too (its all-reduce across groups
-runs on NCCL: Comm.iall_reduce hands device memory to the transport).
+runs on NCCL: Comm.iall_reduce hands device memory to the transport). A whole step: an optimizer
+other than AdamW, or one that does not step exactly the model's trainable units.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from ..base.backend import host_value
 from ..base.checks import finfo
 from ..cuda import cublas_api, sdpa
 from ..nn.layers import Dropout
+from ..optim.device_step import DeviceStep
 from .build import sharded_model
 
 
@@ -47,14 +62,17 @@ class GraphedPasses:
     returns what the caller reads (a loss Tensor, a tuple of them, or None). The first call runs
     eagerly; the second captures, checking the replay against an eager reference pass; later calls
     copy the batch into the graph's inputs and replay. Every batch must have the first call's shapes
-    and dtypes, and the optimizer's zero_grad() must run between calls. Needs a GPU model whose
-    collectives run over NCCL (docs/design.md, "CUDA graphs")."""
+    and dtypes, and the optimizer's zero_grad() must run between calls. With `optimizer` (an AdamW
+    of the model; `scaler`, a LossScaler; `max_norm`, the clip) the graph holds the optimizer's step
+    as well, and the calls need no step and no zero_grad (settle() reads the last step's verdict
+    now). Needs a GPU model whose collectives run over NCCL (docs/design.md, "CUDA graphs")."""
 
-    def __init__(self, model, passes):
+    def __init__(self, model, passes, *, optimizer=None, scaler=None, max_norm=None):
         self._sharded = sharded_model(model)
-        problem = _refusal(model, self._sharded)
+        problem = _refusal(model, self._sharded) or _step_refusal(self._sharded, optimizer, scaler, max_norm)
         if problem:
             raise ValueError(f"GraphedPasses: {problem}")
+        self._step = None if optimizer is None else DeviceStep(optimizer, scaler, max_norm)
         self._passes = passes
         self._static: list | None = None  # the batch as the graph reads it: device arrays, or frozen values
         self._graph = self._outputs = None
@@ -67,12 +85,22 @@ class GraphedPasses:
     def __call__(self, *batch):
         if self._static is None:
             self._static = [_static_copy(value, self._sharded.units[0].xp) for value in batch]
-            return self._passes(*self._static)
+            outputs = self._passes(*self._static)
+            if self._step is not None:  # the step eagerly: its kernels built and checked, its state made
+                self._step.eager()
+            return outputs
         _check_like(batch, self._static)
         if self._graph is None:
             _copy_into(self._static, batch)
             return self._capture()
         return self._replay(batch)
+
+    def settle(self) -> dict | None:
+        """A whole-step graph's last step read now (it is read before the next replay anyway): the
+        optimizer's and the scaler's counts and scale brought up to date (before a checkpoint, at the
+        end of training), and what that step found raised. Returns its state (optim/device_step.py
+        PLACES: norm, scale, factor, ...); None where nothing is left to read."""
+        return None if self._step is None else self._step.settle()
 
     def pool_bytes(self) -> int:
         """Device bytes the graph's private pool holds (its passes' activations and temporaries),
@@ -82,18 +110,24 @@ class GraphedPasses:
     # -- the second call: capture ---------------------------------------------------------------------
     def _capture(self):
         """Run the passes eagerly (the reference), capture them, replay once and compare."""
-        sharded = self._sharded
+        sharded, step = self._sharded, self._step
         _require_zeroed(sharded)
         for unit in sharded.units:  # the graph casts each shard for its gathers at every replay
             unit.cast_afresh()
         self._before = _host_state(sharded)
-        reference = _values(self._passes(*self._static), sharded)
+        reference = _values(self._passes(*self._static), sharded, grads=step is None)
+        if step is not None:  # the reference's norm (a bad batch raises here), the device state made
+            reference.append(np.array([step.reference_norm()]))
+            step.prepare()
         _restore(sharded, self._before)  # as before the reference: the capture takes the same path
         self._record()
         self._launch()
         try:
+            replayed = _values(self._outputs, sharded, grads=step is None)
+            if step is not None:
+                replayed.append(np.array([step.settle()["norm"]]))
             elements = max(getattr(a, "size", 1) for a in self._static)
-            _compare(reference, _values(self._outputs, sharded), _bound(elements, sharded.units))
+            _compare(reference, replayed, _bound(elements, sharded.units))
         except RuntimeError:
             self._graph = None  # never replayed: a later call captures again
             raise
@@ -114,24 +148,34 @@ class GraphedPasses:
             stream.begin_capture()
             try:
                 outputs = self._passes(*self._static)
+                fill = self._step.queue() if self._step is not None else None
             except Exception as exc:
                 raise RuntimeError(f"GraphedPasses: {_why(exc)}") from exc
             finally:
                 graph = stream.end_capture()  # (a pass that raised leaves no graph to replay)
+        if fill is not None:  # the step's tables: where the capture put the gradients
+            fill()
         self._graph, self._outputs = graph, outputs
         self._after, self._checks = _host_state(self._sharded), deferred.since(mark)
         self._collectives, self._kept = noted, (pool, stream, sdpa.workspace())
 
     def _launch(self):
-        """Replay the graph on the current stream; the optimizer's verdict waits for it."""
+        """Replay the graph on the current stream; the optimizer's verdict waits for it. A whole
+        step's graph leaves the gradients used: the host's side zeroed as zero_grad() would."""
         self._graph.launch(backend.current_stream())
         _restore(self._sharded, self._after)
+        if self._step is not None:
+            self._step.optimizer.zero_grad()
+            self._step.launched()
         for comm in self._sharded.levels():
             comm.await_current()
 
     # -- later calls: replay --------------------------------------------------------------------------
     def _replay(self, batch):
         sharded = self._sharded
+        if self._step is not None:  # the last step's verdict (the one host sync a step), then the lr
+            self._step.settle()
+            self._step.write_lr()
         _require_state(sharded, self._before)
         # every rank at the same collective before the graph's (the batch's checks are in the graph)
         sharded.comm.check_schedule(phase="forward", when="before a CUDA graph's replay")
@@ -167,6 +211,13 @@ def _refusal(model, sharded) -> str | None:
     if not sharded.requires_gradient_sync:
         return "no_sync() keeps gradients unreduced across backward passes: capture with gradient sync on"
     return None
+
+
+def _step_refusal(sharded, optimizer, scaler, max_norm) -> str | None:
+    """Why the optimizer's step cannot join the graph, or None (None too without an optimizer)."""
+    if optimizer is None:
+        return None if scaler is None and max_norm is None else "scaler and max_norm need optimizer= too"
+    return DeviceStep(optimizer, scaler, max_norm).refusal(sharded.trainable_units)
 
 
 def _why(exc) -> str:
@@ -282,11 +333,12 @@ def _require_state(sharded, captured: tuple):
 
 
 # -- the self-check -----------------------------------------------------------------------------------
-def _values(outputs, sharded) -> list:
-    """Copies of what a pass produced: its outputs' values, then every unit's gradient shard."""
+def _values(outputs, sharded, grads: bool = True) -> list:
+    """Copies of what a pass produced: its outputs' values, then every unit's gradient shard (a
+    whole step's graph scales them in its update: its norm is compared instead)."""
     tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     arrays = [t.data for t in tensors if isinstance(t, Tensor)]
-    arrays += [unit.flat_grad() for unit in sharded.trainable_units]
+    arrays += [unit.flat_grad() for unit in sharded.trainable_units] if grads else []
     return [None if a is None else a.copy() for a in arrays]
 
 
@@ -310,14 +362,16 @@ def _compare(reference: list, replayed: list, bound: float):
         if want is None:
             continue
         want, got = (a.astype(np.float64) for a in (want, got))
+        if want.size == 1 and not np.isfinite(host_value(want.reshape(()), "the graph self-check")):
+            want, got = (np.nan_to_num(a.reshape(1)) for a in (want, got))  # a step's norm: inf is inf
         scale = host_value(abs(want).max(), "the graph self-check") if want.size else 0.0
         error = host_value(abs(got - want).max(), "the graph self-check") if want.size else 0.0
         if not error <= bound * max(scale, np.finfo(np.float64).tiny):
             raise RuntimeError(
                 f"CUDA graph self-check: the replayed passes differ from the eager ones in value {i} (the "
-                f"outputs, then each unit's gradient shard): max error {error:.3g} against {scale:.3g}, "
-                f"bound {bound:.2g} relative. A value the capture froze changes between steps: train "
-                "without the graph, and report this"
+                f"outputs, then each unit's gradient shard or a whole step's norm): max error {error:.3g} "
+                f"against {scale:.3g}, bound {bound:.2g} relative. A value the capture froze changes "
+                "between steps: train without the graph, and report this"
             )
 
 

@@ -1,7 +1,8 @@
 """Optimizers on flat groups (a Unit's shard, or one whole Param): the base with norms, clipping and
 the non-finite policy (flat_optimizer.py), one step's arithmetic of AdamW, Adam and SGD
 (optimizers.py), the float16 loss scaler (scaler.py), the step's verdict on a device's deferred
-checks (verdict.py) and the device seam a GPU's update and norm register in (device.py). Every update
+checks (verdict.py), the device seam a GPU's update and norm register in (device.py), and the whole
+step decided on the device for a CUDA graph (device_step.py). Every update
 is local to the rank's shards (the step exchanges a few numbers: the global gradient norm, the
 schedule check, a GPU's verdict).
 

@@ -5,6 +5,7 @@ here when it is imported; an entry that cannot run returns False or None and the
   "adamw_update"     adamw_update's arguments, one flat group in one launch -> bool
   "adamw_step_all"   (an AdamW, its step's updates) every group in one launch -> bool
   "sums_of_squares"  (gradients) each one's g @ g, as one device array to read with the verdict
+  "whole_step"       () the device's side of a whole-step graph (device_step.py: ready, queue)
 """
 
 from __future__ import annotations

@@ -111,6 +111,25 @@ def _nccl_version_not_asked():
     _replace(backend, "NCCL_SHARES_GPUS", 0)  # any NCCL taken to let ranks share a GPU when asked
 
 
+def _graphed_skips_updated():
+    """adamw_groups updates a step its verdict skipped (the stand-in runs the kernel's twin, given a
+    skip flag of 0)."""
+    import numpy as np
+
+    from mpifsdp.base import kernels
+
+    twin = kernels.TWINS["adamw_groups"]
+    kernels.TWINS["adamw_groups"] = lambda grid, block, args, shared_mem=0: twin(
+        grid, block, (*args[:-1], np.zeros(1, dtype=np.int32)), shared_mem
+    )
+
+
+def _graphed_stop_forgotten():
+    from mpifsdp.optim import device_step
+
+    _replace(device_step.DeviceStep, "_refuse_if_stopped", lambda self: None)
+
+
 def _job_warnings_on_every_rank():
     from mpifsdp.base import logs
 
@@ -770,6 +789,20 @@ MUTANTS = {
         _nccl_version_not_asked,
         "ranks share a GPU over NCCL only where its version allows it, when asked (base/backend.py)",
         ["tests/unit/comm/test_comm.py::test_ranks_share_a_gpu_over_nccl_only_where_its_version_allows"],
+    ),
+    "graphed_skip_honoured": Mutant(
+        _graphed_skips_updated,
+        "a whole-step graph's update does not run where its verdict skips the step (cuda/adamw.cu)",
+        [
+            "tests/project/test_gpu_budget.py::test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late"
+        ],
+    ),
+    "graphed_stop_final": Mutant(
+        _graphed_stop_forgotten,
+        "after a whole-step graph's step stopped the job, every later call is refused (optim/device_step.py)",
+        [
+            "tests/project/test_gpu_budget.py::test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late"
+        ],
     ),
     "job_warnings_once": Mutant(
         _job_warnings_on_every_rank,

@@ -176,6 +176,22 @@ def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_ho
     assert work["graphed"]["launches"] * 10 < work["eager"]["launches"], work
 
 
+def test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late(comm):
+    """tools/gpusim/standin_whole_step.py: GraphedPasses(..., optimizer=, scaler=, max_norm=) holds the
+    optimizer's step too (the norm, its verdict, the loss scale, the step counts and AdamW on the
+    device): the eager steps' losses, parameters and counts bit for bit through skipped and clipped
+    steps and a growing scale, at one rank with and without its shortcuts, a phantom rank of 4,
+    recomputed blocks and without a scaler; one host sync a replayed step and no launch but the
+    graph's, the batch's and the lr's; a bad batch, a NaN master, a norm not finite and an overflow
+    at the scale's floor raise a step late with nothing updated, and a call after that is refused;
+    another optimizer, another model's, a scaler alone, a bad max_norm refused by name."""
+    if comm.size > 1:
+        pytest.skip("one single-process job: the plain-pytest pass covers it")
+    result = _last_json_line(STANDIN, GPUSIM / "standin_whole_step.py")
+    assert result["ok"], result
+    assert result["host_work"]["launches_per_step"] == {"graph launch": 1, "host-to-device copy": 3}, result
+
+
 def test_an_overflow_in_one_ranks_shard_is_raised_on_every_rank(comm):
     """tools/gpusim/standin_ranks.py on 2 ranks (MPI with host staging): a GPU's gathers check each rank's
     own shard as they cast it (one kernel), so a master beyond float16 on the last rank only is
@@ -251,13 +267,16 @@ def test_the_gpu_attention_computes_causal_attention(comm, cudnn):
 )
 def test_the_device_scripts_new_checks_run_through_on_the_stand_in(comm, check):
     """make gpu-check's attention, roofline, columns, preflight, replay (graphed steps against eager
-    ones, bit for bit) and bfloat16 speed checks (eager, replayed from a CUDA graph, and as rank 0
-    of 8 alone) run to their JSON line with the stand-in
+    ones, bit for bit, and the whole step's) and bfloat16 speed checks (eager, replayed from a CUDA
+    graph of the passes and then of the whole step, whose line comes last and reads its verdict once
+    a step, and as rank 0 of 8 alone) run to their JSON line with the stand-in
     (a crash would cost a lent device's minutes; their figures mean something on a device only)."""
     if comm.size > 1:
         pytest.skip("one single-process job: the plain-pytest pass covers it")
     result = _last_json_line(STANDIN, BENCH / "gpu_check.py", *check, "--config", "tiny")
-    assert result["check"] == check[0] + ("_graphed" if "--graph" in check else "")
+    assert result["check"] == check[0] + ("_whole_step" if "--graph" in check else "")
+    if "--graph" in check:
+        assert result["host_syncs_per_step"] == 1.0, result
 
 
 def test_the_preflight_finds_every_libnccl_and_its_version(comm, tmp_path):

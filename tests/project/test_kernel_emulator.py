@@ -18,6 +18,7 @@ from mpifsdp.cuda import cross_entropy as gpu_cross_entropy
 from mpifsdp.cuda import kernels as gpu_kernels
 from mpifsdp.cuda import layer_norm as gpu_layer_norm
 from mpifsdp.cuda import norm as gpu_norm
+from mpifsdp.cuda import step as gpu_step
 
 COLUMN_SUMS = r"""
 extern "C" __global__ void column_sums(const ELEM* x, ACC* partial, ACC* sums, unsigned int* done,
@@ -149,6 +150,10 @@ def _norm_probe(dtype, monkeypatch):
     return gpu_norm._probe(np, dtype, _emulated(gpu_norm.source, gpu_norm.KERNELS, dtype))
 
 
+def _step_probe(dtype, monkeypatch):
+    return gpu_step._probe(np, dtype, _emulated(gpu_step.source, gpu_step.KERNELS, dtype))
+
+
 def _flag_probes(dtype, monkeypatch):
     flag, cast = _emulated(base_kernels.flag_source, base_kernels.FLAG_KERNELS, dtype)
     return base_kernels._flag_probe(np, dtype, flag) + base_kernels._cast_flag_probe(np, dtype, cast)
@@ -161,6 +166,7 @@ PROBES = {
     "causal_softmax": _softmax_probe,
     "adamw": _adamw_probes,
     "sum_of_squares": _norm_probe,
+    "step_verdict": _step_probe,
     "nonfinite_flags": _flag_probes,
 }
 

@@ -9,6 +9,10 @@
   and in HSDP (groups of one rank: the all-reduce across groups in the graph); and a rank
   that runs an evaluation the others do not is named on every rank by the schedule check before
   the replay, not left to pair the graph's collectives with another's;
+- the whole step in one graph (GraphedPasses(..., optimizer=, scaler=, max_norm=)): the eager steps'
+  losses, parameters and counts bit for bit on every rank, in FSDP and HSDP; a bad token id in the
+  last rank's batch stops every rank a step late (the norm's all-reduce carries the failed check),
+  each naming it, with no update after it;
 - HSDP on the GPU branch over NCCL (groups of one rank, sync_params, float64): the CPU's losses,
   with the all-reduce across groups and the broadcast on NCCL, never MPI on device memory.
 Prints one JSON line (rank 0); exits 1 where a rank saw otherwise.
@@ -27,6 +31,7 @@ import mpifsdp
 from gpusim import cupy_standin
 from gpusim.standin_checks import bad_batch_outcomes, overflow_outcomes
 from gpusim.standin_graphs import _evaluate, graphed_after_capture, replays_equal_eager_steps
+from gpusim.standin_whole_step import _stopped_a_step_late, graphed_steps_equal_eager_ones
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
@@ -42,6 +47,18 @@ def a_rank_ahead_is_named_before_the_replay(comm) -> str:
     except mpifsdp.ScheduleError:
         return "named"
     return "replayed"
+
+
+def a_bad_batch_on_the_last_rank_stops_every_rank(comm) -> bool:
+    """A token id beyond the vocabulary in the last rank's batch of a whole-step graph: every rank
+    raises at its next call, the last naming the value, the others the rank, nothing updated."""
+    last = comm.rank == comm.size - 1
+
+    def spoil(model, weight, batch):
+        if last:
+            batch[0][1, 3] = 10**4
+
+    return _stopped_a_step_late(spoil, ValueError, "outside [0," if last else f"rank(s) [{comm.size - 1}]")
 
 
 def _hsdp_losses(device: str) -> list:
@@ -80,13 +97,18 @@ def main() -> int:
     bad_batch = comm.allgather_object(bad_batch_outcomes(comm))
     graphed = comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate))
     graphed += comm.allgather_object(replays_equal_eager_steps(False, True, _evaluate, shard_size=1))
+    graphed += comm.allgather_object(graphed_steps_equal_eager_ones())
+    graphed += comm.allgather_object(graphed_steps_equal_eager_ones(shard_size=1))
+    stopped = comm.allgather_object(a_bad_batch_on_the_last_rank_stops_every_rank(comm))
     ahead = comm.allgather_object(a_rank_ahead_is_named_before_the_replay(comm))
     hsdp = comm.allgather_object(hsdp_over_nccl())
     ok = all(outcomes == ["named", "stepped"] for outcomes in everyone + bad_batch)
     ok = ok and all(all(r.values()) for r in graphed + hsdp) and ahead == ["named"] * comm.size
+    ok = ok and all(stopped)
     if comm.rank == 0:
         report = {"overflow_outcomes": everyone, "bad_batch_outcomes": bad_batch}
-        report = {**report, "graphed_steps": graphed, "a_rank_ahead": ahead, "hsdp_over_nccl": hsdp, "ok": ok}
+        report = {**report, "graphed_steps": graphed, "a_rank_ahead": ahead, "hsdp_over_nccl": hsdp}
+        report = {**report, "a_bad_batch_stops_every_rank_a_step_late": stopped, "ok": ok}
         print(json.dumps({"check": "standin_ranks", "ranks": comm.size, **report}))
     return 0 if ok else 1
 
