@@ -146,7 +146,8 @@ def step_groups(updates: list) -> bool:
     return True
 
 
-def _hyper_row(h: dict) -> tuple:
+def hyper_row(h: dict) -> tuple:
+    """adamw_groups' row of one group's step from hyperparameters()'s keywords."""
     b1, b2 = h["beta1"], h["beta2"]
     return (h["decay"], h["grad_scale"], b1, 1.0 - b1, b2, 1.0 - b2, h["lr_over_bias1"], h["bias2"], h["eps"])
 
@@ -203,7 +204,7 @@ def _launch_groups(kernel, xp, updates: list, tables=None, hyper=None, skip=None
     table, segments, blocks = tables or _groups_table(xp, updates)
     acc = kernels.accumulator(updates[0][0].dtype.type)
     if hyper is None:
-        hyper = xp.asarray(np.array([_hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
+        hyper = xp.asarray(np.array([hyper_row(u[4]) for u in updates], dtype=acc).reshape(-1))
     tokens = _tokens(xp, tuple(0 if u[6] is None else int(u[6][2]) for u in updates))
     skip = _tokens(xp, (0,)) if skip is None else skip
     kernel((blocks,), (THREADS,), (table, np.int32(len(updates)), segments, hyper, tokens, skip))
@@ -226,8 +227,9 @@ _token_arrays: dict = {}
 def _probe_groups(xp, dtype, kernel, cast=None):
     """Two groups (one of several pieces and decay segments, its length and theirs not multiples of
     4; one shorter than a piece, none, not 16-byte aligned) in one launch against adamw_step's twin
-    on each; with `cast`, the first group's update cast to it too, one master far beyond float16's
-    range (its flag set where the cast overflows)."""
+    on each, after a launch its skip flag skips (a second update would show); with `cast`, the first
+    group's update cast to it too, one master far beyond float16's range (its flag set where the cast
+    overflows)."""
     rng = np.random.default_rng(17)
     sizes, segments = (2 * PIECE + 103, 701), (((10, 701), (PIECE + 5, 2 * PIECE + 2)), ())
     hypers = [
@@ -245,10 +247,12 @@ def _probe_groups(xp, dtype, kernel, cast=None):
     casts = [None, None]
     if cast is not None:
         casts[0] = (xp.empty(sizes[0], dtype=cast), xp.zeros(1, dtype=np.int32), 5)
-    _launch_groups(kernel, xp, [(*d, h, seg, c) for d, h, seg, c in zip(device, hypers, segments, casts)])
+    batch = [(*d, h, seg, c) for d, h, seg, c in zip(device, hypers, segments, casts)]
+    _launch_groups(kernel, xp, batch, skip=xp.ones(1, dtype=np.int32))  # skipped: nothing may change
+    _launch_groups(kernel, xp, batch)
     for w, h, seg in zip(want, hypers, segments):
         pairs = np.array(seg or [(0, 0)], dtype=np.int64).reshape(-1, 2)
-        _twin(None, None, (*w, pairs[:, 0], pairs[:, 1], len(seg), w[0].size, *_hyper_row(h)))
+        _twin(None, None, (*w, pairs[:, 0], pairs[:, 1], len(seg), w[0].size, *hyper_row(h)))
     results = [
         (f"{k} of group {j}", to_numpy(d), x, kernels.error_bound(dtype, 16, float(np.max(np.abs(x)))))
         for j, (dev, wan) in enumerate(zip(device, want))

@@ -14,14 +14,15 @@ extern "C" __global__ void verdict_sums(const ACC* sums, const int groups, const
     reduced[1] = refused[0] ? 1.0 : 0.0;
 }
 __device__ void hyper_rows(double* state, ACC* hyper, const int groups, const double factor) {
-    /* each group's adamw_groups row at its own step (its step before the graph's first, plus the
-       steps taken since): what cuda/adamw.py hyperparameters() makes on the host, in double, cast
+    /* each group's adamw_groups row at its own step (its step when the state was given, plus the
+       steps taken since): what cuda/adamw.py hyperparameters() makes on the host, in double (its
+       roundings one by one: no contracted multiply-add; CUDA's pow within 2 ulp of the host's), cast
        to ACC once */
     const double lr = state[S_LR], b1 = state[S_BETA1], b2 = state[S_BETA2];
     for (int k = 0; k < groups; ++k) {
         const double step = state[S_GROUPS + k] + state[S_TAKEN];
         const double bias1 = 1.0 - pow(b1, step), bias2 = sqrt(1.0 - pow(b2, step));
-        const double row[9] = {1.0 - lr * state[S_WEIGHT_DECAY], factor, b1, 1.0 - b1, b2, 1.0 - b2,
+        const double row[9] = {__dsub_rn(1.0, __dmul_rn(lr, state[S_WEIGHT_DECAY])), factor, b1, 1.0 - b1, b2, 1.0 - b2,
                                lr / bias1, bias2, state[S_EPS]};
         for (int j = 0; j < 9; ++j) hyper[9 * k + j] = (ACC)row[j];
     }
@@ -45,12 +46,13 @@ __device__ bool overflowed(double* state) {
 extern "C" __global__ void step_verdict(const double* reduced, double* state, ACC* hyper, int* skip,
                                         const int groups) {
     /* The verdict of a step whose sums `reduced` holds (over every rank): skip[0] set where the update
-       must not run (a stop before, a failed check, a norm not finite), else the factor the gradients
-       are scaled by (the loss scale's unscale and the clip) and every group's row; the loss scale
-       and the counts moved on as LossScaler and FlatOptimizer move them; a stop noted (the host reads
-       it a step late, raises, and replays nothing after it). */
+       must not run (the capture's dry check, a failed check, a norm not finite), else the factor the
+       gradients are scaled by (the loss scale's unscale and the clip) and every group's row; the
+       loss scale and the counts moved on as LossScaler and FlatOptimizer move them; a stop noted
+       (the host reads it a step late, raises, and replays nothing after it). */
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     skip[0] = 1;
+    if (state[S_DRY] != 0.0) return;
     if (reduced[1] != 0.0) { state[S_STOP] = STOP_REFUSED; return; }
     const bool scaled = state[S_SCALED] != 0.0;
     double norm = sqrt(reduced[0]);

@@ -30,10 +30,12 @@ S = {name: i for i, name in enumerate(PLACES)}
 
 
 def source(dtype) -> str:
+    """The kernels for `dtype` masters (their ACC: the rows' type)."""
     return kernels.typed_source(dtype, SOURCE)
 
 
 def _sums_twin(grid, block, args, shared_mem=0):
+    """verdict_sums on the host: the sums added in order in float64, the check noted."""
     sums, groups, refused, reduced = args
     reduced[0] = sum(float(x) for x in np.asarray(sums)[: int(groups)])
     reduced[1] = 1.0 if bool(np.asarray(refused).reshape(-1)[0]) else 0.0
@@ -56,8 +58,11 @@ def _overflowed(state) -> bool:
 
 
 def _verdict_twin(grid, block, args, shared_mem=0):
+    """step_verdict on the host, decision by decision."""
     reduced, state, hyper, skip, groups = args
     skip[0] = 1
+    if state[S["dry"]] != 0.0:
+        return
     if reduced[1] != 0.0:
         state[S["stop"]] = STOPS.index("refused")
         return
@@ -84,13 +89,12 @@ def _verdict_twin(grid, block, args, shared_mem=0):
 
 
 def _rows_twin(state, hyper, groups: int, factor: float):
-    """step.cu's hyper_rows: what adamw.hyperparameters makes, at each group's own step."""
-    lr, b1, b2 = (float(state[S[k]]) for k in ("lr", "beta1", "beta2"))
+    """step.cu's hyper_rows: adamw_groups' rows as the host makes them for an eager step."""
+    lr, b1, b2, eps, decay = (float(state[S[k]]) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
     for k in range(groups):
         step = float(state[S["groups"] + k] + state[S["taken"]])
-        bias1, bias2 = 1.0 - b1**step, math.sqrt(1.0 - b2**step)
-        row = (1.0 - lr * state[S["weight_decay"]], factor, b1, 1.0 - b1, b2, 1.0 - b2, lr / bias1, bias2)
-        hyper[9 * k : 9 * k + 9] = (*row, state[S["eps"]])
+        h = adamw.hyperparameters(lr, b1, b2, eps, step, decay, factor)
+        hyper[9 * k : 9 * k + 9] = adamw.hyper_row(h)
 
 
 FAMILY = kernels.family(
@@ -128,9 +132,10 @@ class WholeStep:
         kernels.checked_once(("adamw_groups", dtype), lambda: adamw._probe_groups(xp, dtype, found[2][1]))
         return found
 
-    def queue(self, tables: tuple, state, updates: list, flags: list, checks: list, comm, scales: list):
-        """The step after the passes (optim/device_step.py DeviceStep.queue), on `ready`'s tables;
-        returns their writer, to call after the capture (where it put the gradients)."""
+    def queue(self, tables: tuple, state, updates: list, flags: list, checks: list, comms, scales: list):
+        """The step after the passes (optim/device_step.py DeviceStep.queue), on `ready`'s tables:
+        the sums summed over comms[0] (and comms[1], HSDP's replicas, where given: for the failed
+        checks only). Returns (the per-group sums, the tables' writer to call after the capture)."""
         p = updates[0][0]
         xp, dtype, k = array_module_of(p), p.dtype.type, len(updates)
         verdict, sums_kernels, update = self._compiled(xp, dtype)
@@ -138,7 +143,9 @@ class WholeStep:
         sums = norm._launch(sums_kernels, xp, grads, table=tables[0])
         reduced = xp.empty(2, dtype=np.float64)
         verdict[0]((1,), (1,), (sums, np.int32(k), _refused(xp, flags, checks), reduced))
-        comm.wait(comm.iall_reduce(reduced, unit="a graphed step's norm", phase="optimizer"))
+        for comm, part in zip(comms, (reduced, reduced[1:])):  # replicas: their failed checks only
+            if comm is not None:
+                comm.wait(comm.iall_reduce(part, unit="a graphed step's verdict", phase="optimizer"))
         hyper, skip = xp.empty(9 * k, dtype=kernels.accumulator(dtype)), xp.empty(1, dtype=np.int32)
         verdict[1]((1,), (1,), (reduced, state, hyper, skip, np.int32(k)))
         for scale in scales:  # the loss scale the next forward multiplies by
@@ -149,7 +156,7 @@ class WholeStep:
             backend.write_into(tables[0][0], norm.table_host(grads)[0])
             backend.write_into(tables[1][0], adamw.groups_table_host(batch)[0])
 
-        return fill
+        return sums, fill
 
 
 def _batch(updates: list) -> list:
@@ -159,10 +166,15 @@ def _batch(updates: list) -> list:
 
 
 def _refused(xp, flags: list, checks: list):
-    """A device bool: a gather's cast overflowed (its flag holds its token) or an input check failed."""
-    hits = [flag.reshape(-1)[:1] == token for flag, token in (taken for _, taken in flags)]
-    hits += [failed.reshape(1) for failed, *_ in checks]
-    return xp.stack(hits).any() if hits else xp.zeros((), dtype=bool)
+    """A device bool: a gather's cast overflowed (its flag holds its token) or an input check failed,
+    one elementwise or at a time (a stack of many arrays copies a table of their addresses from the
+    host, which a capture refuses)."""
+    found = xp.zeros((), dtype=bool)
+    for flag, token in (taken for _, taken in flags):
+        xp.logical_or(found, flag.reshape(-1)[0] == token, out=found)
+    for failed, *_ in checks:
+        xp.logical_or(found, failed.reshape(()), out=found)
+    return found
 
 
 _STEP = WholeStep()
@@ -177,7 +189,7 @@ def whole_step(*_) -> WholeStep:
 def _probe(xp, dtype, compiled):
     """verdict_sums and step_verdict against their twins: a clipped scaled step that grows the scale,
     an overflow that halves it, one that stops at the scale's floor, a refused check, one without a
-    scaler that stops."""
+    scaler that steps and one that stops, the capture's dry check that moves nothing."""
     rng = np.random.default_rng(19)
     sums = rng.uniform(0, 4, 5).astype(kernels.accumulator(dtype))
     base = np.zeros(len(PLACES) - 1 + 5)
@@ -197,7 +209,10 @@ def _probe(xp, dtype, compiled):
     floor[S["scale"]] = 1.0
     unscaled = base.copy()
     unscaled[[S["scaled"], S["raise"]]] = 0, 1
+    dry = base.copy()
+    dry[S["dry"]] = 1
     cases += [(floor, sums * np.nan, False), (unscaled, sums, False), (unscaled, sums * np.inf, False)]
+    cases += [(dry, sums, False)]
     results = []
     for c, (state, s, refused) in enumerate(cases):
         results += _probe_case(xp, dtype, compiled, c, state, s, refused)

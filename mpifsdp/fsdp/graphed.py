@@ -69,10 +69,10 @@ class GraphedPasses:
 
     def __init__(self, model, passes, *, optimizer=None, scaler=None, max_norm=None):
         self._sharded = sharded_model(model)
-        problem = _refusal(model, self._sharded) or _step_refusal(self._sharded, optimizer, scaler, max_norm)
+        self._step = None if optimizer is None else DeviceStep(optimizer, scaler, max_norm)
+        problem = _refusal(model, self._sharded) or _step_refusal(self._sharded, self._step, scaler, max_norm)
         if problem:
             raise ValueError(f"GraphedPasses: {problem}")
-        self._step = None if optimizer is None else DeviceStep(optimizer, scaler, max_norm)
         self._passes = passes
         self._static: list | None = None  # the batch as the graph reads it: device arrays, or frozen values
         self._graph = self._outputs = None
@@ -109,28 +109,36 @@ class GraphedPasses:
 
     # -- the second call: capture ---------------------------------------------------------------------
     def _capture(self):
-        """Run the passes eagerly (the reference), capture them, replay once and compare."""
+        """Run the passes eagerly (the reference), capture them, replay once and compare; a whole
+        step's graph is compared in a dry replay (its update skipped, nothing moved), then run."""
         sharded, step = self._sharded, self._step
         _require_zeroed(sharded)
         for unit in sharded.units:  # the graph casts each shard for its gathers at every replay
             unit.cast_afresh()
         self._before = _host_state(sharded)
         reference = _values(self._passes(*self._static), sharded, grads=step is None)
-        if step is not None:  # the reference's norm (a bad batch raises here), the device state made
-            reference.append(np.array([step.reference_norm()]))
+        if step is not None:  # each gradient's sum of squares (a bad batch raises here); the state made
+            reference.append(step.reference())
             step.prepare()
         _restore(sharded, self._before)  # as before the reference: the capture takes the same path
         self._record()
-        self._launch()
+        self._launch(dry=step is not None)
         try:
             replayed = _values(self._outputs, sharded, grads=step is None)
-            if step is not None:
-                replayed.append(np.array([step.settle()["norm"]]))
+            if step is not None:  # each gradient's sum (host values): an overflowed step's inf is inf
+                last = len(reference) - 1
+                reference[-1], sums = _finite_parts(last, reference[-1], step.checked_sums())
+                replayed.append(sums)
             elements = max(getattr(a, "size", 1) for a in self._static)
             _compare(reference, replayed, _bound(elements, sharded.units))
         except RuntimeError:
-            self._graph = None  # never replayed: a later call captures again
+            self._graph = None  # nothing updated: a later call captures again
             raise
+        if step is not None:  # checked: now the step itself, its collectives counted again
+            step.arm()
+            for comm, collectives in zip(sharded.levels(), self._collectives):
+                comm.replayed(collectives)
+            self._launch()
         backend.free_cached_blocks()  # the eager passes' activations: the graph's own are in its pool
         return self._outputs
 
@@ -148,7 +156,7 @@ class GraphedPasses:
             stream.begin_capture()
             try:
                 outputs = self._passes(*self._static)
-                fill = self._step.queue() if self._step is not None else None
+                fill = self._step.queue(self._sharded.replicas) if self._step is not None else None
             except Exception as exc:
                 raise RuntimeError(f"GraphedPasses: {_why(exc)}") from exc
             finally:
@@ -159,14 +167,16 @@ class GraphedPasses:
         self._after, self._checks = _host_state(self._sharded), deferred.since(mark)
         self._collectives, self._kept = noted, (pool, stream, sdpa.workspace())
 
-    def _launch(self):
+    def _launch(self, dry: bool = False):
         """Replay the graph on the current stream; the optimizer's verdict waits for it. A whole
-        step's graph leaves the gradients used: the host's side zeroed as zero_grad() would."""
+        step's graph leaves the gradients used: the host's side zeroed as zero_grad() would (dry:
+        the capture's check, whose state is not the next settle's to read)."""
         self._graph.launch(backend.current_stream())
         _restore(self._sharded, self._after)
         if self._step is not None:
             self._step.optimizer.zero_grad()
-            self._step.launched()
+            if not dry:
+                self._step.launched()
         for comm in self._sharded.levels():
             comm.await_current()
 
@@ -174,8 +184,8 @@ class GraphedPasses:
     def _replay(self, batch):
         sharded = self._sharded
         if self._step is not None:  # the last step's verdict (the one host sync a step), then the lr
-            self._step.settle()
-            self._step.write_lr()
+            self._step.settle()  # and whatever else the host changed
+            self._step.sync_host()
         _require_state(sharded, self._before)
         # every rank at the same collective before the graph's (the batch's checks are in the graph)
         sharded.comm.check_schedule(phase="forward", when="before a CUDA graph's replay")
@@ -213,11 +223,11 @@ def _refusal(model, sharded) -> str | None:
     return None
 
 
-def _step_refusal(sharded, optimizer, scaler, max_norm) -> str | None:
+def _step_refusal(sharded, step, scaler, max_norm) -> str | None:
     """Why the optimizer's step cannot join the graph, or None (None too without an optimizer)."""
-    if optimizer is None:
+    if step is None:
         return None if scaler is None and max_norm is None else "scaler and max_norm need optimizer= too"
-    return DeviceStep(optimizer, scaler, max_norm).refusal(sharded.trainable_units)
+    return step.refusal(sharded.trainable_units)
 
 
 def _why(exc) -> str:
@@ -362,8 +372,6 @@ def _compare(reference: list, replayed: list, bound: float):
         if want is None:
             continue
         want, got = (a.astype(np.float64) for a in (want, got))
-        if want.size == 1 and not np.isfinite(host_value(want.reshape(()), "the graph self-check")):
-            want, got = (np.nan_to_num(a.reshape(1)) for a in (want, got))  # a step's norm: inf is inf
         scale = host_value(abs(want).max(), "the graph self-check") if want.size else 0.0
         error = host_value(abs(got - want).max(), "the graph self-check") if want.size else 0.0
         if not error <= bound * max(scale, np.finfo(np.float64).tiny):
@@ -373,6 +381,18 @@ def _compare(reference: list, replayed: list, bound: float):
                 f"against {scale:.3g}, bound {bound:.2g} relative. A value the capture froze changes "
                 "between steps: train without the graph, and report this"
             )
+
+
+def _finite_parts(i: int, want, got) -> tuple:
+    """want and got with the values neither holds finite set to 0, once both hold the same there
+    (an overflowed step's sums: inf where eager found inf, NaN where it found NaN)."""
+    odd = ~(np.isfinite(want) & np.isfinite(got))
+    if not np.array_equal(want[odd], got[odd], equal_nan=True):
+        raise RuntimeError(
+            f"CUDA graph self-check: value {i} is not finite in one of replay and eager pass where the other "
+            "is: train without the graph, and report this"
+        )
+    return np.where(odd, 0.0, want), np.where(odd, 0.0, got)
 
 
 __all__ = ["GraphedPasses"]

@@ -17,22 +17,26 @@ raises at its next read and refuses every call after it, so the parameters stay 
 bad step, as eagerly.
 
 The state is one float64 vector, PLACES by name (the kernels' S_* defines), then each stepped
-group's step before the graph's first (its own bias corrections, as FlatOptimizer keeps them).
+group's step before the graph's first (its own bias corrections, as FlatOptimizer keeps them). The
+host's view of it (its counts, scale and settings) is compared with what the device was last given
+before every replay: an lr schedule, a restored checkpoint or a changed setting is uploaded then,
+one small copy. While a graph holds the step, the optimizer's and the scaler's own step() refuse
+(they would count a step the device never took), and what checkpoints read settles first.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 
 from ..base import backend
 from ..base.logs import job_warning
 from .device import on_device
-from .flat_optimizer import NonFiniteError, clip_scale
+from .flat_optimizer import check_lr, clip_scale, nonfinite_error
 from .optimizers import AdamW
-from .verdict import _verdict_arrays
+from .scaler import overflow_error
+from .verdict import verdict_arrays
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +45,11 @@ PLACES = (
     "good",  # the scaler's good steps in a row
     "skips_in_a_row",
     "skipped",  # skipped steps: the scaler's, or the optimizer's without one
-    "taken",  # updates since the capture
+    "taken",  # updates since the state was last given to the device
     "norm",  # this step's global gradient norm (unscaled)
     "factor",  # what the gradients were multiplied by (unscale and clip)
     "stop",  # STOPS: why the job must stop (0: it goes on)
+    "dry",  # 1: the capture's check replay, which moves nothing and skips the update
     "lr",
     "max_norm",  # 0: no clipping
     "growth",
@@ -56,34 +61,38 @@ PLACES = (
     "beta2",
     "eps",
     "weight_decay",
-    "groups",  # the first group's step before the graph; one place a group from here
+    "groups",  # the first group's step before the state was given; one place a group from here
 )
 STOPS = ("none", "refused", "nonfinite", "scale")  # the kernels' STOP_* by their place here
+GROUPS = PLACES.index("groups")
 
 
 class DeviceStep:
     """An AdamW step (with a LossScaler and clipping where given) decided and run on the device by
-    the kernels a graph replays (module docstring): `queue` inside the capture, `fill` after it,
-    `settle` once a step before the next replay, `write_lr` where the lr changed."""
+    the kernels a graph replays (module docstring). Its moves: `eager` (the first call), `reference`
+    and `prepare` (before the capture), `queue` (inside it), `checked_sums` and `arm` (the capture's
+    check), `launched`, `settle` and `sync_host` (around every replay)."""
 
     def __init__(self, optimizer, scaler=None, max_norm=None):
         self.optimizer, self.scaler, self.max_norm = optimizer, scaler, max_norm
-        if max_norm is not None:
-            clip_scale(max_norm, 0.0)  # refused here where it is not a finite number > 0
-        self.kernels = None  # the device's (optim/device.py "whole_step"), once prepared
-        self.state = self.stepped = None  # the device state vector; the groups the graph steps
-        self._read = None  # (steps, skipped) as the host last mirrored them
-        self._base = None  # the host's counts at the capture: (step_count, group steps)
+        self.kernels = self.state = None  # the device's kernels (optim/device.py "whole_step"); the state
+        self.stepped: list = []  # the groups the graph steps (those the reference pass gave gradients)
+        self._base = (0, [])  # the host's counts when the state was last given: (step_count, group steps)
+        self._seen = None  # the host's view (_view) as the device was last given or left it
+        self._skipped = 0  # skipped steps as the host last mirrored them (a warning for each new one)
         self._checks = ([], [])  # the overflow flags and input checks the captured step reads
-        self._tables = None  # the kernels' tables (ready before the capture, written after it)
-        self._flags = []  # the checks' flags stacked, as the graph leaves them
-        self._lr = None  # the lr last written to the device
+        self._tables = self._sums = None  # the kernels' address tables; the per-group sums in the graph
         self._pending = False  # a replay queued whose state the host has not read
         self._stopped = None  # what a step that stopped the job raised: every later call refused
 
+    def __str__(self):
+        return "a CUDA graph holding the whole step (GraphedPasses(..., optimizer=))"
+
     def refusal(self, units) -> str | None:
-        """Why this optimizer's step cannot be held in a graph, or None."""
+        """Why this step cannot be held in a graph, or None."""
         opt = self.optimizer
+        if self.max_norm is not None:
+            clip_scale(self.max_norm, 0.0)  # refused by its own message where not a finite number > 0
         if type(opt)._update is not AdamW._update or not opt.folds_grad_scale():
             return f"the whole step runs AdamW's update kernel; {type(opt).__name__} has its own update"
         if [id(g) for g in opt.groups] != [id(u) for u in units]:
@@ -92,9 +101,11 @@ class DeviceStep:
             return "this device has no kernels for the step's verdict"
         return None
 
+    # -- the first call and the capture --------------------------------------------------------------
     def eager(self):
-        """The step as eager training runs it (the graph's first call: every kernel built and checked,
-        the moments allocated), then zero_grad."""
+        """The step as eager training runs it (the graph's first call: every kernel built and
+        checked), zero_grad, and every group's moments made (zeros until its first update) where
+        the graph will address them."""
         opt, scaler = self.optimizer, self.scaler
         if scaler is not None:
             scaler.step(opt, max_norm=self.max_norm)
@@ -103,115 +114,143 @@ class DeviceStep:
                 opt.clip_grad_norm(self.max_norm)
             opt.step()
         opt.zero_grad()
+        for i in range(len(opt.groups)):
+            opt.state_at(i, allocate=True)
 
-    def reference_norm(self) -> float:
-        """The eager norm of the gradients the reference passes left, unscaled (what the device's
-        verdict must find for the same passes); the reference's checks settled (a bad batch raises
-        here, before any capture)."""
+    def reference(self) -> np.ndarray:
+        """Each gradient's sum of squares after the reference passes, read with their checks (a bad
+        batch raises here, before any capture): what the graph's own sums must equal."""
         opt = self.optimizer
-        norm = opt.grad_norm("the gradient norm of a graph's reference pass")
+        self.stepped = [i for i, group in enumerate(opt.groups) if group.flat_grad() is not None]
+        grads = [opt.groups[i].flat_grad() for i in self.stepped]
+        sums = on_device("sums_of_squares", grads[0])(grads)
+        (sums,) = opt.verdict.read_with([sums], "a graph's reference")
         opt.verdict.settle()
-        return norm / (self.scaler.scale_value if self.scaler is not None else 1.0)
+        return np.asarray(sums, dtype=np.float64)
 
     def prepare(self):
-        """Before the capture: the state vector on the device, from the host's counts and settings."""
-        opt, xp = self.optimizer, self.optimizer.groups[0].xp
-        self.stepped = [i for i, group in enumerate(opt.groups) if group.flat_grad() is not None]
-        for i in self.stepped:  # the moments (zeros until a first update) where the graph addresses them
-            opt._state_at(i, allocate=True)
+        """Before the capture: the kernels ready, their tables written, the state on the device (in
+        its dry form: the capture's check replay moves nothing), the optimizer and scaler held."""
+        opt = self.optimizer
         self.kernels = on_device("whole_step", opt.groups[0].flat_param())()
         self._tables = self.kernels.ready(self._updates())
-        self.state = xp.asarray(self._initial_state())
-        self._base = (opt.step_count, [opt._steps[i] for i in self.stepped])
-        self._read = (0, self._skipped_now())
-        self._lr = opt.lr
+        self.state = opt.groups[0].xp.zeros(GROUPS + len(self.stepped), dtype=np.float64)
+        self._give(dry=True)
+        opt.held_by = self
+        if self.scaler is not None:
+            self.scaler.held_by = self
 
-    def _initial_state(self) -> np.ndarray:
-        opt, scaler = self.optimizer, self.scaler
-        values = dict(
-            scale=scaler.scale_value if scaler else 1.0,
-            good=scaler.good_steps if scaler else 0,
-            skips_in_a_row=scaler.skips_in_a_row if scaler else 0,
-            skipped=self._skipped_now(),
-            lr=opt.lr,
-            max_norm=self.max_norm or 0.0,
-            growth=scaler.growth_interval if scaler else 1,
-            min_scale=scaler.min_scale if scaler else 1.0,
-            max_skips=scaler.max_skips_in_a_row if scaler else 1,
-            scaled=float(scaler is not None),
-            beta1=opt.beta1,
-            beta2=opt.beta2,
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            **{"raise": float(opt.nonfinite == "raise")},
-        )
-        state = np.zeros(len(PLACES) - 1 + len(self.stepped), dtype=np.float64)
-        for name, value in values.items():
-            state[PLACES.index(name)] = value
-        state[PLACES.index("groups") :] = [opt._steps[i] for i in self.stepped]
-        return state
-
-    def _skipped_now(self) -> int:
-        return (self.scaler or self.optimizer).skipped_steps
-
-    def queue(self):
+    def queue(self, replicas=None):
         """Inside the capture, after the passes: the step's checks taken (the graph writes their
-        flags), then the norm, its sum over the ranks, the verdict, the scale's device copies and the
-        update queued. Returns fill(): the kernels' tables written once the capture knows where the
-        gradients live."""
+        flags), then the norm's sums, their sum over the ranks (and HSDP's replicas: a failed check
+        anywhere stops every rank), the verdict, the scale's device copies and the update queued.
+        Returns fill(): the kernels' tables written once the capture has fixed where the gradients
+        live."""
         opt = self.optimizer
-        self._checks = flags, checks = opt.verdict._pending()
-        self._flags = _verdict_arrays(flags, checks)  # stacked in the graph: each replay's, read as they are
-        scales = list(self.scaler._scale_arrays.values()) if self.scaler is not None else []
-        return self.kernels.queue(self._tables, self.state, self._updates(), flags, checks, opt.comm, scales)
+        self._checks = flags, checks = opt.verdict.take_pending()
+        scales = self.scaler.device_scales() if self.scaler is not None else []
+        comms, updates = (opt.comm, replicas), self._updates()
+        self._sums, fill = self.kernels.queue(self._tables, self.state, updates, flags, checks, comms, scales)
+        return fill
+
+    def checked_sums(self) -> np.ndarray:
+        """The per-group sums the capture's check replay computed (one read)."""
+        (sums,) = self.optimizer.comm.read([self._sums], "a graph's self-check")
+        return np.asarray(sums, dtype=np.float64)
+
+    def arm(self):
+        """After the check: the state as the host holds it, no longer dry."""
+        self._give(dry=False)
 
     def _updates(self) -> list:
         """(p, g, m, v, decay segments) of each group the graph steps, as they are now."""
         opt = self.optimizer
         return [
-            (g.flat_param(), g.flat_grad(), *(opt._state_at(i, False)[k] for k in opt.STATE), opt.decayed(i))
+            (g.flat_param(), g.flat_grad(), *(opt.state_at(i)[k] for k in opt.STATE), opt.decayed(i))
             for i, g in ((i, opt.groups[i]) for i in self.stepped)
         ]
 
-    def write_lr(self):
-        """The optimizer's lr into the device state where it changed (one small copy, before a
-        replay): the graph's updates read it there."""
-        lr = self.optimizer.lr
-        if lr == self._lr:
-            return
-        if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(
-                f"{type(self.optimizer).__name__}.lr is {lr}: it must be a finite number >= 0 (check the "
-                "lr schedule)"
-            )
-        place = PLACES.index("lr")
-        backend.write_into(self.state[place : place + 1], np.array([lr]))
-        self._lr = lr
-
+    # -- around every replay ----------------------------------------------------------------------
     def launched(self):
         """A replay was queued: the next settle reads its state."""
         self._pending = True
 
     def settle(self) -> dict | None:
-        """Read the last replayed step's state (one host sync, with its checks' flags), mirror it into
-        the optimizer and the scaler, and raise what eager training would have raised, on every rank.
-        Returns the state by PLACES' names; None where no replay was queued since the last read."""
+        """Read the last replayed step's state (one host sync), mirror it into the optimizer and the
+        scaler, and raise what eager training would have raised, on every rank. Returns the state by
+        PLACES' names; None where no replay was queued since the last read."""
         self._refuse_if_stopped()
         if not self._pending:
             return None
         self._pending = False
-        flags, checks = self._checks
-        read = self.optimizer.comm.read([self.state, *self._flags], "a graphed step's verdict")
-        state = dict(zip(PLACES[:-1], read[0][: len(PLACES) - 1]))
-        self._mirror(state, read[0][len(PLACES) - 1 :])
+        (vector,) = self.optimizer.comm.read([self.state], "a graphed step's verdict")
+        state = dict(zip(PLACES[:GROUPS], vector[:GROUPS]))
+        self._mirror(state)
         stop = STOPS[int(state["stop"])]
         if stop != "none":
             try:
-                self._stop(stop, state, flags, checks, read[1:])
+                self._stop(stop, state)
             except Exception as exc:
                 self._stopped = f"{type(exc).__name__}: {exc}"
                 raise
         return state
+
+    def sync_host(self):
+        """Before a replay: what the host changed since the device was last given its state or left
+        it (the lr, a setting, counts or a scale restored) given to the device (one small copy)."""
+        if not np.array_equal(self._view(), self._seen):
+            check_lr(type(self.optimizer).__name__, self.optimizer.lr)
+            self._give(dry=False)
+
+    def _give(self, dry: bool):
+        """The host's view to the device, the counts rebased on it."""
+        view = self._view()
+        self._seen = view.copy()
+        view[PLACES.index("dry")] = float(dry)
+        backend.write_into(self.state, view)
+        opt = self.optimizer
+        self._base = (opt.step_count, [opt.group_step(i) for i in self.stepped])
+        self._skipped = self._skipped_now()
+
+    def _view(self) -> np.ndarray:
+        """The state as the host holds it: its counts, scale and settings (nothing taken since)."""
+        opt, scaler = self.optimizer, self.scaler
+        values = dict(
+            lr=opt.lr,
+            skipped=self._skipped_now(),
+            max_norm=self.max_norm or 0.0,
+            beta1=opt.beta1,
+            beta2=opt.beta2,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            **{"raise": float(opt.nonfinite == "raise")},
+            **_scaler_values(scaler),
+        )
+        state = np.zeros(GROUPS + len(self.stepped), dtype=np.float64)
+        for name, value in values.items():
+            state[PLACES.index(name)] = value
+        state[GROUPS:] = [opt.group_step(i) for i in self.stepped]
+        return state
+
+    def _skipped_now(self) -> int:
+        return (self.scaler or self.optimizer).skipped_steps
+
+    def _mirror(self, state: dict):
+        """The host's counts as the device left them (what checkpoints and reports read)."""
+        opt, taken = self.optimizer, int(state["taken"])
+        opt.step_count = self._base[0] + taken
+        for i, steps in zip(self.stepped, self._base[1]):
+            opt.set_group_step(i, steps + taken)
+        if self.scaler is not None:
+            self.scaler.take(state)
+        else:
+            opt.skipped_steps = int(state["skipped"])
+        for _ in range(int(state["skipped"]) - self._skipped):  # the skips since the last read
+            job_warning(opt.comm, log, "skipped a step: gradient norm %s (read a step late)", state["norm"])
+        self._skipped = int(state["skipped"])
+        for name in ("scale", "good", "skips_in_a_row", "skipped"):  # what the device moved, as it is
+            self._seen[PLACES.index(name)] = state[name]
+        self._seen[GROUPS:] = np.add(self._base[1], taken)
 
     def _refuse_if_stopped(self):
         """After a step that stopped the job (its error raised once), every call: the graph would
@@ -222,47 +261,35 @@ class DeviceStep:
                 "since. Resume from the last checkpoint"
             )
 
-    def _mirror(self, state: dict, group_steps):
-        """The host's counts as the device left them (what checkpoints and reports read)."""
-        opt, scaler = self.optimizer, self.scaler
-        taken, skipped = int(state["taken"]), int(state["skipped"])
-        opt.step_count = self._base[0] + taken
-        for i, steps in zip(self.stepped, group_steps):
-            opt._steps[i] = int(steps) + taken
-        if scaler is not None:
-            scaler._scale = float(state["scale"])  # the device copies hold it already
-            scaler.good_steps, scaler.skips_in_a_row = int(state["good"]), int(state["skips_in_a_row"])
-            scaler.skipped_steps, scaler.last_grad_norm = skipped, float(state["norm"])
-        else:
-            opt.skipped_steps = skipped
-        for _ in range(skipped - self._read[1]):  # the skips since the last read, said as eagerly
-            job_warning(opt.comm, log, "skipped a step: gradient norm %s (read a step late)", state["norm"])
-        self._read = (taken, skipped)
-
-    def _stop(self, stop: str, state: dict, flags, checks, read):
+    def _stop(self, stop: str, state: dict):
         """Raise, on every rank, the error of the step that stopped (its update did not run)."""
-        verdict = self.optimizer.verdict
         if stop == "refused":
-            verdict._note(flags, checks, read)
-            overflowed, failed = verdict.agreed(verdict.overflowed, verdict.input_failed)
-            verdict.forget()
-            if failed is not None:
-                failed()
-            if overflowed is not None:
-                overflowed.raise_unrepresentable()
+            verdict, (flags, checks) = self.optimizer.verdict, self._checks
+            read = self.optimizer.comm.read(verdict_arrays(flags, checks), "a graphed step's checks")
+            verdict.note(flags, checks, read)
+            verdict.raise_found()
             raise RuntimeError("a graphed step's check failed on another rank: every rank stops here")
-        step = self._base[0] + int(state["taken"]) + 1
         if stop == "nonfinite":
-            raise NonFiniteError(
-                f"the gradient norm is {state['norm']} at step {step}: a NaN or Inf reached the gradients "
-                "(on at least one rank); the graph's update did not run. "
-                f"{type(self.optimizer).__name__}(nonfinite='skip') drops such steps instead."
-            )
-        raise NonFiniteError(
-            f"the gradients overflow at loss scale {state['scale']:g} ({int(state['skips_in_a_row']) + 1} "
-            f"steps in a row, {int(state['skipped']) + 1} in all): the loss or the model itself is not "
-            "finite in this precision; lower the lr, or compute in float32 or bfloat16"
-        )
+            step = self.optimizer.step_count + 1
+            name = type(self.optimizer).__name__
+            raise nonfinite_error(name, state["norm"], step, "; the graph's update did not run")
+        in_a_row, in_all = int(state["skips_in_a_row"]) + 1, int(state["skipped"]) + 1
+        raise overflow_error(state["scale"], in_a_row, in_all)
+
+
+def _scaler_values(scaler) -> dict:
+    """The state's places a LossScaler fills (a scale of 1 that never moves without one)."""
+    if scaler is None:
+        return dict(scale=1.0, growth=1, min_scale=1.0, max_skips=1)
+    return dict(
+        scale=scaler.scale_value,
+        good=scaler.good_steps,
+        skips_in_a_row=scaler.skips_in_a_row,
+        growth=scaler.growth_interval,
+        min_scale=scaler.min_scale,
+        max_skips=scaler.max_skips_in_a_row,
+        scaled=1.0,
+    )
 
 
 __all__ = ["PLACES", "STOPS", "DeviceStep"]

@@ -114,6 +114,7 @@ class FlatOptimizer:
         self._steps = [0] * len(self.groups)
         self._grad_scale = 1.0  # this step's, for an _update that applies it (folds_grad_scale)
         self._state: list[dict] = [{} for _ in self.groups]  # per group: kind -> array, once allocated
+        self.held_by = None  # a CUDA graph's DeviceStep that takes the steps (optim/device_step.py)
 
     # -- the state accessor: what checkpoints (and tests) read and restore ------------------------
     @property
@@ -126,7 +127,8 @@ class FlatOptimizer:
 
     def summary(self) -> dict:
         """What a checkpoint records of this optimizer besides its arrays (JSON): name, step counts
-        (global and per group) and hyper-parameters."""
+        (global and per group) and hyper-parameters (a graph's last step read first: `settled`)."""
+        self.settled()
         return {
             "name": type(self).__name__,
             "step": self.step_count,
@@ -143,9 +145,10 @@ class FlatOptimizer:
     def state_of(self, target, allocate: bool = False) -> dict:
         """kind -> array of the state of `target` (one of `groups`, or the Param a group wraps): {}
         before its first step, unless allocate=True (zeros, e.g. to load a checkpoint into)."""
-        return self._state_at(self._index(target), allocate)
+        return self.state_at(self._index(target), allocate)
 
-    def _state_at(self, i: int, allocate: bool) -> dict:
+    def state_at(self, i: int, allocate: bool = False) -> dict:
+        """state_of group i (by its place in `groups`)."""
         if allocate and self.STATE and not self._state[i]:
             group = self.groups[i]
             p = group.flat_param()
@@ -153,6 +156,14 @@ class FlatOptimizer:
             self._state[i] = {kind: xp.zeros_like(p) for kind in self.STATE}
             _count(group, "alloc", "optim_state", len(self.STATE) * p.nbytes)
         return self._state[i]
+
+    def group_step(self, i: int) -> int:
+        """Group i's own step count (its bias corrections': a group first stepped late starts at 1)."""
+        return self._steps[i]
+
+    def set_group_step(self, i: int, steps: int):
+        """Group i's step count as a graph's steps left it (optim/device_step.py)."""
+        self._steps[i] = steps
 
     def forget_state(self, target):
         """Drop the state of `target` (as before its first step), e.g. when a checkpoint holds none."""
@@ -179,10 +190,8 @@ class FlatOptimizer:
         collective schedules (one tiny allgather), so a rank that clipped alone is caught here.
         """
         name = type(self).__name__
-        if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(
-                f"{name}.lr is {self.lr}: it must be a finite number >= 0 (check the lr schedule)"
-            )
+        self.refuse_if_held()
+        check_lr(name, self.lr)
         norm = self._norm if self._norm is not None else self.grad_norm(f"the gradient norm of {name}.step")
         self._norm = None
         self.verdict.settle()
@@ -190,10 +199,7 @@ class FlatOptimizer:
             self.comm.check_schedule(phase="optimizer")
         if not math.isfinite(norm):
             if self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"the gradient norm is {norm} at step {self.step_count + 1}: a NaN or Inf reached the "
-                    f"gradients (on at least one rank). {name}(nonfinite='skip') drops such steps instead."
-                )
+                raise nonfinite_error(name, norm, self.step_count + 1)
             self.skipped_steps += 1
             job_warning(self.comm, log, "skipped step %d: gradient norm %s", self.step_count + 1, norm)
             return False
@@ -210,9 +216,24 @@ class FlatOptimizer:
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
-                updates.append((i, group.flat_param(), g, self._state_at(i, allocate=True), self._steps[i]))
+                updates.append((i, group.flat_param(), g, self.state_at(i, allocate=True), self._steps[i]))
         self._update_all(updates)
         return True
+
+    def refuse_if_held(self):
+        """Refuse a step of the host's while a CUDA graph holds this optimizer's step (GraphedPasses
+        given it: optim/device_step.py), which would count a step the device never took."""
+        if self.held_by is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.step(): {self.held_by} takes this optimizer's steps (its calls "
+                "need no step and no zero_grad)"
+            )
+
+    def settled(self):
+        """The host's counts brought up to date where a graph holds the step (its last step's verdict
+        read: optim/device_step.py DeviceStep.settle), before they are read or saved."""
+        if self.held_by is not None:
+            self.held_by.settle()
 
     def _update_all(self, updates: list):
         """Every (i, p, g, state, step) of this step's groups, in order (one launch for all on a GPU
@@ -289,6 +310,20 @@ class FlatOptimizer:
         if self.weight_decay:
             for start, stop in self.decay_segments[i]:
                 g[start:stop] += self.weight_decay * p[start:stop]
+
+
+def check_lr(name: str, lr: float):
+    """Refuse an lr a step cannot take, naming the optimizer."""
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"{name}.lr is {lr}: it must be a finite number >= 0 (check the lr schedule)")
+
+
+def nonfinite_error(name: str, norm: float, step: int, why: str = "") -> NonFiniteError:
+    """The error of a step whose global gradient norm is not finite under nonfinite='raise'."""
+    return NonFiniteError(
+        f"the gradient norm is {norm} at step {step}: a NaN or Inf reached the gradients (on at least "
+        f"one rank){why}. {name}(nonfinite='skip') drops such steps instead."
+    )
 
 
 def clip_scale(max_norm: float, norm: float) -> float:

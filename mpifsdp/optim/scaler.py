@@ -15,6 +15,24 @@ from .optimizers import FlatOptimizer, NonFiniteError
 log = logging.getLogger(__name__)
 
 
+def raise_found_first(optimizer):
+    """Before a step that overflowed is skipped: what its checks found (a bad device batch, a master
+    param_dtype cannot hold: often the overflow's cause) raised, as the optimizer's own step would.
+    A skip would forget it with the step's gradients, and halve the scale for nothing."""
+    verdict = getattr(optimizer, "verdict", None)
+    if verdict is not None:
+        verdict.settle()
+
+
+def overflow_error(scale: float, in_a_row: int, in_all: int) -> NonFiniteError:
+    """The error of an overflow the scale cannot step past (at its floor, or too many in a row)."""
+    return NonFiniteError(
+        f"the gradients overflow at loss scale {scale:g} ({in_a_row} steps in a row, {in_all} in all): the "
+        "loss or the model itself is not finite in this precision; lower the lr, or compute in float32 "
+        "or bfloat16"
+    )
+
+
 class LossScaler:
     """Dynamic loss scaling for float16 compute: scale the loss, unscale the gradients, skip overflows.
 
@@ -42,6 +60,7 @@ class LossScaler:
                 f"growth_interval={growth_interval}, max_skips_in_a_row={max_skips_in_a_row}"
             )
         self._scale_arrays: dict = {}  # (module, dtype) -> the scale as a 0-d array of that dtype
+        self.held_by = None  # a CUDA graph's DeviceStep that moves the scale (optim/device_step.py)
         self.scale_value = float(init_scale)
         self.growth_interval = growth_interval
         self.min_scale = min_scale
@@ -55,7 +74,9 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to go on as an uninterrupted one would: the scale and its counts
-        (plain numbers: a checkpoint's `extra`)."""
+        (plain numbers: a checkpoint's `extra`; a graph's last step read first)."""
+        if self.held_by is not None:
+            self.held_by.settle()
         return {key: getattr(self, key) for key in self.STATE}
 
     def load_state_dict(self, state: dict):
@@ -66,6 +87,17 @@ class LossScaler:
             )
         for key in self.STATE:  # each as the type it has (the scale's setter refreshes its device copies)
             setattr(self, key, type(getattr(self, key))(state[key]))
+
+    def device_scales(self) -> list:
+        """The scale's device copies made so far (what a graph's step writes the new scale into)."""
+        return [a for (module, _), a in self._scale_arrays.items() if module != np.__name__]
+
+    def take(self, state: dict):
+        """The scale and counts a graph's step left on the device (optim/device_step.py), taken as
+        they are: its device copies hold the scale already."""
+        self._scale = float(state["scale"])
+        self.good_steps, self.skips_in_a_row = int(state["good"]), int(state["skips_in_a_row"])
+        self.skipped_steps, self.last_grad_norm = int(state["skipped"]), float(state["norm"])
 
     def scale(self, loss):
         """loss * the scale, a 0-d array of the loss's type on its device (as a Python number would
@@ -99,18 +131,16 @@ class LossScaler:
         """Unscale, check, clip (max_norm) and step. Where the optimizer folds a gradient scale into
         its update (AdamW on a GPU), the unscale and the clip travel as one factor into it: the
         norm is the scaled gradients' over the scale, and no pass over the gradients is added."""
+        getattr(optimizer, "refuse_if_held", lambda: None)()  # a graph takes the steps
         folded = getattr(optimizer, "folds_grad_scale", lambda: False)()  # an optimizer of one's own: no
         if not folded:
             optimizer.scale_grads(1.0 / self.scale_value)
         norm = optimizer.grad_norm() / (self.scale_value if folded else 1.0)
         self.last_grad_norm = norm
         if not math.isfinite(norm):
+            raise_found_first(optimizer)
             if self.scale_value <= self.min_scale or self.skips_in_a_row + 1 >= self.max_skips_in_a_row:
-                raise NonFiniteError(
-                    f"the gradients overflow at loss scale {self.scale_value:g} ({self.skips_in_a_row + 1} "
-                    f"steps in a row, {self.skipped_steps + 1} in all): the loss or the model itself is "
-                    "not finite in this precision; lower the lr, or compute in float32 or bfloat16"
-                )
+                raise overflow_error(self.scale_value, self.skips_in_a_row + 1, self.skipped_steps + 1)
             self.skipped_steps += 1
             self.skips_in_a_row += 1
             self.good_steps = 0

@@ -32,9 +32,9 @@ class StepVerdict:
     def read_with(self, extra: list, purpose: str) -> list:
         """`extra` (small device arrays: the gradient norm's sums) read on the host together with the
         pending checks, in one read; their values returned, the checks' noted."""
-        flags, checks = self._pending()
-        read = self._read([*extra, *_verdict_arrays(flags, checks)], purpose)
-        self._note(flags, checks, read[len(extra) :])
+        flags, checks = self.take_pending()
+        read = self._read([*extra, *verdict_arrays(flags, checks)], purpose)
+        self.note(flags, checks, read[len(extra) :])
         return read[: len(extra)]
 
     def settle(self):
@@ -43,12 +43,17 @@ class StepVerdict:
         found raised, on every rank alike."""
         if self.comm is not None and hasattr(self.comm, "settle"):
             self.comm.settle()
-        flags, checks = self._pending()
+        flags, checks = self.take_pending()
         if flags or checks:
-            self._note(flags, checks, self._read(_verdict_arrays(flags, checks), "the step's verdict"))
-        overflowed, failed, read = self.overflowed, self.input_failed, self.flags_read
+            self.note(flags, checks, self._read(verdict_arrays(flags, checks), "the step's verdict"))
+        self.raise_found(agree=self.flags_read)
+
+    def raise_found(self, agree: bool = True):
+        """Raise what the read found, on every rank alike (agree: the ranks exchange their findings
+        first, a collective every rank makes), and forget it."""
+        overflowed, failed = self.overflowed, self.input_failed
         self.forget()  # taken: an exchange that fails below leaves nothing stale for the next step
-        if read:
+        if agree:
             overflowed, failed = self.agreed(overflowed, failed)
         if failed is not None:
             failed()
@@ -70,13 +75,13 @@ class StepVerdict:
             failed = lambda: _refuse_batch_of(bad)  # noqa: E731
         return (self.groups[first] if first < len(self.groups) else None), failed
 
-    def _pending(self) -> tuple[list, list]:
+    def take_pending(self) -> tuple[list, list]:
         """((group, (device flag, token)) of each group whose gathers were checked on a device, the
         deferred input checks), taken: each is read once."""
         flags = [(group, getattr(group, "take_overflow_flag", lambda: None)()) for group in self.groups]
         return [(group, taken) for group, taken in flags if taken is not None], deferred.take()
 
-    def _note(self, flags: list, checks: list, read: list):
+    def note(self, flags: list, checks: list, read: list):
         """What the read found of the overflow flags and the deferred input checks."""
         if flags:
             self._note_overflow(flags, read[0])
@@ -107,7 +112,7 @@ class StepVerdict:
         return [host_values(a, purpose) for a in arrays]
 
 
-def _verdict_arrays(flags: list, checks: list) -> list:
+def verdict_arrays(flags: list, checks: list) -> list:
     """What the step's verdict reads besides the norm: the groups' overflow flags, the deferred
     input checks' flags (base/deferred.py), each stacked, where there are any."""
     return ([_stacked(flags)] if flags else []) + ([deferred.stacked(checks)] if checks else [])

@@ -130,6 +130,12 @@ def _graphed_stop_forgotten():
     _replace(device_step.DeviceStep, "_refuse_if_stopped", lambda self: None)
 
 
+def _overflow_skipped_unread():
+    from mpifsdp.optim import scaler
+
+    _replace(scaler, "raise_found_first", lambda optimizer: None)
+
+
 def _job_warnings_on_every_rank():
     from mpifsdp.base import logs
 
@@ -800,6 +806,13 @@ MUTANTS = {
     "graphed_stop_final": Mutant(
         _graphed_stop_forgotten,
         "after a whole-step graph's step stopped the job, every later call is refused (optim/device_step.py)",
+        [
+            "tests/project/test_gpu_budget.py::test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late"
+        ],
+    ),
+    "overflow_checks_read_before_a_skip": Mutant(
+        _overflow_skipped_unread,
+        "a LossScaler's overflow raises what the step's checks found before it skips (optim/scaler.py)",
         [
             "tests/project/test_gpu_budget.py::test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late"
         ],

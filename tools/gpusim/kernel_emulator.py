@@ -54,6 +54,8 @@ static dim3 threadIdx, blockIdx;
 #define __restrict__ __restrict
 #define __shared__ static
 using std::exp; using std::log; using std::sqrt; using std::tanh; using std::fabs; using std::isfinite;
+inline double __dmul_rn(double a, double b) { return a * b; }  /* one rounding each (g++ -std=c++17 */
+inline double __dsub_rn(double a, double b) { return a - b; }  /* contracts nothing) */
 typedef _Float16 __half;
 struct __nv_bfloat16 {  /* bfloat16 as CUDA's: float's top half, rounded to nearest even */
     uint16_t bits;

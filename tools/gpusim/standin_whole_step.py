@@ -4,17 +4,21 @@ refuses host syncs and host copies inside a capture):
 
 - the graphed steps against eager ones (LossScaler.step with clipping, then zero_grad), the lr
   changing every step, a loss scale large enough that float16 gradients overflow (skipped steps, the
-  scale halved, then grown again): every loss, the parameters after the steps bit for bit, and the
-  optimizer's and the scaler's counts and scale after settle(); the same at one rank with its
-  shortcuts, one rank without them (NCCL's own collectives in the graph), rank 1 of a phantom 4,
-  recomputed blocks, and without a scaler (plain clipping; nonfinite='skip' with a NaN step);
+  scale halved, then grown again), a step whose loss is multiplied by inf, settings and the scale
+  changed by the host mid-run: every loss, the parameters after the steps bit for bit, and the
+  optimizer's and the scaler's counts and scale as a checkpoint reads them (no settle() called); the
+  same at one rank with its shortcuts, one rank without them (NCCL's own collectives in the graph),
+  rank 1 of a phantom 4, recomputed blocks, and without a scaler (plain clipping; nonfinite='skip');
 - the host's work in a replayed step: one host sync (the last step's verdict, read before the next
   replay), and no launch but the graph's, the batch's copies and the lr's write;
 - what must stop, stopped a step late with nothing updated after it: a bad device batch (named, as
   eagerly), a NaN master (its gather's cast flags it), a norm not finite under nonfinite='raise', an
   overflow at the scale's floor; a call after the stop refused;
 - refused by name when built: another optimizer than AdamW, one stepping another model, a scaler
-  without an optimizer, a max_norm that is not a finite number > 0.
+  without an optimizer, a max_norm that is not a finite number > 0; and the host's own step while
+  a graph holds it;
+- eagerly, a LossScaler's overflow caused by a master float16 cannot hold raises, naming the unit
+  (its flag is read before the skip that would forget it).
 One JSON line; exits 1 if a check fails.
 
     python -m gpusim tools/gpusim/standin_whole_step.py
@@ -48,6 +52,10 @@ def _train(graphed: bool, scaled=True, max_norm=0.05, init_scale=2.0**19, **buil
     for step, batch in enumerate(_batches(STEPS, on_device=False)):
         opt.lr = 1e-3 * (1 + step)
         weight.fill(np.inf if step == 4 else 1.0)
+        if step == 5:  # what the host changes between steps (a setting, a scale restored) takes effect
+            opt.weight_decay, opt.beta2 = 0.05, 0.99
+            if scaler is not None:
+                scaler.load_state_dict({**scaler.state_dict(), "scale_value": 1024.0})
         loss = run(*batch)
         if not graphed:
             if scaler is not None:
@@ -57,12 +65,11 @@ def _train(graphed: bool, scaled=True, max_norm=0.05, init_scale=2.0**19, **buil
                 opt.step()
             opt.zero_grad()
         losses.append(loss.item())
-    if graphed:
-        run.settle()
     units = mpifsdp.sharded_model(model).units
-    counts = [opt.step_count, list(opt._steps), opt.skipped_steps]
+    summary = opt.summary()  # as a checkpoint reads them (a graph's last step read first)
+    counts = [summary["step"], summary["group_steps"], opt.skipped_steps]
     if scaler is not None:
-        counts += [scaler.scale_value, scaler.good_steps, scaler.skipped_steps, scaler.skips_in_a_row]
+        counts += list(scaler.state_dict().values())
     return losses, [mpifsdp.to_numpy(u.shard) for u in units], counts
 
 
@@ -116,8 +123,7 @@ def host_work_per_replayed_step() -> dict:
     return {
         "host_syncs_per_step": syncs[2:],
         "launches_per_step": steady[-1],
-        # the first replay's call has nothing to read (the capture's call read its own step)
-        "one_sync_a_step": syncs[2:] == [0] + [1] * (STEPS - 3),
+        "one_sync_a_step": syncs[2:] == [1] * (STEPS - 2),
         "only_the_graph_the_batch_and_the_lr": all(
             set(kinds) <= {"graph launch", "host-to-device copy"} and kinds.get("graph launch") == 1
             for kinds in steady
@@ -184,6 +190,35 @@ def stops() -> dict:
     }
 
 
+def a_host_step_while_the_graph_holds_it_is_refused() -> bool:
+    """opt.step() and scaler.step(opt) after the capture: refused by name (they would count a step
+    the device never took)."""
+    model, opt, scaler = _build()
+    graphed = mpifsdp.GraphedPasses(model, _passes(model, scaler), optimizer=opt, scaler=scaler)
+    for batch in _batches(3, on_device=False):
+        graphed(*batch)
+    words = "takes this optimizer's steps"
+    return _raised(opt.step, words) and _raised(lambda: scaler.step(opt), words)
+
+
+def an_eager_overflow_of_a_bad_master_is_named_not_skipped() -> bool:
+    """Eagerly, through a LossScaler: a master float16 cannot hold (its gathers' cast flags it on
+    the device, the loss overflows) raises at that step naming the unit, not a skip that forgets
+    the flag with the step's gradients."""
+    model, opt, scaler = _build()
+    passes = _passes(model, scaler)
+    for step, batch in enumerate(_batches(3, on_device=False)):
+        if step == 2:
+            mpifsdp.sharded_model(model).units[1].shard[0] = 1e6
+        passes(*batch)
+        try:
+            scaler.step(opt)
+        except FloatingPointError as exc:
+            return step == 2 and "no longer fit" in str(exc) and scaler.skipped_steps == 0
+        opt.zero_grad()
+    return False
+
+
 def refusals() -> dict:
     def refused(words: str, **whole) -> bool:
         model, opt, scaler = _build()
@@ -196,6 +231,7 @@ def refusals() -> dict:
         "another_models_optimizer": refused("exactly the model's", optimizer=mpifsdp.AdamW(other)),
         "a_scaler_alone": refused("need optimizer=", optimizer=None, scaler=mpifsdp.LossScaler()),
         "max_norm_negative": refused("max_norm must be", max_norm=-1.0),
+        "a_host_step_while_the_graph_holds_it": a_host_step_while_the_graph_holds_it_is_refused(),
     }
 
 
@@ -207,10 +243,14 @@ def main() -> int:
     result["host_work"] = host_work_per_replayed_step()
     result["stopped_a_step_late"] = stops()
     result["refused_by_name"] = refusals()
+    result["an_eager_overflow_of_a_bad_master_is_named"] = (
+        an_eager_overflow_of_a_bad_master_is_named_not_skipped()
+    )
     verdicts = [v for r in result["graphed_steps_equal_eager_ones"].values() for v in r.values()]
     work = result["host_work"]
     verdicts += [work["one_sync_a_step"], work["only_the_graph_the_batch_and_the_lr"]]
     verdicts += [*result["stopped_a_step_late"].values(), *result["refused_by_name"].values()]
+    verdicts += [result["an_eager_overflow_of_a_bad_master_is_named"]]
     ok = all(verdicts)
     print(json.dumps({**result, "ok": ok}))
     return 0 if ok else 1
