@@ -428,21 +428,10 @@ def speed(args):
         emit(result)
     if args.graph:  # the same model's steps, forward and backward replayed from one CUDA graph
         graphed = mpifsdp.GraphedPasses(model, passes)
-        graphed_times, _ = _timed(lambda: step(graphed), args.steps, 2, synchronize, comm)
-        graphed_s = float(np.median(graphed_times))
-        graphed_result = {
-            "check": "speed_graphed",
-            "step_s": round(graphed_s, 4),
-            "steps_s": [round(t, 4) for t in graphed_times],
-            "speedup": round(step_s / graphed_s, 3),
-            "mfu": round(result["mfu"] * step_s / graphed_s, 4),
-            "mfu_causal": round(result["mfu_causal"] * step_s / graphed_s, 4),
-            "steady_step_s": round(steady := steady_s(graphed), 4),
-            "steady_mfu": round(result["mfu"] * step_s / steady, 4),
-            "graph_pool_mib": round(graphed.pool_bytes() / 2**20, 1),
-        }
+        runs = (lambda: step(graphed), lambda: step(graphed, sync=False))
+        line = _graph_line("speed_graphed", runs, args.steps, synchronize, comm, result, step_s)
         if comm.rank == 0:
-            emit(graphed_result)
+            emit({**line, "graph_pool_mib": round(graphed.pool_bytes() / 2**20, 1)})
         if args.kernels and comm.rank == 0:
             emit({"check": "kernels", "run": "graphed", **_kernel_times(lambda: step(graphed))})
         del graphed  # its pool (the passes' activations) given back before the whole step's is made
@@ -452,7 +441,7 @@ def speed(args):
         clip = 1.0 if scaler or dtype is not None else None  # as step() clips
         whole = mpifsdp.GraphedPasses(model, passes, optimizer=opt, scaler=scaler, max_norm=clip)
         runs = (lambda: step(whole, whole=True), lambda: step(whole, sync=False, whole=True))
-        line = _whole_step_line(runs, args.steps, synchronize, comm, result, step_s)
+        line = _graph_line("speed_whole_step", runs, args.steps, synchronize, comm, result, step_s)
         if comm.rank == 0:
             emit({**line, "graph_pool_mib": round(whole.pool_bytes() / 2**20, 1)})
         if args.kernels and comm.rank == 0:
@@ -468,11 +457,12 @@ def speed(args):
             emit({"check": "profile", "config": args.config, "fwd_bwd_s": seconds})
 
 
-def _whole_step_line(runs, steps: int, synchronize, comm, eager: dict, step_s: float) -> dict:
-    """The speed of steps whose optimizer's step is in the graph too (GraphedPasses(optimizer=)):
-    runs = (a step and its sync, a step alone). Each step synchronized, then `steps` back to back
-    with one sync at the end (what a training loop runs), MFU both ways from the eager line's, and
-    the host syncs a step (the verdict's one read, a step late)."""
+def _graph_line(check: str, runs, steps: int, synchronize, comm, eager: dict, step_s: float) -> dict:
+    """The speed of steps from one CUDA graph (the passes', or the whole step's: GraphedPasses given
+    the optimizer): runs = (a step and its sync, a step alone). Each step synchronized, then `steps`
+    back to back with one sync at the end (what a training loop runs: the next step's host work
+    overlapping this one's device work), MFU both ways from the eager line's, and the host syncs a
+    step (a whole step's: its verdict's one read, a step late)."""
     times, _ = _timed(runs[0], steps, 2, synchronize, comm)
     whole_s = float(np.median(times))
     synchronize()
@@ -484,7 +474,7 @@ def _whole_step_line(runs, steps: int, synchronize, comm, eager: dict, step_s: f
     synchronize()
     steady = (time.perf_counter() - t0) / steps
     return {
-        "check": "speed_whole_step",
+        "check": check,
         "step_s": round(whole_s, 4),
         "steps_s": [round(t, 4) for t in times],
         "speedup": round(step_s / whole_s, 3),
