@@ -174,6 +174,7 @@ def test_graphed_passes_replay_the_eager_steps_and_refuse_what_a_graph_cannot_ho
         return
     work = result["host_work_per_step"]
     assert work["graphed"]["launches"] * 10 < work["eager"]["launches"], work
+    assert work["whole_step"]["launches"] == 3, work  # the graph and the batch's two copies
 
 
 def test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late(comm):

@@ -19,8 +19,9 @@ refuses what a capture refuses: host syncs, host copies, collectives a capture d
 - a replay without zero_grad, or inside no_sync, or of a batch of another shape, refused by name;
 - dropout, MPI transports, deterministic mode: refused by name when built; float32 attention (batched
   GEMMs through CuPy's matmul, which CuPy cannot capture) by name at the capture;
-- the host's work per step with and without the graph, 24 narrow layers: launches the host issues
-  and its time (wall time less the stand-in's NumPy work, which a GPU would do).
+- the host's work per step with and without the graph (and with the whole step in one graph), 24
+  narrow layers: launches the host issues and its time (wall time less the stand-in's NumPy work,
+  which a GPU would do).
 Without cuDNN (--no-cudnn) attention runs batched GEMMs through CuPy's matmul, which CuPy cannot
 capture: then only that refusal is checked. One JSON line; exits 1 if a check fails.
 
@@ -313,20 +314,24 @@ def refusals() -> dict:
     }
 
 
-def host_work(graphed: bool, layers: int = 24) -> dict:
-    """Launches the host issues in one steady step and its Python time (median of 5), eager or
-    replayed, for a narrow model of `layers` layers with the 370M model's structure."""
+def host_work(how: str, layers: int = 24) -> dict:
+    """Launches the host issues in one steady step and its Python time (median of 5), eager,
+    replayed ("graphed": the passes from a graph, the optimizer's step eager) or from one graph of
+    the whole step ("whole_step"), for a narrow model of `layers` layers with the 370M model's
+    structure."""
     config = GPTConfig(vocab_size=2048, block_size=64, n_layer=layers, n_head=16, n_embd=64)
     model, opt, scaler = _build(config)
     run = _passes(model, scaler)
-    run = mpifsdp.GraphedPasses(model, run) if graphed else run
+    whole = dict(optimizer=opt, scaler=scaler, max_norm=1.0) if how == "whole_step" else {}
+    run = run if how == "eager" else mpifsdp.GraphedPasses(model, run, **whole)
     batch, host_s = _batches(1, on_device=False, config=config)[0], []
     for _ in range(3 + 5):
         cupy_standin.LAUNCHES.clear()
         cupy_standin.DEVICE_S[0], start = 0.0, time.perf_counter()
         run(*batch)
-        scaler.step(opt, max_norm=1.0)
-        opt.zero_grad()
+        if not whole:
+            scaler.step(opt, max_norm=1.0)
+            opt.zero_grad()
         host_s.append(time.perf_counter() - start - cupy_standin.DEVICE_S[0])
     return {
         "launches": sum(cupy_standin.LAUNCHES.values()),
@@ -364,7 +369,7 @@ def main() -> int:
     result["refused_by_name"] = refusals()
     verdicts = [v for v in result.values() if isinstance(v, bool)]
     verdicts += [v for r in result.values() if isinstance(r, dict) for v in r.values()]
-    result["host_work_per_step"] = {"eager": host_work(False), "graphed": host_work(True)}
+    result["host_work_per_step"] = {how: host_work(how) for how in ("eager", "graphed", "whole_step")}
     ok = all(verdicts)
     print(json.dumps({**result, "ok": ok}))
     return 0 if ok else 1
