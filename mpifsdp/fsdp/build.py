@@ -14,7 +14,7 @@ from ..shard.unit import Unit, gathered_params
 from .lifecycle import UnitLifecycle
 from .model import ShardedModel
 from .partition import configuration_differs, division_error, owned_params, per_unit, shard_groups
-from .policy import MixedPrecision, resolved
+from .policy import MixedPrecision, offload_policy, resolved
 
 
 def fully_shard(
@@ -34,6 +34,8 @@ def fully_shard(
     chunk_size: int = 1,
     chunk_threads: int = 1,
     mixed_precision: MixedPrecision | None = None,
+    offload=None,
+    offload_dir=None,
 ) -> Module:
     """Shard `model` over `comm`: each module in `units` becomes a unit, the rest the root unit.
 
@@ -67,16 +69,23 @@ def fully_shard(
     the BLAS threads a chunk's GEMMs run on, whatever the rank's own setting (OpenBLAS's bits depend
     on the count): with chunk_size, what fixes the bits; more than 1 gives a rank of many cores (one
     rank a node) its GEMMs' parallelism back.
+    offload="disk" with offload_dir=PATH (or offload=Offload("disk", PATH)): the optimizer's states
+    (AdamW's moments) in files under PATH, this rank's own, mapped a unit at a time at each step and
+    removed at the end: a model whose states exceed memory trains, to the same bits (a CPU model).
     """
     if sharded_model(model) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
     param_dtype, reduce_dtype, deterministic, chunk_size, chunk_threads = resolved(
         mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_size, chunk_threads
     )
+    offload = offload_policy(offload, offload_dir, comm.device)
     names = ("prefetch", "reshard_root", "sync_params", "shard_size", "chunk_size", "chunk_threads")
     given = dict(zip(names, (prefetch, reshard_root, sync_params, shard_size, chunk_size, chunk_threads)))
     given.update(
-        param_dtype=str(param_dtype), reduce_dtype=str(reduce_dtype), deterministic=bool(deterministic)
+        param_dtype=str(param_dtype),
+        reduce_dtype=str(reduce_dtype),
+        deterministic=bool(deterministic),
+        offload=offload.kind if offload else None,  # the directory may differ by node: not compared
     )
     units, flags, recomputed, owned = _division(model, comm, units, reshard_after_forward, recompute, given)
 
@@ -85,6 +94,7 @@ def fully_shard(
         raise ValueError(f"chunk_threads={chunk_threads!r} is deterministic mode's: pass deterministic=True")
     chunks = (chunk_size, chunk_threads) if deterministic else (None, 1)
     sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas), chunks=chunks)
+    sharded.offload = offload
     options = dict(
         ledger=sharded.ledger,
         pool=sharded.pool,

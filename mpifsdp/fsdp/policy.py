@@ -29,6 +29,49 @@ class Deterministic:
     chunk_threads: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where a rank's optimizer states live when not beside its compute. kind "disk": in files under
+    `directory` (node-local scratch), mapped a unit at a time at each step (optim/offload.py): a
+    model whose states exceed the node's memory trains, to the same bits."""
+
+    kind: str
+    directory: str | None = None
+
+
+OFFLOADS = ("disk", "optimizer", "optimizer+params")
+
+
+def offload_policy(offload, offload_dir, device: str) -> Offload | None:
+    """fully_shard's offload= (a kind or an Offload) and offload_dir= as one Offload, or None; what
+    this build cannot do is refused by name."""
+    if isinstance(offload, Offload):
+        if offload_dir is not None:
+            raise ValueError("fully_shard: give the directory in Offload(...) or offload_dir=, not both")
+        offload, offload_dir = offload.kind, offload.directory
+    if offload is None:
+        if offload_dir is not None:
+            raise ValueError(
+                "fully_shard: offload_dir= names where offload='disk' puts its files: give offload too"
+            )
+        return None
+    if offload not in OFFLOADS:
+        raise ValueError(f"fully_shard: offload must be one of {OFFLOADS} or None, got {offload!r}")
+    if device != "cpu":
+        raise ValueError(
+            f"fully_shard: offload={offload!r} on a GPU is not built yet (the optimizer's states stay on "
+            "the device): train without offload, or see issue 51"
+        )
+    if offload != "disk":
+        raise ValueError(
+            f"fully_shard: offload={offload!r} on a CPU: the optimizer's states are in host memory "
+            "already; offload='disk' with offload_dir= moves them to files"
+        )
+    if offload_dir is None:
+        raise ValueError("fully_shard: offload='disk' needs offload_dir= (a directory on a local disk)")
+    return Offload("disk", str(offload_dir))
+
+
 def resolved(mixed_precision, deterministic, param_dtype, reduce_dtype, chunk_size, chunk_threads) -> tuple:
     """(param_dtype, reduce_dtype, deterministic, chunk_size, chunk_threads) from the policies and the
     keywords; a setting given both ways, or a policy of the wrong type, raises."""

@@ -19,6 +19,7 @@ from ..base.backend import array_module_of
 from ..base.logs import job_warning
 from ..shard.exact import exact_squared_norm
 from .device import on_device
+from .offload import DiskStates
 from .verdict import StepVerdict
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class FlatOptimizer:
         self._grad_scale = 1.0  # this step's, for an _update that applies it (folds_grad_scale)
         self._state: list[dict] = [{} for _ in self.groups]  # per group: kind -> array, once allocated
         self.held_by = None  # a CUDA graph's DeviceStep that takes the steps (optim/device_step.py)
+        self.on_disk = _disk_states(targets, self.STATE, self.groups)  # offload="disk": DiskStates
 
     # -- the state accessor: what checkpoints (and tests) read and restore ------------------------
     @property
@@ -148,7 +150,12 @@ class FlatOptimizer:
         return self.state_at(self._index(target), allocate)
 
     def state_at(self, i: int, allocate: bool = False) -> dict:
-        """state_of group i (by its place in `groups`)."""
+        """state_of group i (by its place in `groups`); on disk (offload="disk"), its file regions
+        mapped (memmaps), the first time zeros."""
+        if self.on_disk is not None:
+            if allocate:
+                self._state[i] = {"on_disk": True}
+            return self.on_disk.arrays(i) if self._state[i] else {}
         if allocate and self.STATE and not self._state[i]:
             group = self.groups[i]
             p = group.flat_param()
@@ -168,7 +175,9 @@ class FlatOptimizer:
     def forget_state(self, target):
         """Drop the state of `target` (as before its first step), e.g. when a checkpoint holds none."""
         i = self._index(target)
-        if self._state[i]:
+        if self.on_disk is not None and self._state[i]:
+            self.on_disk.zero(i)
+        elif self._state[i]:
             _count(self.groups[i], "free", "optim_state", sum(a.nbytes for a in self._state[i].values()))
         self._state[i] = {}
 
@@ -216,9 +225,23 @@ class FlatOptimizer:
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
-                updates.append((i, group.flat_param(), g, self.state_at(i, allocate=True), self._steps[i]))
-        self._update_all(updates)
+                state = self.state_at(i, allocate=True) if self.on_disk is None else None  # mapped in turn
+                updates.append((i, group.flat_param(), g, state, self._steps[i]))
+        if self.on_disk is not None:
+            for i, *_ in updates:
+                self._state[i] = {"on_disk": True}
+            self._update_streamed(updates)
+        else:
+            self._update_all(updates)
         return True
+
+    def _update_streamed(self, updates: list):
+        """Each update with its group's state mapped from disk in turn, the next read ahead (one
+        group's state in memory at a time)."""
+        by_group = {update[0]: update for update in updates}
+        for i, state in self.on_disk.streamed(list(by_group)):  # run out: the last write waited for
+            _, p, g, _, step = by_group[i]
+            self._update(i, p, g, state, step)
 
     def refuse_if_held(self):
         """Refuse a step of the host's while a CUDA graph holds this optimizer's step (GraphedPasses
@@ -331,6 +354,17 @@ def clip_scale(max_norm: float, norm: float) -> float:
     if not (0 < max_norm < math.inf):
         raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm}")
     return min(1.0, max_norm / (norm + 1e-6))
+
+
+def _disk_states(targets, kinds: tuple, groups: list):
+    """DiskStates for a sharded model built with offload="disk" (fully_shard's Offload), else None."""
+    sharded = getattr(targets, "_sharded", None)
+    offload = getattr(sharded, "offload", None)
+    if offload is None or offload.kind != "disk" or not kinds:
+        return None
+    states = DiskStates(offload.directory, kinds, groups, sharded.comm.rank)
+    _count(groups[0], "alloc", "optim_state", states.buffer_bytes)  # in memory: its two buffers a kind
+    return states
 
 
 def _decay_filter(decay):

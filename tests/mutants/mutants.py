@@ -136,6 +136,12 @@ def _overflow_skipped_unread():
     _replace(scaler, "raise_found_first", lambda optimizer: None)
 
 
+def _offload_owner_not_asked():
+    from mpifsdp.optim import offload
+
+    _replace(offload, "_holder", lambda owner: None)  # any owner file taken for one that ended
+
+
 def _job_warnings_on_every_rank():
     from mpifsdp.base import logs
 
@@ -816,6 +822,11 @@ MUTANTS = {
         [
             "tests/project/test_gpu_budget.py::test_the_whole_step_in_one_graph_equals_eager_steps_and_stops_a_step_late"
         ],
+    ),
+    "offload_dir_one_job": Mutant(
+        _offload_owner_not_asked,
+        "an offload directory another live job holds for this rank is refused (optim/offload.py)",
+        ["tests/unit/optim/test_offload.py::test_what_disk_offload_cannot_do_is_refused_by_name"],
     ),
     "job_warnings_once": Mutant(
         _job_warnings_on_every_rank,
