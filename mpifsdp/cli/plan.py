@@ -11,12 +11,14 @@ import numpy as np
 from ..base.checks import yes_or_no
 from ..planning.calibration import LINKS, Calibration, attention_flops, mfu
 from ..planning.planner import (
+    OFFLOADS,
     Link,
     block_flops,
     flops_per_step,
     gemm_flops,
     gpt_activation_bytes,
     gpt_loss_gradient_bytes,
+    offloaded,
     plan,
     probe,
 )
@@ -57,6 +59,9 @@ def add_arguments(parser):
     )
     parser.add_argument("--overlap", type=float, default=1.0, help="share of compute collectives hide under")
     parser.add_argument("--memory", type=float, default=0.0, help="bytes per device: say whether it fits")
+    parser.add_argument(
+        "--offload", default=None, help="optimizer, optimizer+params or disk: the memory with it (host, disk)"
+    )
     parser.add_argument("--probe", action="store_true", help="measure links and FLOP/s on this job first")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
@@ -77,9 +82,16 @@ def table(result: dict) -> str:
             f"mfu (predicted)  PaLM {result['mfu']['palm']:.1%}, causal {result['mfu']['causal']:.1%}"
         )
         lines.append(f"calibrated by    {result['setup']['calibration']}")
+    if "offload" in result:  # --offload: the compute memory with it, and what went to the host or disk
+        off = result["offload"]
+        lines.append(f"with offload={off['kind']!r}: {OFFLOADS[off['kind']]}")
+        lines += [f"  {where:15s} {off[where] / 2**20:12.1f} MiB" for where in ("host", "disk")]
+        lines.append(f"  {'compute memory':15s} {off['device']['total'] / 2**20:12.1f} MiB")
     if "fits" in result:  # --memory: say whether it fits, not only in --json
         verdict = "fits" if result["fits"] else "DOES NOT FIT"
         lines.append(f"memory per rank  {verdict} in --memory ({mem['total'] / 2**20:.1f} MiB needed)")
+        if "fits_with" in result:
+            lines.append(f"memory per rank  {result['fits_with']}")
     return "\n".join(lines)
 
 
@@ -121,10 +133,29 @@ def run_cli(args) -> int:
     if calibration:
         _predicted_mfu(result, calibration, config, model, tokens)
     result.update({"probe": measured} if measured else {})
-    result.update({"fits": result["memory_bytes"]["total"] <= args.memory} if args.memory else {})
+    _offload_lines(result, args)
     if rank == 0:
         print(json.dumps(result) if args.json else table(result))
     return 0
+
+
+def _offload_lines(result: dict, args):
+    """--offload's memory, and with --memory whether it fits: where it does not, the first offload
+    with which it would (a GPU's before a CPU's disk), said as such."""
+    if args.offload:
+        result["offload"] = {"kind": args.offload, **offloaded(result, args.offload)}
+    if not args.memory:
+        return
+    result["fits"] = result["memory_bytes"]["total"] <= args.memory
+    if result["fits"]:
+        return
+    kinds = ("optimizer", "optimizer+params") if args.device == "cuda" else ("disk",)
+    for kind in kinds:
+        need = offloaded(result, kind)["device"]["total"]
+        if need <= args.memory:
+            result["fits_with"] = f"fits with offload={kind!r} ({need / 2**20:.1f} MiB): {OFFLOADS[kind]}"
+            return
+    result["fits_with"] = f"does not fit even with offload={kinds[-1]!r} ({need / 2**20:.1f} MiB)"
 
 
 def _this_job(args, config) -> tuple[int, int, int, dict]:
@@ -186,6 +217,8 @@ def _gpt_config(pairs):
 
 def _check_flags(args):
     """Every flag is checked before --probe measures anything."""
+    if args.offload is not None and args.offload not in OFFLOADS:
+        raise ValueError(f"--offload {args.offload}: one of {sorted(OFFLOADS)}")
     if not args.memory >= 0:
         raise ValueError(f"--memory {args.memory}: give the device's bytes (0: do not check the fit)")
     if args.shard_size not in ("", "node") and not (args.shard_size.isdigit() and int(args.shard_size) >= 1):

@@ -168,6 +168,7 @@ def plan(
         "overlap": overlap,
         "group_link": dataclasses.asdict(group_link),
         "replica_link": dataclasses.asdict(replica_link),
+        "largest_shard": max(sizes.shard, default=0),  # elements: offload="disk"'s buffers are this size
     }
     return {
         "setup": setup,
@@ -175,6 +176,33 @@ def plan(
         "traffic": sizes.traffic(),
         "time_s": sizes.seconds(group_link, replica_link, flops_per_step / flops if flops else 0.0, overlap),
     }
+
+
+OFFLOADS = {  # what each offload moves off the device (or, "disk", out of memory), and whether it is built
+    "optimizer": "fp32 masters, moments and a gradient copy in host memory (not built yet on a GPU)",
+    "optimizer+params": "as 'optimizer', and the param_dtype shards too (not built yet on a GPU)",
+    "disk": "the moments in files (a CPU model; two buffers a kind in memory)",
+}
+
+
+def offloaded(result: dict, kind: str) -> dict:
+    """plan()'s memory with `kind` of offload (OFFLOADS): {"device": categories and total, "host":
+    bytes, "disk": bytes}. "device" is the rank's compute memory (a CPU's own for "disk")."""
+    memory, setup = dict(result["memory_bytes"]), result["setup"]
+    itemsize, wire = setup["itemsize"], setup["compute_itemsize"]
+    shard_elements, moments = memory["param_shards"] // itemsize, memory["optimizer"]
+    host = disk = 0
+    if kind == "disk":
+        memory["optimizer"], disk = 2 * 2 * setup["largest_shard"] * itemsize, moments
+    elif kind in ("optimizer", "optimizer+params"):
+        host = memory["param_shards"] + moments + memory["grad_shards"]  # masters, moments, the grads' copy
+        memory["param_shards"], memory["optimizer"] = wire * shard_elements, 0
+        if kind == "optimizer+params":
+            host, memory["param_shards"] = host + memory["param_shards"], 0
+    else:
+        raise ValueError(f"offload must be one of {sorted(OFFLOADS)}, got {kind!r}")
+    memory["total"] = sum(v for k, v in memory.items() if k != "total")
+    return {"device": memory, "host": host, "disk": disk}
 
 
 def _refuse(given: dict):

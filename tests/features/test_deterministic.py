@@ -333,3 +333,15 @@ def test_blas_threads_do_not_change_the_bits(comm, tmp_path, kernel):
     env["OPENBLAS_CORETYPE"] = kernel
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout + done.stderr[-2000:]
+
+
+def test_disk_offload_keeps_the_same_bits_at_every_world_size(comm, tmp_path):
+    """offload="disk" (the moments in files, a unit at a time in memory) at N ranks: the bits of one
+    rank training in memory."""
+    (tmp_path / "here").mkdir()
+    here = _model(comm, offload="disk", offload_dir=tmp_path / "here")
+    mine = _state(*here, _train(*here, comm))[0]
+    alone_comm = _alone()
+    alone = _model(alone_comm)
+    reference = _state(*alone, _train(*alone, alone_comm))[0]
+    agree(comm, mine == reference, f"N={comm.size} with disk offload: {mine[:12]} vs {reference[:12]}")

@@ -14,7 +14,7 @@ from mpifsdp import AdamW, fully_shard, sharded_model
 from mpifsdp.autodiff.tensor import graph_nbytes
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig, gpt_units
-from mpifsdp.planning.planner import Link, block_flops, gpt_activation_bytes, plan
+from mpifsdp.planning.planner import Link, block_flops, gpt_activation_bytes, offloaded, plan
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=10, tie_weights=False)
 ROWS = 4  # sequences per rank per micro-batch
@@ -279,3 +279,52 @@ def test_a_model_of_any_size_is_counted_in_exact_integers():
     memory = result["memory_bytes"]
     assert params // 8 * 4 <= memory["param_shards"] <= (padded // 8 + 3) * 4  # 3 units, float32
     assert memory["optimizer"] == 2 * memory["param_shards"] == 2 * memory["grad_shards"]
+
+
+def test_the_plan_places_each_offload_and_counts_disk_offload_as_the_optimizer_does(comm, tmp_path):
+    """plan's offloaded(): "disk" puts the moments' bytes on disk and two buffers a kind of the
+    largest shard in memory, exactly what AdamW's DiskStates holds at N ranks (its files' regions
+    each page-aligned); "optimizer" moves the masters, moments and a gradient copy to the host and
+    keeps param_dtype shards on the device, "optimizer+params" those too."""
+    config = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16)
+    units, _ = gpt_units(config)
+    planned = plan(units, comm.size, itemsize=4, compute_itemsize=2)
+    disk = offloaded(planned, "disk")
+    model = GPT(config, seed=0)
+    fully_shard(model, comm, units=model.blocks, offload="disk", offload_dir=tmp_path)
+    opt = AdamW(model)
+    assert sharded_model(model).ledger.current["optim_state"] == disk["device"]["optimizer"]
+    regions = 2 * len(opt.on_disk.counts)  # each kind's region of each group starts on a page
+    assert disk["disk"] <= opt.on_disk.nbytes < disk["disk"] + 4096 * regions
+    memory = planned["memory_bytes"]
+    host = offloaded(planned, "optimizer")
+    assert host["host"] == memory["param_shards"] + memory["optimizer"] + memory["grad_shards"]
+    assert host["device"]["param_shards"] == memory["param_shards"] // 2 and host["device"]["optimizer"] == 0
+    both = offloaded(planned, "optimizer+params")
+    assert (
+        both["host"] == host["host"] + host["device"]["param_shards"] and both["device"]["param_shards"] == 0
+    )
+    for placed in (disk, host, both):
+        assert placed["device"]["total"] == sum(v for k, v in placed["device"].items() if k != "total")
+    del opt
+
+
+def test_the_plan_says_which_offload_a_model_needs_to_fit(capsys):
+    """--memory where the model does not fit: the first offload with which it would, named, on a
+    GPU (an ~8.6B GPT on a 141 GB H200: offload='optimizer') and on a CPU ('disk'); --offload's
+    columns."""
+    from mpifsdp.__main__ import main
+
+    gpu = ["--gpt", "n_layer=42", "n_embd=4096", "n_head=32", "block_size=2048", "vocab_size=32768"]
+    one = ["--world", "1", "--ranks-per-node", "1", "--batch", "1"]  # as given: printed on every rank
+    gpu += [*one, "--device", "cuda", "--compute-bytes", "2", "--recompute"]
+    assert main(["plan", *gpu, "--memory", "141e9"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT in --memory" in out and "fits with offload='optimizer'" in out
+    assert main(["plan", *one, "--memory", "1.9e7"]) == 0
+    assert "fits with offload='disk'" in capsys.readouterr().out
+    assert main(["plan", *one, "--offload", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "with offload='disk'" in out and "disk" in out and "compute memory" in out
+    assert main(["plan", *one, "--offload", "nvme"]) == 1
+    assert "--offload nvme: one of" in capsys.readouterr().err
