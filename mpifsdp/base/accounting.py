@@ -29,6 +29,7 @@ class MemoryLedger:
         self.peak_total = 0
         self.timeline: list | None = None
         self._t0 = 0.0
+        self.on_disk = defaultdict(int)  # bytes by category kept in files, not memory (offload="disk")
 
     def alloc(self, category: str, nbytes: int):
         self.current[category] += nbytes
@@ -85,6 +86,7 @@ class MemoryLedger:
             "peak": {c: self.peak[c] for c in cats},
             "persistent": self.persistent(),
             "peak_total": self.peak_total,
+            "on_disk": dict(self.on_disk),
         }
 
 

@@ -364,6 +364,8 @@ def _disk_states(targets, kinds: tuple, groups: list):
         return None
     states = DiskStates(offload.directory, kinds, groups, sharded.comm.rank)
     _count(groups[0], "alloc", "optim_state", states.buffer_bytes)  # in memory: its two buffers a kind
+    if groups[0].ledger is not None:  # in files: beside memory, not in its totals
+        groups[0].ledger.on_disk["optim_state"] += states.nbytes
     return states
 
 

@@ -293,7 +293,9 @@ def test_the_plan_places_each_offload_and_counts_disk_offload_as_the_optimizer_d
     model = GPT(config, seed=0)
     fully_shard(model, comm, units=model.blocks, offload="disk", offload_dir=tmp_path)
     opt = AdamW(model)
-    assert sharded_model(model).ledger.current["optim_state"] == disk["device"]["optimizer"]
+    ledger = sharded_model(model).ledger
+    assert ledger.current["optim_state"] == disk["device"]["optimizer"]
+    assert ledger.report()["on_disk"] == {"optim_state": opt.on_disk.nbytes}
     regions = 2 * len(opt.on_disk.counts)  # each kind's region of each group starts on a page
     assert disk["disk"] <= opt.on_disk.nbytes < disk["disk"] + 4096 * regions
     memory = planned["memory_bytes"]
