@@ -149,13 +149,19 @@ def _offload_lines(result: dict, args):
     result["fits"] = result["memory_bytes"]["total"] <= args.memory
     if result["fits"]:
         return
-    kinds = ("optimizer", "optimizer+params") if args.device == "cuda" else ("disk",)
+    kinds = _offloads_for(args.device)
     for kind in kinds:
         need = offloaded(result, kind)["device"]["total"]
         if need <= args.memory:
-            result["fits_with"] = f"fits with offload={kind!r} ({need / 2**20:.1f} MiB): {OFFLOADS[kind]}"
+            would = "would fit" if args.device == "cuda" else "fits"  # a GPU's are not built yet
+            result["fits_with"] = f"{would} with offload={kind!r} ({need / 2**20:.1f} MiB): {OFFLOADS[kind]}"
             return
     result["fits_with"] = f"does not fit even with offload={kinds[-1]!r} ({need / 2**20:.1f} MiB)"
+
+
+def _offloads_for(device: str) -> tuple:
+    """The offloads a device's model would take: a GPU's host memory, a CPU's disk."""
+    return ("optimizer", "optimizer+params") if device == "cuda" else ("disk",)
 
 
 def _this_job(args, config) -> tuple[int, int, int, dict]:
@@ -217,8 +223,11 @@ def _gpt_config(pairs):
 
 def _check_flags(args):
     """Every flag is checked before --probe measures anything."""
-    if args.offload is not None and args.offload not in OFFLOADS:
-        raise ValueError(f"--offload {args.offload}: one of {sorted(OFFLOADS)}")
+    if args.offload is not None and args.offload not in _offloads_for(args.device):
+        raise ValueError(
+            f"--offload {args.offload}: on --device {args.device}, one of {_offloads_for(args.device)} "
+            "(a GPU offloads to host memory, a CPU to disk)"
+        )
     if not args.memory >= 0:
         raise ValueError(f"--memory {args.memory}: give the device's bytes (0: do not check the fit)")
     if args.shard_size not in ("", "node") and not (args.shard_size.isdigit() and int(args.shard_size) >= 1):

@@ -70,8 +70,9 @@ def fully_shard(
     on the count): with chunk_size, what fixes the bits; more than 1 gives a rank of many cores (one
     rank a node) its GEMMs' parallelism back.
     offload="disk" with offload_dir=PATH (or offload=Offload("disk", PATH)): the optimizer's states
-    (AdamW's moments) in files under PATH, this rank's own, mapped a unit at a time at each step and
-    removed at the end: a model whose states exceed memory trains, to the same bits (a CPU model).
+    (AdamW's moments) in files under PATH, this rank's own, one unit's in memory at a time at each
+    step, gone with the optimizer: a model whose states exceed memory trains, to the same bits (a
+    CPU model).
     """
     if sharded_model(model) is not None:
         raise RuntimeError("fully_shard() was already called on this model: call it once, with every unit")
@@ -94,7 +95,6 @@ def fully_shard(
         raise ValueError(f"chunk_threads={chunk_threads!r} is deterministic mode's: pass deterministic=True")
     chunks = (chunk_size, chunk_threads) if deterministic else (None, 1)
     sharded = ShardedModel(model, comm, prefetch, levels=(shard_comm, replicas), chunks=chunks)
-    sharded.offload = offload
     options = dict(
         ledger=sharded.ledger,
         pool=sharded.pool,
@@ -113,10 +113,19 @@ def fully_shard(
         if module is not model:
             module._forward_wrapper = lifecycle.run_forward
     model._forward_wrapper = sharded.run_model
-    for lifecycle in sharded.lifecycles:
-        lifecycle.release()  # from here on, parameters exist only as shards
+    _release(sharded, offload)
     model._sharded = sharded
     return model
+
+
+def _release(sharded, offload):
+    """From here on, parameters exist only as shards; each unit (and the model) says where an
+    optimizer of it keeps its states (offload), with the job's Comm (its files are named by rank)."""
+    for lifecycle in sharded.lifecycles:
+        lifecycle.release()
+    sharded.offload = offload
+    for unit in sharded.units:
+        unit.offload = (offload, sharded.comm) if offload else None
 
 
 def _division(model: Module, comm: Comm, units, reshard_after_forward, recompute, given: dict):

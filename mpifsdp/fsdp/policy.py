@@ -32,14 +32,18 @@ class Deterministic:
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """Where a rank's optimizer states live when not beside its compute. kind "disk": in files under
-    `directory` (node-local scratch), mapped a unit at a time at each step (optim/offload.py): a
-    model whose states exceed the node's memory trains, to the same bits."""
+    `directory` (node-local scratch), one unit's in memory at a time at each step (optim/offload.py):
+    a model whose states exceed the node's memory trains, to the same bits."""
 
     kind: str
     directory: str | None = None
 
 
-OFFLOADS = ("disk", "optimizer", "optimizer+params")
+OFFLOADS = {  # what each offload moves off the device (or, "disk", out of memory), and whether it is built
+    "disk": "AdamW's moments in files, two buffers a moment in memory (a CPU model)",
+    "optimizer": "fp32 masters, moments and a gradient copy in host memory (not built yet on a GPU)",
+    "optimizer+params": "as 'optimizer', and the param_dtype shards too (not built yet on a GPU)",
+}
 
 
 def offload_policy(offload, offload_dir, device: str) -> Offload | None:
@@ -56,7 +60,7 @@ def offload_policy(offload, offload_dir, device: str) -> Offload | None:
             )
         return None
     if offload not in OFFLOADS:
-        raise ValueError(f"fully_shard: offload must be one of {OFFLOADS} or None, got {offload!r}")
+        raise ValueError(f"fully_shard: offload must be one of {tuple(OFFLOADS)} or None, got {offload!r}")
     if device != "cpu":
         raise ValueError(
             f"fully_shard: offload={offload!r} on a GPU is not built yet (the optimizer's states stay on "

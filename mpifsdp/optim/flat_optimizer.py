@@ -116,7 +116,7 @@ class FlatOptimizer:
         self._grad_scale = 1.0  # this step's, for an _update that applies it (folds_grad_scale)
         self._state: list[dict] = [{} for _ in self.groups]  # per group: kind -> array, once allocated
         self.held_by = None  # a CUDA graph's DeviceStep that takes the steps (optim/device_step.py)
-        self.on_disk = _disk_states(targets, self.STATE, self.groups)  # offload="disk": DiskStates
+        self.on_disk = _disk_states(self.STATE, self.groups)  # offload="disk": DiskStates
 
     # -- the state accessor: what checkpoints (and tests) read and restore ------------------------
     @property
@@ -356,13 +356,17 @@ def clip_scale(max_norm: float, norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def _disk_states(targets, kinds: tuple, groups: list):
-    """DiskStates for a sharded model built with offload="disk" (fully_shard's Offload), else None."""
-    sharded = getattr(targets, "_sharded", None)
-    offload = getattr(sharded, "offload", None)
+def _disk_states(kinds: tuple, groups: list):
+    """DiskStates where the groups are the units of a model built with offload="disk" (fully_shard
+    gives each unit its Offload and the job's Comm), made on every rank or refused on every rank
+    (a directory missing on one node, a disk full there), else None."""
+    offload, world = getattr(groups[0], "offload", None) or (None, None)
     if offload is None or offload.kind != "disk" or not kinds:
         return None
-    states = DiskStates(offload.directory, kinds, groups, sharded.comm.rank)
+    if any(getattr(g, "offload", (None,))[0] != offload for g in groups):
+        raise ValueError("an optimizer with offload='disk' steps the units of one model: AdamW(model)")
+    make = lambda: DiskStates(offload.directory, kinds, groups, world.rank)  # noqa: E731
+    states = world.run_everywhere(make, "offload='disk'", error_type=ValueError)
     _count(groups[0], "alloc", "optim_state", states.buffer_bytes)  # in memory: its two buffers a kind
     if groups[0].ledger is not None:  # in files: beside memory, not in its totals
         groups[0].ledger.on_disk["optim_state"] += states.nbytes

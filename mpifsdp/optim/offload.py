@@ -1,20 +1,25 @@
-"""An optimizer's states in files on a local disk, a unit at a time: DiskStates (offload="disk").
+"""An optimizer's states in files on a local disk, a unit at a time in memory: DiskStates
+(offload="disk").
 
 Why: a rank keeps 16 bytes a parameter of its shards (masters, gradients, two Adam moments); the
-moments are half of it and are touched once a step, by the update. In memory-mapped files under a
-directory the user names (node-local scratch on a cluster), a model whose states exceed the node's
-memory trains: the update maps one unit's moments at a time, in unit order, while the kernel reads
-the next unit's ahead (posix_fadvise WILLNEED) and writes the last one's back as it needs the pages.
-The arithmetic is the in-memory update's on the same values, so the bits are the same.
+moments are half of it and are touched once a step, by the update. In files under a directory the
+user names (node-local scratch on a cluster), a model whose states exceed the node's memory trains:
+the update holds one unit's moments at a time, in unit order, in one of two buffers a kind, while
+a thread of its own reads the next unit's into the other and writes the last one back (pread and
+pwrite release the interpreter: the I/O overlaps the update). The arithmetic is the in-memory
+update's on the same values, so the bits are the same. A checkpoint reads and writes the states
+through memory maps of the same files (`arrays`).
 
-The files are the job's scratch, not the user's: one per state kind and rank (`rank-00000.exp_avg`),
-made sparse (zeros, as a first step's moments are), removed when the optimizer goes (or the
-interpreter exits). A directory another live job holds (its owner file names a process alive on
-this host, or another host) is refused, as is one with less free space than the files need.
+The files are the job's scratch, not the user's: one per state kind and rank, their space reserved
+when made (posix_fallocate: a disk shared by a node's ranks fills at the start, not mid-step), and
+unlinked at once (open files: they vanish when the process ends, however it ends). The directory is
+held by a lock on this rank's owner file (flock: the kernel lets it go when the process dies), so a
+directory another live job uses for this rank is refused, naming it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -25,45 +30,42 @@ from pathlib import Path
 
 import numpy as np
 
-ALIGN = 4096  # each group's region starts on a page: a mapping's offset must be a multiple of it
+ALIGN = 4096  # each group's region starts on a page (its reads and writes whole pages of the file)
 
 
 class DiskStates:
     """Each group's state arrays (the kinds an optimizer names: AdamW's exp_avg, exp_avg_sq) in files
     under `directory`, this rank's own. `arrays(i)` maps group i's (memmaps: writes go to the file);
-    `streamed(indices)` maps them one group at a time, the next read ahead."""
+    `streamed(indices)` hands them out one group at a time, the next read ahead."""
 
     def __init__(self, directory, kinds: tuple, groups: list, rank: int):
         self.directory, self.kinds = _usable(directory), tuple(kinds)
         arrays = [group.flat_param() for group in groups]
-        self.dtype = arrays[0].dtype
-        sizes = [a.size * self.dtype.itemsize for a in arrays]
-        self.offsets = list(np.cumsum([0] + [-(-n // ALIGN) * ALIGN for n in sizes[:-1]]))
-        self.counts = [a.size for a in arrays]
-        self.nbytes = len(self.kinds) * (int(self.offsets[-1]) + sizes[-1])
+        self.dtype, self.counts = arrays[0].dtype, [a.size for a in arrays]
+        sizes = [n * self.dtype.itemsize for n in self.counts]
+        self.offsets = [int(o) for o in np.cumsum([0] + [-(-n // ALIGN) * ALIGN for n in sizes[:-1]])]
+        self.file_bytes = self.offsets[-1] + sizes[-1]
+        self.nbytes = len(self.kinds) * self.file_bytes
+        self._files: dict = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="mpifsdp-offload")
+        self._finalizer = weakref.finalize(self, _close, self._io, self._files)
         prefix = self.directory / f"rank-{rank:05d}"
-        self.owner = prefix.with_suffix(".owner")
-        self.paths = {kind: prefix.with_suffix(f".{kind}") for kind in self.kinds}
-        _claim(self.owner, self.nbytes, self.directory)
-        for path in self.paths.values():  # sparse: zeros, no bytes written
-            with open(path, "wb") as f:
-                f.truncate(self.nbytes // len(self.kinds))
-        self._fds = {kind: os.open(path, os.O_RDWR) for kind, path in self.paths.items()}
-        self._thread = None  # the I/O thread, made at the first step
+        self._files["owner"] = _claim(prefix.with_suffix(".owner"), self.nbytes, self.directory)
+        for kind in self.kinds:
+            self._files[kind] = _reserved(prefix.with_suffix(f".{kind}"), self.file_bytes, self.directory)
         # two buffers a kind of the largest group's size: the one updated, the one read or written
         self.buffers = [
             {kind: np.empty(max(self.counts), self.dtype) for kind in self.kinds} for _ in range(2)
         ]
         self.buffer_bytes = 2 * len(self.kinds) * max(self.counts) * self.dtype.itemsize
-        self._finalizer = weakref.finalize(
-            self, _close, list(self._fds.values()), [self.owner, *self.paths.values()]
-        )
 
     def arrays(self, i: int) -> dict:
         """kind -> group i's state as a memmap of its file region (read and written in place)."""
         return {
-            kind: np.memmap(path, self.dtype, "r+", offset=int(self.offsets[i]), shape=(self.counts[i],))
-            for kind, path in self.paths.items()
+            kind: np.memmap(
+                self._files[kind], self.dtype, "r+", offset=self.offsets[i], shape=(self.counts[i],)
+            )
+            for kind in self.kinds
         }
 
     def zero(self, i: int):
@@ -72,53 +74,43 @@ class DiskStates:
             array[...] = 0
 
     def streamed(self, indices: list):
-        """(i, group i's arrays) for each i in order, one group's state in memory at a time (two
-        buffers a kind, the largest group's size): the next group read into the other buffer, and
-        this one written back after its update, by a thread of I/O while the caller computes
-        (pread/pwrite release the interpreter), in file order."""
-        if not indices:
-            return
-        io = self._io()
-        buffers = self.buffers
-        pending = io.submit(self._read, indices[0], buffers[0])
+        """(i, group i's arrays) for each i in order, one group's state in memory at a time: the next
+        group read into the other buffer while this one is updated, this one written back while the
+        next is (one I/O thread, first in first out: a read into a buffer starts after the write from
+        it). Run it out: its end waits for the writes."""
+        buffers, writes = self.buffers, []
+        read = self._io.submit(self._read, indices[0], buffers[0]) if indices else None
         for k, i in enumerate(indices):
-            pending.result()  # group i is in buffers[k % 2] (and the writes before it done)
-            if k + 1 < len(indices):  # after the write of group k-1, which used the other buffer
-                pending = io.submit(self._read, indices[k + 1], buffers[(k + 1) % 2])
-            state = {kind: buffer[: self.counts[i]] for kind, buffer in buffers[k % 2].items()}
-            yield i, state
-            written = io.submit(self._write, i, buffers[k % 2])
-            if k + 1 == len(indices):
-                written.result()
-            else:
-                pending = _after(pending, written)
-
-    def _io(self):
-        """The one thread that reads and writes the files (made at the first step)."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="mpifsdp-offload")
-        return self._thread
+            read.result()  # group i is in buffers[k % 2]
+            if k + 1 < len(indices):
+                read = self._io.submit(self._read, indices[k + 1], buffers[(k + 1) % 2])
+            yield i, {kind: buffer[: self.counts[i]] for kind, buffer in buffers[k % 2].items()}
+            writes.append(self._io.submit(self._write, i, buffers[k % 2]))
+        for write in writes:
+            write.result()
 
     def _read(self, i: int, buffers: dict):
-        nbytes = self.counts[i] * self.dtype.itemsize
-        for kind, fd in self._fds.items():
-            view = memoryview(buffers[kind]).cast("B")[:nbytes]
-            if os.preadv(fd, [view], int(self.offsets[i])) != nbytes:
-                raise OSError(
-                    f"offload: a short read of {self.paths[kind]} (was it changed by another process?)"
-                )
+        for kind in self.kinds:
+            _whole(os.preadv, self._files[kind], buffers[kind], self.counts[i], self.offsets[i])
 
     def _write(self, i: int, buffers: dict):
-        nbytes = self.counts[i] * self.dtype.itemsize
-        for kind, fd in self._fds.items():
-            view = memoryview(buffers[kind]).cast("B")[:nbytes]
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(fd, view[done:], int(self.offsets[i]) + done)
+        for kind in self.kinds:
+            _whole(os.pwritev, self._files[kind], buffers[kind], self.counts[i], self.offsets[i])
 
     def remove(self):
-        """The files gone now (else when this object is, or the interpreter exits)."""
+        """The I/O thread stopped and the files closed (gone) now, else when this object is."""
         self._finalizer()
+
+
+def _whole(transfer, file, buffer, count: int, offset: int):
+    """`count` elements of `buffer` read or written at `offset` whatever a call moves at most (Linux:
+    under 2 GiB a call)."""
+    view, done = memoryview(buffer).cast("B")[: count * buffer.itemsize], 0
+    while done < len(view):
+        moved = transfer(file.fileno(), [view[done:]], offset + done)
+        if moved <= 0:
+            raise OSError(f"offload: {file.name} ended {len(view) - done} bytes early (was it changed?)")
+        done += moved
 
 
 def _usable(directory) -> Path:
@@ -132,74 +124,56 @@ def _usable(directory) -> Path:
 
 
 def _claim(owner: Path, nbytes: int, directory: Path):
-    """Write this process's owner file, refusing a directory another live job holds for this rank or
-    one with less free space than `nbytes`."""
-    held = _holder(owner)
-    if held is not None:
+    """This rank's owner file, opened and locked (returned: the lock lasts while it is open); another
+    live process's lock refused, naming it, as is a directory with less free space than `nbytes`."""
+    file = open(owner, "a+")  # noqa: SIM115 - held open for the lock's lifetime
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        said = file.read().strip() or "a process that has not written its name yet"
+        file.close()
         raise ValueError(
-            f"offload_dir {str(directory)!r} holds rank files of another job ({held}): give each job a "
-            "directory of its own (its states would overwrite the other's)"
-        )
+            f"offload_dir {str(directory)!r} is in use for this rank by {said}: give each job (and each "
+            "optimizer: del the old one first) a directory of its own"
+        ) from None
     free = shutil.disk_usage(directory).free
     if free < nbytes:
+        file.close()
         raise ValueError(
             f"offload_dir {str(directory)!r} has {free / 2**30:.2f} GiB free; this rank's optimizer states "
             f"need {nbytes / 2**30:.2f} GiB there: free space, or name a larger disk"
         )
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID")}
-    owner.write_text(json.dumps(me))
+    file.truncate(0)
+    file.write(json.dumps(me))
+    file.flush()
+    return file
 
 
-def _holder(owner: Path) -> str | None:
-    """Who holds `owner` if a live process does (this host: its pid alive; another host: taken as
-    alive, as nothing here can ask it), else None (none, or a job that ended without removing it)."""
+def _reserved(path: Path, nbytes: int, directory: Path):
+    """A new file of `nbytes` zeros, its blocks reserved, opened and unlinked (gone with the process)."""
+    file = open(path, "w+b")  # noqa: SIM115 - held open for the optimizer's lifetime
+    path.unlink()
     try:
-        held = json.loads(owner.read_text())
-    except (OSError, ValueError):
-        return None
-    said = f"pid {held.get('pid')} on {held.get('host')}" + (
-        f", Slurm job {held['job']}" if held.get("job") else ""
-    )
-    if held.get("host") != socket.gethostname():
-        return said
-    if held.get("pid") == os.getpid():
-        return said + ": an optimizer of this process already offloads there"
-    try:
-        os.kill(int(held["pid"]), 0)
-    except (ProcessLookupError, KeyError, TypeError, ValueError):
-        return None
-    except PermissionError:
-        return said
-    return said
+        os.posix_fallocate(file.fileno(), 0, max(nbytes, 1))
+    except OSError as exc:
+        file.close()
+        raise ValueError(
+            f"offload_dir {str(directory)!r}: reserving this rank's {nbytes / 2**30:.2f} GiB failed ({exc}); "
+            "ranks of a node share its disk: free space, or name a larger disk"
+        ) from None
+    return file
 
 
-def _after(read, written):
-    """A future done when both are (the next read, then the write before it, on the one I/O thread:
-    the read's buffer was the write's)."""
-    return _Both(read, written)
-
-
-class _Both:
-    def __init__(self, *futures):
-        self.futures = futures
-
-    def result(self):
-        for future in self.futures:
-            future.result()
-
-
-def _close(fds: list, paths: list):
-    for fd in fds:
-        os.close(fd)
-    _remove(paths)
-
-
-def _remove(paths: list):
-    for path in paths:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+def _close(io, files: dict):
+    """Stop the I/O thread (a read under way finishes first), then close every file: the states'
+    vanish (unlinked), the owner file's lock goes and the file itself is removed."""
+    io.shutdown(wait=True)
+    if "owner" in files:  # removed while still locked: no other process holds it in between
+        Path(files["owner"].name).unlink(missing_ok=True)
+    for file in files.values():
+        file.close()
 
 
 __all__ = ["DiskStates"]

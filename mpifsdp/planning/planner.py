@@ -21,6 +21,7 @@ from ..base.checks import refuse_below
 from ..cuda import attention as gpu_attention
 from ..cuda import fused as gpu_fused
 from ..fsdp.partition import owned_params
+from ..fsdp.policy import OFFLOADS
 from ..nn.module import Module
 from ..ops import causal_attention as attention
 
@@ -178,13 +179,6 @@ def plan(
     }
 
 
-OFFLOADS = {  # what each offload moves off the device (or, "disk", out of memory), and whether it is built
-    "optimizer": "fp32 masters, moments and a gradient copy in host memory (not built yet on a GPU)",
-    "optimizer+params": "as 'optimizer', and the param_dtype shards too (not built yet on a GPU)",
-    "disk": "the moments in files (a CPU model; two buffers a kind in memory)",
-}
-
-
 def offloaded(result: dict, kind: str) -> dict:
     """plan()'s memory with `kind` of offload (OFFLOADS): {"device": categories and total, "host":
     bytes, "disk": bytes}. "device" is the rank's compute memory (a CPU's own for "disk")."""
@@ -200,7 +194,7 @@ def offloaded(result: dict, kind: str) -> dict:
         if kind == "optimizer+params":
             host, memory["param_shards"] = host + memory["param_shards"], 0
     else:
-        raise ValueError(f"offload must be one of {sorted(OFFLOADS)}, got {kind!r}")
+        raise ValueError(f"offload must be one of {tuple(OFFLOADS)}, got {kind!r}")
     memory["total"] = sum(v for k, v in memory.items() if k != "total")
     return {"device": memory, "host": host, "disk": disk}
 

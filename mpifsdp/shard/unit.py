@@ -90,6 +90,7 @@ class Unit:
         self.xp = array_module_of(named_arrays[0][1])  # the layout check refused empty units
         self.device = device_kind(named_arrays[0][1])  # 'cpu' or 'cuda'
         self.casts = casts_for(self.xp)  # how its gathers cast and check (the device's: shard/cast.py)
+        self.offload = None  # (fully_shard's Offload, the job's Comm): where an optimizer keeps its states
         self.param_dtype, self.reduce_dtype = self._precisions(param_dtype, reduce_dtype, trainable)
         self.full_grad_dtype = self.casts.grad_dtype(self.param_dtype)
         n = self.layout.shard_numel

@@ -340,6 +340,7 @@ def test_disk_offload_keeps_the_same_bits_at_every_world_size(comm, tmp_path):
     rank training in memory."""
     (tmp_path / "here").mkdir()
     here = _model(comm, offload="disk", offload_dir=tmp_path / "here")
+    assert here[1].on_disk is not None  # the moments are in files
     mine = _state(*here, _train(*here, comm))[0]
     alone_comm = _alone()
     alone = _model(alone_comm)

@@ -137,9 +137,12 @@ def _overflow_skipped_unread():
 
 
 def _offload_owner_not_asked():
+    import types
+
     from mpifsdp.optim import offload
 
-    _replace(offload, "_holder", lambda owner: None)  # any owner file taken for one that ended
+    unlocked = types.SimpleNamespace(flock=lambda file, how: None, LOCK_EX=0, LOCK_NB=0)
+    _replace(offload, "fcntl", unlocked)  # any owner file taken, held by a live process or not
 
 
 def _job_warnings_on_every_rank():

@@ -15,7 +15,7 @@ import mpifsdp
 from mpifsdp.base.backend import bytes_digest
 from mpifsdp.models.mlp import MLPClassifier
 
-WIDTH, LAYERS, STEPS = 2048, 8, 2
+WIDTH, LAYERS, STEPS = 2048, 12, 2
 
 
 def peak_bytes() -> int:

@@ -4,10 +4,10 @@ accumulation, a frozen parameter, AdamW and SGD with momentum, a checkpoint save
 resumed without, and back); the files made, this rank's own, and removed; a model whose states
 exceed an address-space limit trains on disk to the same bits; what cannot work refused by name."""
 
+import fcntl
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +20,7 @@ from mpifsdp import checkpoint
 from mpifsdp.data import rank_slice
 from mpifsdp.models import GPT, GPTConfig
 
-from support import shared_dir
+from support import require, shared_dir
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=3, n_head=2, n_embd=16)
 
@@ -64,16 +64,15 @@ def _shards(model) -> list:
 )
 def test_disk_offload_trains_to_the_bits_of_training_in_memory(comm, tmp_path, make):
     """Four steps with the states on disk equal four in memory, bit for bit: losses, shards and the
-    states themselves; the files are this rank's, sized for its shards, and gone with the optimizer."""
+    states themselves; the files are this rank's (open and unlinked at once: only its owner file is
+    seen), and the owner file is gone with the optimizer."""
     kept = _model(comm)
     kept_opt = make(kept)
     want = _train(kept, kept_opt, comm, range(4))
     model = _model(comm, tmp_path)
     opt = make(model)
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == sorted(
-        [f"rank-{comm.rank:05d}.owner"] + [f"rank-{comm.rank:05d}.{kind}" for kind in opt.state_kinds]
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank-{comm.rank:05d}.owner"]  # states unlinked
+    assert opt.on_disk.nbytes == len(opt.state_kinds) * opt.on_disk.file_bytes
     assert _train(model, opt, comm, range(4)) == want
     assert all(np.array_equal(a, b) for a, b in zip(_shards(model), _shards(kept)))
     for group, kept_group in zip(opt.groups, kept_opt.groups):
@@ -118,16 +117,20 @@ def test_what_disk_offload_cannot_do_is_refused_by_name(comm, tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         mpifsdp.AdamW(_model(comm, tmp_path / "missing"))
     holder = tmp_path / f"rank-{comm.rank:05d}.owner"
-    holder.write_text('{"host": "another-node", "pid": 1}')
-    with pytest.raises(ValueError, match="another job .*another-node"):
-        mpifsdp.AdamW(_model(comm, tmp_path))
-    holder.write_text(f'{{"host": "{socket.gethostname()}", "pid": 999999999}}')  # a job that ended
+    holder.write_text('{"host": "another-node", "pid": 1}')  # a job that ended: its lock went with it
     opt = mpifsdp.AdamW(_model(comm, tmp_path))  # taken over
-    with pytest.raises(ValueError, match="already offloads there"):
+    with pytest.raises(ValueError, match="in use for this rank by .*pid"):  # this process's own, still alive
         mpifsdp.AdamW(_model(comm, tmp_path))
     del opt
     gc.collect()
     assert list(tmp_path.iterdir()) == []
+    with open(holder, "w") as held:  # a live process holds the directory for this rank
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write('{"host": "another-node", "pid": 4321, "job": "77"}')
+        held.flush()
+        with pytest.raises(ValueError, match='in use for this rank by .*"job": "77"'):
+            mpifsdp.AdamW(_model(comm, tmp_path))
+    holder.unlink()
 
 
 def test_a_directory_without_room_is_refused_with_the_sizes(comm, tmp_path, monkeypatch):
@@ -139,26 +142,29 @@ def test_a_directory_without_room_is_refused_with_the_sizes(comm, tmp_path, monk
 
 
 def test_states_beyond_an_address_space_limit_train_on_disk_to_the_same_bits(comm, tmp_path):
-    """An MLP whose moments (268 MB) are most of its states, in one process each: unlimited in memory
+    """An MLP whose moments (403 MB) are most of its states, in one process each: unlimited in memory
     and on disk (their peak address space measured), then both under a limit halfway between the two
     peaks (RLIMIT_AS): in memory the run fails to allocate, on disk it trains to the unlimited
     run's bits, and leaves no file."""
     if comm.size > 1:
         pytest.skip("one process a run: the plain-pytest pass covers it")
+    if not Path("/proc/self/status").exists():
+        require("no /proc/self/status (VmPeak): the limit is derived from Linux's figures")
     job = [sys.executable, str(Path(__file__).with_name("offload_under_a_limit.py"))]
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_")  # a job of its own, under mpiexec too
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    env.update(OPENBLAS_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
 
     def run(where: str, limit: int) -> dict:
-        done = subprocess.run(
-            [*job, where, str(tmp_path), str(limit)], capture_output=True, text=True, env=env
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        command = [*job, where, str(tmp_path), str(limit)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        said = done.stdout.strip().splitlines()
+        return json.loads(said[-1]) if done.returncode == 0 and said else {"failed": done.stderr[-500:]}
 
     in_memory, on_disk = run("memory", 0), run("disk", 0)
-    assert on_disk["digest"] == in_memory["digest"]
-    assert in_memory["peak_bytes"] - on_disk["peak_bytes"] > 100 * 2**20, (in_memory, on_disk)
+    assert "digest" in in_memory and on_disk.get("digest") == in_memory["digest"], (in_memory, on_disk)
+    assert in_memory["peak_bytes"] - on_disk["peak_bytes"] > 150 * 2**20, (in_memory, on_disk)
     limit = (in_memory["peak_bytes"] + on_disk["peak_bytes"]) // 2
-    assert "memory_error" in run("memory", limit)
-    assert run("disk", limit)["digest"] == in_memory["digest"]
+    assert "digest" not in run("memory", limit)  # a MemoryError, or a library that could not allocate
+    assert run("disk", limit).get("digest") == in_memory["digest"]
     assert list(tmp_path.iterdir()) == []

@@ -322,11 +322,13 @@ def test_the_plan_says_which_offload_a_model_needs_to_fit(capsys):
     gpu += [*one, "--device", "cuda", "--compute-bytes", "2", "--recompute"]
     assert main(["plan", *gpu, "--memory", "141e9"]) == 0
     out = capsys.readouterr().out
-    assert "DOES NOT FIT in --memory" in out and "fits with offload='optimizer'" in out
+    assert "DOES NOT FIT in --memory" in out and "would fit with offload='optimizer'" in out
     assert main(["plan", *one, "--memory", "1.9e7"]) == 0
     assert "fits with offload='disk'" in capsys.readouterr().out
     assert main(["plan", *one, "--offload", "disk"]) == 0
     out = capsys.readouterr().out
     assert "with offload='disk'" in out and "disk" in out and "compute memory" in out
     assert main(["plan", *one, "--offload", "nvme"]) == 1
-    assert "--offload nvme: one of" in capsys.readouterr().err
+    assert "--offload nvme: on --device cpu, one of ('disk',)" in capsys.readouterr().err
+    assert main(["plan", *one, "--device", "cuda", "--offload", "disk"]) == 1  # a GPU's go to host memory
+    assert "a GPU offloads to host memory" in capsys.readouterr().err
