@@ -119,11 +119,10 @@ def fully_shard(
 
 
 def _release(sharded, offload):
-    """From here on, parameters exist only as shards; each unit (and the model) says where an
-    optimizer of it keeps its states (offload), with the job's Comm (its files are named by rank)."""
+    """From here on, parameters exist only as shards; each unit says where an optimizer of it keeps
+    its states (offload), with the job's Comm (its files are named by rank)."""
     for lifecycle in sharded.lifecycles:
         lifecycle.release()
-    sharded.offload = offload
     for unit in sharded.units:
         unit.offload = (offload, sharded.comm) if offload else None
 

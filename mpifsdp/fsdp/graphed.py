@@ -25,9 +25,11 @@ Given the optimizer (`optimizer=`, with `scaler=` and `max_norm=` where the loop
 graph holds the whole step: after the passes, the gradient norm, its sum over the ranks, the step's
 verdict (skip, clip, the loss scale, the step counts), the loss scale's device copies and AdamW's
 update are kernels in it (optim/device_step.py DeviceStep, cuda/step.py). The first call then runs
-the step eagerly too; the capture's self-check compares the outputs and the norm (the update scales
-the gradients); each later call first reads the last step's verdict (one host sync: the optimizer's
-and the scaler's counts mirrored, a stop raised), writes the lr where it changed, and replays.
+the step eagerly too; the capture's self-check replays once dry (the update skipped, nothing moved)
+and compares the outputs and each gradient's sum of squares (the update scales the gradients), then
+replays the step itself; each later call first reads the last step's verdict (one host sync: the
+optimizer's and the scaler's counts mirrored, a stop raised), gives the device what the host
+changed (the lr, a setting, a restored count), and replays.
 
     graphed = mpifsdp.GraphedPasses(model, passes, optimizer=opt, scaler=scaler, max_norm=1.0)
     for x, y in batches:
@@ -183,8 +185,8 @@ class GraphedPasses:
     # -- later calls: replay --------------------------------------------------------------------------
     def _replay(self, batch):
         sharded = self._sharded
-        if self._step is not None:  # the last step's verdict (the one host sync a step), then the lr
-            self._step.settle()  # and whatever else the host changed
+        if self._step is not None:  # the last step's verdict (the one host sync a step), then what
+            self._step.settle()  # the host changed since (the lr, a setting, a restored count)
             self._step.sync_host()
         _require_state(sharded, self._before)
         # every rank at the same collective before the graph's (the batch's checks are in the graph)
@@ -345,7 +347,7 @@ def _require_state(sharded, captured: tuple):
 # -- the self-check -----------------------------------------------------------------------------------
 def _values(outputs, sharded, grads: bool = True) -> list:
     """Copies of what a pass produced: its outputs' values, then every unit's gradient shard (a
-    whole step's graph scales them in its update: its norm is compared instead)."""
+    whole step's graph scales them in its update: each one's sum of squares is compared instead)."""
     tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     arrays = [t.data for t in tensors if isinstance(t, Tensor)]
     arrays += [unit.flat_grad() for unit in sharded.trainable_units] if grads else []
@@ -377,7 +379,7 @@ def _compare(reference: list, replayed: list, bound: float):
         if not error <= bound * max(scale, np.finfo(np.float64).tiny):
             raise RuntimeError(
                 f"CUDA graph self-check: the replayed passes differ from the eager ones in value {i} (the "
-                f"outputs, then each unit's gradient shard or a whole step's norm): max error {error:.3g} "
+                f"outputs, then each unit's gradient shard or a whole step's sums): max error {error:.3g} "
                 f"against {scale:.3g}, bound {bound:.2g} relative. A value the capture froze changes "
                 "between steps: train without the graph, and report this"
             )

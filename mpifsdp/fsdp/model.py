@@ -76,7 +76,6 @@ class ShardedModel:
         self._backward_order: list = []  # the reverse of the last forward with grad
         self._reduces: deque = deque()  # units whose reduce-scatter is in flight
         self.lifecycles: tuple = ()  # every unit's, the root's last
-        self.offload = None  # fully_shard's Offload (fsdp/policy.py): where the optimizer keeps its states
         self.requires_gradient_sync = True  # False: backward keeps full gradients (no_sync)
         self._settings_known = None  # (settings_changes() when read, model.settings(), its digest)
 

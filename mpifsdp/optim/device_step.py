@@ -79,7 +79,6 @@ class DeviceStep:
         self.stepped: list = []  # the groups the graph steps (those the reference pass gave gradients)
         self._base = (0, [])  # the host's counts when the state was last given: (step_count, group steps)
         self._seen = None  # the host's view (_view) as the device was last given or left it
-        self._skipped = 0  # skipped steps as the host last mirrored them (a warning for each new one)
         self._checks = ([], [])  # the overflow flags and input checks the captured step reads
         self._tables = self._sums = None  # the kernels' address tables; the per-group sums in the graph
         self._pending = False  # a replay queued whose state the host has not read
@@ -210,7 +209,6 @@ class DeviceStep:
         backend.write_into(self.state, view)
         opt = self.optimizer
         self._base = (opt.step_count, [opt.group_step(i) for i in self.stepped])
-        self._skipped = self._skipped_now()
 
     def _view(self) -> np.ndarray:
         """The state as the host holds it: its counts, scale and settings (nothing taken since)."""
@@ -245,9 +243,9 @@ class DeviceStep:
             self.scaler.take(state)
         else:
             opt.skipped_steps = int(state["skipped"])
-        for _ in range(int(state["skipped"]) - self._skipped):  # the skips since the last read
+        said = int(self._seen[PLACES.index("skipped")])  # the skips the host knew of before this read
+        for _ in range(int(state["skipped"]) - said):
             job_warning(opt.comm, log, "skipped a step: gradient norm %s (read a step late)", state["norm"])
-        self._skipped = int(state["skipped"])
         for name in ("scale", "good", "skips_in_a_row", "skipped"):  # what the device moved, as it is
             self._seen[PLACES.index(name)] = state[name]
         self._seen[GROUPS:] = np.add(self._base[1], taken)

@@ -225,19 +225,24 @@ class FlatOptimizer:
         for i, (group, g) in enumerate(zip(self.groups, grads)):
             if g is not None:
                 self._steps[i] += 1
-                state = self.state_at(i, allocate=True) if self.on_disk is None else None  # mapped in turn
-                updates.append((i, group.flat_param(), g, state, self._steps[i]))
+                updates.append((i, group.flat_param(), g, self._state_for_step(i), self._steps[i]))
         if self.on_disk is not None:
-            for i, *_ in updates:
-                self._state[i] = {"on_disk": True}
             self._update_streamed(updates)
         else:
             self._update_all(updates)
         return True
 
+    def _state_for_step(self, i: int):
+        """Group i's state for this step's update: its arrays, or (on disk) None, read in turn by
+        _update_streamed (the group marked as having a state)."""
+        if self.on_disk is None:
+            return self.state_at(i, allocate=True)
+        self._state[i] = {"on_disk": True}
+        return None
+
     def _update_streamed(self, updates: list):
-        """Each update with its group's state mapped from disk in turn, the next read ahead (one
-        group's state in memory at a time)."""
+        """Each update with its group's state read from disk in turn, the next read ahead and the
+        last written back meanwhile (one group's state in memory at a time)."""
         by_group = {update[0]: update for update in updates}
         for i, state in self.on_disk.streamed(list(by_group)):  # run out: the last write waited for
             _, p, g, _, step = by_group[i]
